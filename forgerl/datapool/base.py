@@ -1,0 +1,70 @@
+"""The data-pool contract: durable storage of tasks, trajectories, completions and rewards.
+
+Writers: the gateway (completions), the controller (tasks, trajectory status, rewards, trained
+marks). Reader: the scheduler/trainer (finished groups). `sqlite` is the default backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from forgerl.types import Completion, Group, Trajectory, TrajectoryStatus
+
+
+class DataPool(Protocol):
+    """Durable, process-safe store. Every write is committed before the call returns."""
+
+    def add_task(self, task_index: int, payload: dict[str, Any]) -> None:
+        """Append a task to the generation queue (idempotent per task_index)."""
+        ...
+
+    def get_task(self, task_index: int) -> dict[str, Any]:
+        """The payload given to add_task. Raises KeyError if unknown."""
+        ...
+
+    def create_trajectory(
+        self, task_index: int, rollout_index: int, trajectory_id: str | None = None
+    ) -> str:
+        """Start a trajectory with status "running"; returns its id (a new uuid4 hex if None)."""
+        ...
+
+    def add_completion(self, trajectory_id: str, completion: Completion) -> int:
+        """Append one completion to a running trajectory; returns its turn index (0-based).
+
+        Raises KeyError for an unknown trajectory and ValueError if it is no longer running.
+        """
+        ...
+
+    def finish_trajectory(
+        self,
+        trajectory_id: str,
+        status: TrajectoryStatus,
+        reward: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Set the final status (finished | failed | aborted), reward and error text."""
+        ...
+
+    def get_trajectory(self, trajectory_id: str) -> Trajectory:
+        """The trajectory with all its completions in turn order. Raises KeyError."""
+        ...
+
+    def get_group(self, task_index: int) -> Group:
+        """All trajectories of one task, ordered by rollout_index."""
+        ...
+
+    def mark_trained(self, task_indices: list[int], step: int) -> None:
+        """Record that these tasks' groups were consumed by optimizer step `step`."""
+        ...
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Store a JSON-serialisable value (e.g. the scheduler cursor) durably."""
+        ...
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        """Read a value stored with set_meta."""
+        ...
+
+    def close(self) -> None:
+        """Close connections; idempotent."""
+        ...

@@ -1,0 +1,155 @@
+"""The few records shared by every ForgeRL service (DESIGN.md "Key definitions").
+
+Data flow: the gateway turns each LLM call into a `Completion`; the completions of one agent
+episode form a `Trajectory`; the G trajectories of one task form a `Group`; the trainer turns
+groups into `Sample`s (token-exact training rows). Records are plain dataclasses so they cross
+process boundaries (pickle, JSON) without pydantic; pydantic lives only at the HTTP edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+TrajectoryStatus = Literal["running", "finished", "failed", "aborted"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one completion is sampled (vLLM naming).
+
+    temperature: softmax temperature; 0 means greedy. Recorded logprobs are always those of
+        the distribution actually sampled, log_softmax(logits / temperature) (greedy: T = 1).
+    top_p: nucleus mass; only 1.0 is accepted for training rollouts (CASES.md C04).
+    max_tokens: upper bound on completion tokens (already clamped to the context by the gateway).
+    stop_token_ids: ids that end the completion (the end-of-turn id); the stop id is included
+        in `completion_ids` and gets a logprob like any other sampled token.
+    seed: optional per-request seed for reproducible sampling.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """What a rollout engine returns for one request.
+
+    completion_ids: sampled token ids, length C (C <= max_tokens), stop id included.
+    logprobs: behavior-policy logprob of each sampled id, length C, float (nats).
+    weight_versions: weight version that produced each token, length C (an update between
+        decode steps splits a completion across versions: a partial rollout).
+    finish_reason: "stop" (a stop id was sampled), "length" (max_tokens reached) or "abort".
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if not (len(self.completion_ids) == len(self.logprobs) == len(self.weight_versions)):
+            raise ValueError(
+                f"completion_ids ({len(self.completion_ids)}), logprobs ({len(self.logprobs)}) "
+                f"and weight_versions ({len(self.weight_versions)}) must have equal lengths"
+            )
+
+
+@dataclass
+class Completion:
+    """One LLM call, recorded token-in-token-out by the gateway.
+
+    prompt_ids: the exact ids sent to the engine (length P).
+    completion_ids / logprobs / weight_versions: as returned by the engine (length C each).
+    weight_version: the engine's version when the request was dispatched (stamped at dispatch).
+    finish_reason: as reported to the client ("tool_calls" when tool calls were parsed).
+    sampling: the params used. started_at / ended_at: wall-clock seconds (time.time()).
+    token_exact: False when ids were not available token-exact; such turns never enter the loss.
+    extends_previous: True when prompt_ids extend the previous turn's prompt + completion.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    weight_version: int
+    finish_reason: FinishReason
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    token_exact: bool = True
+    extends_previous: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.completion_ids) != len(self.logprobs):
+            raise ValueError(
+                f"len(completion_ids) ({len(self.completion_ids)}) != "
+                f"len(logprobs) ({len(self.logprobs)})"
+            )
+        if len(self.weight_versions) != len(self.completion_ids):
+            raise ValueError(
+                f"len(weight_versions) ({len(self.weight_versions)}) != "
+                f"len(completion_ids) ({len(self.completion_ids)})"
+            )
+
+
+@dataclass
+class Trajectory:
+    """The ordered completions of one rollout plus its reward and status.
+
+    id: unique string (also the gateway session id). task_index: position in the generation
+    queue. rollout_index: 0..G-1 within the group. reward: outcome reward (None until scored).
+    turn_rewards: optional per-turn process rewards (len == len(completions)), added to the
+    outcome reward for reward-to-go. started_at / ended_at: wall-clock seconds.
+    """
+
+    id: str
+    task_index: int
+    rollout_index: int
+    completions: list[Completion] = field(default_factory=list)
+    reward: float | None = None
+    turn_rewards: list[float] | None = None
+    status: TrajectoryStatus = "running"
+    error: str | None = None
+    started_at: float = 0.0
+    ended_at: float = 0.0
+
+
+@dataclass
+class Group:
+    """The G trajectories of one task: the baseline for advantages."""
+
+    task_index: int
+    trajectories: list[Trajectory]
+
+
+@dataclass
+class Sample:
+    """One token-exact training row built from a trajectory (tinker's Datum).
+
+    input_ids: length T. loss_mask: length T, 1 where the token at that position is a trained
+    (sampled) token. behavior_logprobs: length T, the engine's logprob of input_ids[t] where
+    loss_mask[t] == 1, else 0.0. advantages: length T, float, 0.0 where loss_mask == 0.
+    weight_versions: length T, the behavior weight version per token (-1 where loss_mask == 0).
+    task_index / trajectory_id: provenance, for metrics.
+    Position t's logprob is predicted from the logits at position t-1, so loss_mask[0] == 0.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    advantages: list[float]
+    weight_versions: list[int]
+    task_index: int = -1
+    trajectory_id: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        lens = (len(self.loss_mask), len(self.behavior_logprobs), len(self.advantages),
+                len(self.weight_versions))
+        if any(x != n for x in lens):
+            raise ValueError(f"Sample fields must all have length {n}, got {lens}")
