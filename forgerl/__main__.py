@@ -1,0 +1,3 @@
+from forgerl.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,235 @@
+"""One pydantic config tree for a ForgeRL run, loaded from TOML with dotted overrides.
+
+`forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
+Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer].
+This module imports no torch, so `forgerl --help` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message is one line naming the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2"
+    """"smollm2" = the packaged SmolLM2-135M-Instruct (cached once as safetensors); "tiny" = a
+    random 2-layer Llama with a byte tokenizer (tests, benchmarks); else a local HF model folder."""
+    max_model_len: int = Field(2048, ge=64, le=1_048_576)
+    """Context length in tokens (prompt + completion) that the engine and gateway enforce."""
+
+
+class LocalEngineConfig(_Section):
+    type: Literal["local"] = "local"
+    max_batch_size: int = Field(16, ge=1, le=4096)
+    """Most sequences decoded together (continuous batching)."""
+
+
+class GatewayConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port."""
+    model_name: str = "policy"
+    """The model id the gateway serves at /v1/models and accepts in requests."""
+
+
+class SQLitePoolConfig(_Section):
+    type: Literal["sqlite"] = "sqlite"
+    path: str | None = None
+    """SQLite file; default RUN_DIR/pool.sqlite."""
+
+
+class FifoConfig(_Section):
+    """Train the queue head only, in order (synchronous training when max_off_policy_steps=0)."""
+
+    type: Literal["fifo"] = "fifo"
+
+
+class FffoConfig(_Section):
+    """Train any finished group, first finished first out (greedy; biased to quick tasks)."""
+
+    type: Literal["fffo"] = "fffo"
+
+
+class WindowedFifoConfig(_Section):
+    """Forge §3.1: any finished group among queue positions [i, i+W-1]; slides on head consumption."""
+
+    type: Literal["windowed_fifo"] = "windowed_fifo"
+    window: float = Field(0.5, gt=0)
+    """W: a count of tasks when >= 1, else a fraction of the tasks admitted per step."""
+
+
+SchedulerPolicyConfig = Annotated[
+    FifoConfig | FffoConfig | WindowedFifoConfig, Field(discriminator="type")
+]
+
+
+class SchedulerConfig(_Section):
+    policy: SchedulerPolicyConfig = WindowedFifoConfig()
+    max_off_policy_steps: int = Field(1, ge=0, le=1000)
+    """Admission control: a task is admitted only while its samples' off-policy lag stays within
+    this many optimizer steps. 0 = synchronous (no generation overlaps training)."""
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(8, ge=1, le=1024)
+    """G: rollouts per task; the group is the advantage baseline."""
+    tasks_per_step: int = Field(2, ge=1, le=4096)
+    """Groups trained per optimizer step."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature forced on every training session (logprobs are of this distribution)."""
+    max_tokens: int = Field(128, ge=1, le=1_048_576)
+    """Upper bound on tokens per completion (clamped to the context by the gateway)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock seconds a rollout may run before its agent is killed and it is marked failed."""
+
+
+class AgentConfig(_Section):
+    command: list[str] = Field(min_length=1)
+    """The black-box agent: a program run once per rollout with OPENAI_BASE_URL, OPENAI_API_KEY,
+    FORGERL_TASK (JSON) in its environment; its last stdout line is the answer. A leading
+    "python" runs with this interpreter. Runs in the config file's directory."""
+    max_turns: int = Field(3, ge=1, le=1000)
+    """Passed to the agent as FORGERL_MAX_TURNS."""
+    cwd: str | None = None
+    """Working directory; default: the directory of the config file."""
+
+
+class TasksConfig(_Section):
+    dataset: str = "chain_sum"
+    """A reasoning-gym dataset name (generated offline)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the reasoning-gym dataset config (e.g. min_terms, max_digits)."""
+    seed: int = 0
+    size: int = Field(10_000, ge=1)
+    """Training tasks generated (the queue cycles through them)."""
+    eval_size: int = Field(32, ge=0, le=100_000)
+    """Held-out tasks (other seed) evaluated greedily; 0 disables evaluation."""
+    eval_every: int = Field(5, ge=1)
+    """Evaluate before training and every this many optimizer steps."""
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    eps_low: float = Field(1.0, ge=0, le=1)
+    """CISPO lower clip as a delta from 1 (1.0 = clip(r, 0, ...))."""
+    eps_high: float = Field(0.28, ge=0)
+    """CISPO upper clip as a delta from 1: the ratio is capped at 1 + eps_high."""
+    max_row_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed prefix-tree row (one forward/backward)."""
+    merge_prefixes: bool = True
+    """Merge samples that share token prefixes into one prefix tree (Forge §3.2)."""
+    normalize_std: bool = False
+    """Divide group-centred rewards by the group std (ddof=1, floor 1e-6)."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Save a resumable checkpoint every this many steps (and at the end)."""
+
+
+class Config(_Section):
+    run_dir: str = "runs/default"
+    """Metrics, resolved config, pool and checkpoints; re-running with it resumes."""
+    max_steps: int = Field(10, ge=0, le=10_000_000)
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    engine: LocalEngineConfig = LocalEngineConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    datapool: SQLitePoolConfig = SQLitePoolConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig
+    tasks: TasksConfig = TasksConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.rollout.max_tokens >= self.model.max_model_len:
+            raise ValueError(
+                f"rollout.max_tokens ({self.rollout.max_tokens}) must be < "
+                f"model.max_model_len ({self.model.max_model_len})"
+            )
+        return self
+
+
+def _parse_value(text: str) -> Any:
+    """An override value as TOML (numbers, bools, lists, quoted strings), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override --{dotted}: {key} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`["--trainer.lr", "1e-6", "--max_steps=3"]` → `[("trainer.lr", 1e-6), ("max_steps", 3)]`.
+
+    Raises ConfigError for a stray value or a flag without a value.
+    """
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} needs a value")
+            value, i = args[i + 1], i + 1
+        pairs.append((key.replace("-", "_"), _parse_value(value)))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or nothing), apply dotted overrides, validate.
+
+    Relative `run_dir` and `agent.cwd` resolve against the current directory and the config
+    file's directory respectively. Raises ConfigError with a one-line message naming the field.
+    """
+    tree: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        try:
+            tree = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        base = path.resolve().parent
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    agent = tree.get("agent")
+    if isinstance(agent, dict) and "cwd" not in agent:
+        agent["cwd"] = str(base)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        shown = err["loc"] and "input" in err and err["type"] != "missing"
+        value = f" (got {err['input']!r})" if shown else ""
+        more = f" [+{len(e.errors()) - 1} more]" if len(e.errors()) > 1 else ""
+        raise ConfigError(f"{where}: {err['msg']}{value}{more}") from None
