@@ -1,0 +1,399 @@
+"""The local rollout engine: a transformers causal LM behind a continuous-batching decode loop.
+
+Data flow: the gateway awaits `LocalEngine.generate(prompt_ids, params)`; the request joins a
+queue; one background worker thread (torch releases the GIL) runs the decode loop and resolves
+the caller's asyncio future through `loop.call_soon_threadsafe`. Each loop step
+
+1. applies a pending weight update (between decode steps) and re-prefills the running rows,
+   so every later token is produced by the new weights over a KV cache built by them;
+2. decodes one token for every running row (one forward over the left-padded KV cache);
+3. admits newcomers (up to `max_batch_size` rows), prefills them as one left-padded batch and
+   merges their KV cache into the running one (continuous batching);
+4. records token, logprob and weight_version per row; finished rows leave at once.
+
+Padding is on the left; an explicit 2D attention mask and per-row position ids make a batched
+row compute the same logits as the row alone (up to float rounding). Only full-attention
+decoders (Llama family) are supported: sliding-window KV layers would be cut wrongly.
+
+Recorded logprobs are those of the distribution actually sampled, log_softmax(logits / T)
+(greedy: T = 1), over the full vocabulary (CASES.md C04); top_p < 1 is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+
+
+def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the distribution each row samples from: log_softmax(logits / T).
+
+    logits: (B, V) float. temperatures: (B,) float, >= 0; rows with T == 0 (greedy) use T = 1.
+    Returns (B, V) float32. Example (CASES.md C04): logits [2, 1, 0], T = 0.5 → token 0 gets
+    -0.142932.
+    """
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return torch.log_softmax(logits.float() / t.float().unsqueeze(-1), dim=-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return (token ids (B,) int64, their logprobs (B,) float32).
+
+    Row i is greedy (argmax) when temperatures[i] == 0, else a draw from softmax(logits / T)
+    with generators[i] (None: torch's global generator). The logprob is
+    `sampling_logprobs(logits, T)[i, token]`, the behavior policy's logprob of that token.
+    """
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    logp = sampling_logprobs(logits, temps)  # (B, V)
+    tokens = logp.argmax(dim=-1)  # (B,)
+    for i, (t, gen) in enumerate(zip(temperatures, generators)):
+        if t > 0:
+            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=gen)[0]
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_logprobs(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
+) -> tuple[int, float]:
+    """One-row `sample_tokens`: logits (V,) → (token id, logprob in nats)."""
+    tokens, logprobs = sample_tokens(logits.unsqueeze(0), [temperature], [generator])
+    return int(tokens[0]), float(logprobs[0])
+
+
+@dataclass
+class _Request:
+    """One generate() call as the worker sees it; completion fields grow one token per step."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generator: torch.Generator | None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def record(self, token: int, logprob: float, version: int) -> None:
+        """Append one sampled token and set finish_reason when it stops the completion."""
+        self.completion_ids.append(token)
+        self.logprobs.append(logprob)
+        self.weight_versions.append(version)
+        if token in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.completion_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def resolve(self, reason: FinishReason | None = None) -> None:
+        """Hand the output (or abort with the partial completion) to the caller's event loop."""
+        out = GenerateOutput(
+            list(self.completion_ids), list(self.logprobs), list(self.weight_versions),
+            reason or self.finish_reason or "abort",
+        )
+        _settle(self.loop, self.future, out)
+
+
+@dataclass
+class _WeightUpdate:
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: object, error: bool = False
+) -> None:
+    """Set a future's result (or exception) from the worker thread; a no-op if it is done."""
+
+    def _set() -> None:
+        if not fut.done():
+            fut.set_exception(result) if error else fut.set_result(result)  # type: ignore[arg-type]
+
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(_set)
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero-pad `x` on the left along `dim` up to `length`."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class _Batch:
+    """Running rows with their left-padded KV cache.
+
+    mask: (B, L) int64, 1 where the cache holds a real token. positions: (B,) int64, the
+    position id of each row's pending token (= its count of real cached tokens). next_ids: (B,)
+    int64, the last sampled token per row, fed at the next decode step.
+    """
+
+    def __init__(self, rows: list[_Request], cache: DynamicCache, mask: torch.Tensor,
+                 positions: torch.Tensor, next_ids: torch.Tensor) -> None:
+        self.rows, self.cache, self.mask = rows, cache, mask
+        self.positions, self.next_ids = positions, next_ids
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows `keep` and trim cache columns that are padding in every kept row."""
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.mask, self.positions = self.mask[idx], self.positions[idx]
+        self.next_ids = self.next_ids[idx]
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else self.mask.shape[1]
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, start:]
+            layer.values = layer.values[idx, :, start:]
+
+    def merge(self, other: _Batch) -> None:
+        """Append `other`'s rows, left-padding both caches to a common length."""
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, length, 2),
+                                   _left_pad(theirs.keys, length, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, length, 2),
+                                     _left_pad(theirs.values, length, 2)])
+        self.rows = self.rows + other.rows
+        self.positions = torch.cat([self.positions, other.positions])
+        self.next_ids = torch.cat([self.next_ids, other.next_ids])
+
+
+class LocalEngine:
+    """A transformers rollout engine with continuous batching and versioned weights.
+
+    model: a causal LM (e.g. LlamaForCausalLM); the engine deep-copies it and never touches the
+    caller's object. max_model_len: prompt + completion tokens per request. max_batch_size: most
+    rows decoded together. device: "cpu", "cuda", ...; default CUDA when available, else CPU
+    (weights cast to fp32 on CPU, where bf16 matmuls are very slow).
+    """
+
+    def __init__(self, model: PreTrainedModel, max_model_len: int = 2048,
+                 max_batch_size: int = 16, device: str | None = None) -> None:
+        if max_model_len < 2 or max_batch_size < 1:
+            raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and "
+                             f"max_batch_size ({max_batch_size}) >= 1")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = copy.deepcopy(model).to(self.device).eval()
+        if self.device.type == "cpu":
+            self.model = self.model.float()
+        self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
+        self.weight_version = 0
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self._params = self.model.state_dict()  # name → tensor sharing the parameter's storage
+        self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
+        self._waiting: deque[_Request] = deque()
+        self._batch: _Batch | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (event-loop side) ---------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """Generate one completion; concurrent calls share decode steps.
+
+        Raises ValueError for an empty prompt, ids outside [0, vocab_size), top_p != 1,
+        temperature < 0, max_tokens < 1, or len(prompt_ids) + max_tokens > max_model_len;
+        RuntimeError after close(). A closed engine ends in-flight requests with "abort".
+        """
+        self._check_request(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = _Request(list(prompt_ids), params, loop.create_future(), loop, generator)
+        self._inbox.put(req)
+        return await req.future
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load `state_dict` (all or some of the model's tensors) between decode steps.
+
+        Keys and shapes are checked first (ValueError); on any failure the old weights and
+        weight_version stay. In-flight rows are re-prefilled under the new weights, so each later
+        token's logprob is exactly the new policy's and its weight_versions entry is `version`.
+        """
+        self._check_state_dict(state_dict)
+        if self._closed:
+            raise RuntimeError("LocalEngine is closed")
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(state_dict, version, loop.create_future(), loop)
+        self._inbox.put(update)
+        await update.future
+
+    async def close(self) -> None:
+        """Stop the worker; in-flight and queued requests finish with "abort". Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self._closed:
+            raise RuntimeError("LocalEngine is closed")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if params.top_p != 1.0:
+            raise ValueError(f"top_p ({params.top_p}) must be 1.0: training rollouts need "
+                             "full-vocabulary logprobs (CASES.md C04)")
+        if params.temperature < 0 or params.max_tokens < 1:
+            raise ValueError(f"temperature ({params.temperature}) must be >= 0 and max_tokens "
+                             f"({params.max_tokens}) >= 1")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length ({len(prompt_ids)}) + max_tokens "
+                             f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size}), got "
+                             f"[{min(prompt_ids)}, {max(prompt_ids)}]")
+
+    def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if not state_dict:
+            raise ValueError("state_dict is empty")
+        unknown = [k for k in state_dict if k not in self._params]
+        if unknown:
+            raise ValueError(f"state_dict has unknown keys: {unknown[:5]}")
+        for name, value in state_dict.items():
+            if not isinstance(value, torch.Tensor) or value.shape != self._params[name].shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(f"{name}: expected shape {tuple(self._params[name].shape)}, "
+                                 f"got {got}")
+
+    # ---- worker thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The decode loop; blocks on the inbox while idle."""
+        running = True
+        while running:
+            block = self._batch is None and not self._waiting
+            running = self._drain_inbox(block)
+            if running and (self._batch is not None or self._waiting):
+                try:
+                    self._step()
+                except Exception as exc:  # a failed forward fails its rows, not the engine
+                    rows = self._batch.rows if self._batch else []
+                    self._batch = None
+                    for req in rows:
+                        _settle(req.loop, req.future, exc, error=True)
+        for req in (self._batch.rows if self._batch else []) + list(self._waiting):
+            req.resolve("abort")
+        self._batch, self._waiting = None, deque()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Move new requests to the waiting queue and apply weight updates; False on close."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Request):
+                self._waiting.append(item)
+            else:
+                self._apply_update(item)
+
+    def _apply_update(self, update: _WeightUpdate) -> None:
+        """Copy new weights in place (restoring the old ones on failure); re-prefill all rows."""
+        backup = {k: self._params[k].clone() for k in update.state_dict}
+        try:
+            with torch.no_grad():
+                for name, value in update.state_dict.items():
+                    self._params[name].copy_(value)
+        except Exception as exc:
+            with torch.no_grad():
+                for name, value in backup.items():
+                    self._params[name].copy_(value)
+            _settle(update.loop, update.future, exc, error=True)
+            return
+        self.weight_version = update.version
+        if self._batch is not None:  # KV caches were built by the old weights: rebuild them
+            self._waiting.extendleft(reversed(self._batch.rows))
+            self._batch = None
+        _settle(update.loop, update.future, None)
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """Decode one token for running rows, then prefill and merge admitted newcomers."""
+        if self._batch is not None:
+            self._batch = self._finish(self._decode(self._batch))
+        free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
+        newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        newcomers = [r for r in newcomers if not r.future.done()]  # skip cancelled callers
+        if newcomers:
+            fresh = self._finish(self._prefill(newcomers))
+            if self._batch is None:
+                self._batch = fresh
+            elif fresh is not None:
+                self._batch.merge(fresh)
+
+    def _decode(self, batch: _Batch) -> _Batch:
+        """Feed each row's pending token through the cache; sample the next one."""
+        ones = batch.mask.new_ones(len(batch.rows), 1)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)  # (B, L + 1)
+        out = self.model(input_ids=batch.next_ids.unsqueeze(1), attention_mask=batch.mask,
+                         position_ids=batch.positions.unsqueeze(1), cache=batch.cache,
+                         use_cache=True)
+        batch.positions = batch.positions + 1
+        batch.next_ids = self._sample(batch.rows, out.logits[:, -1])
+        return batch
+
+    def _prefill(self, rows: list[_Request]) -> _Batch:
+        """Run each row's prompt + completion so far as one left-padded batch; sample a token."""
+        seqs = [r.prompt_ids + r.completion_ids for r in rows]
+        length = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), length, dtype=torch.long, device=self.device)  # (B, P)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - len(s):] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P); pads get position 0
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        next_ids = self._sample(rows, out.logits[:, -1])
+        return _Batch(rows, cache, mask, mask.sum(dim=1), next_ids)
+
+    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sample per row (its own temperature and generator) and record the tokens."""
+        tokens, logprobs = sample_tokens(logits, [r.params.temperature for r in rows],
+                                         [r.generator for r in rows])
+        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            req.record(tok, lp, self.weight_version)
+        return tokens
+
+    @staticmethod
+    def _finish(batch: _Batch) -> _Batch | None:
+        """Resolve finished (or cancelled) rows and drop them; None when no row is left."""
+        keep = []
+        for i, req in enumerate(batch.rows):
+            if req.finish_reason is not None:
+                req.resolve()
+            elif not req.future.done():
+                keep.append(i)
+        if not keep:
+            return None
+        if len(keep) < len(batch.rows):
+            batch.select(keep)
+        return batch
