@@ -1,0 +1,92 @@
+"""Training checkpoints: model weights, optimizer state, step and caller state, saved atomically.
+
+Layout: `RUN_DIR/checkpoints/step_00000012/` holds the model (`save_pretrained`, safetensors),
+`optimizer.pt` (torch optimizer state_dict) and `trainer_state.json` ({"step", "extra"}; extra
+carries e.g. the scheduler cursor so buffered rollouts are not lost on resume, CASES.md C12).
+A checkpoint is written into a temporary folder and renamed into place, so a crash mid-save
+never leaves a partial checkpoint; only then are older checkpoints removed (the last complete
+one always survives).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+_PREFIX = "step_"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict[str, Any],
+) -> Path:
+    """Write checkpoint `step` under `run_dir/checkpoints/` and return its folder.
+
+    `model` must offer `save_pretrained` (HF). `extra` must be JSON-serialisable (TypeError
+    otherwise, raised before anything is written). Older checkpoints are deleted after the new
+    one is in place; rewriting an existing step replaces it.
+    """
+    state = json.dumps({"step": step, "extra": extra})
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    tmp = root / f".tmp_{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    (tmp / STATE_FILE).write_text(state)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in root.glob(f"{_PREFIX}*"):
+        if old != final:
+            shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder under `run_dir/checkpoints/`, or None."""
+    root = Path(run_dir) / "checkpoints"
+    done = [p for p in root.glob(f"{_PREFIX}*") if (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(p.name[len(_PREFIX):]), default=None)
+
+
+def load_checkpoint(
+    ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, dict[str, Any]]:
+    """Load weights and optimizer state in place from `ckpt_dir`; return (step, extra).
+
+    Weights come from every `*.safetensors` file in the folder (sharded or not); keys missing
+    from the files must be tied weights (e.g. an lm_head tied to the embeddings), else
+    ValueError. Raises FileNotFoundError when the folder is not a checkpoint.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    state = json.loads((ckpt_dir / STATE_FILE).read_text())
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt_dir.glob("*.safetensors")):
+        weights.update(load_file(f))
+    result = model.load_state_dict(weights, strict=False)
+    # A key absent from the files is fine only if it shares storage with a loaded one (tied).
+    current = model.state_dict()
+    loaded = {current[k].data_ptr() for k in weights if k in current}
+    untied_missing = {k for k in result.missing_keys if current[k].data_ptr() not in loaded}
+    if result.unexpected_keys or untied_missing:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} does not match the model: missing {sorted(untied_missing)}, "
+            f"unexpected {sorted(result.unexpected_keys)}"
+        )
+    opt_state = torch.load(ckpt_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt_state)
+    return int(state["step"]), dict(state["extra"])
+

@@ -1,0 +1,206 @@
+"""The trainer: finished groups → one optimizer step of CISPO on a prefix-tree-packed batch.
+
+Data flow (DESIGN.md): groups from the scheduler → per-turn advantages (group baseline,
+reward-to-go) → token-exact samples with a loss mask → one prefix tree over all samples of all
+groups (shared prefixes stored once) → per row: forward, gather behavior logprobs and advantages,
+CISPO loss divided by the global loss-token count, backward (gradient accumulation over rows)
+→ gradient clipping → AdamW step. `step` counts optimizer steps and is the weight_version the
+engines get after weight sync.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from forgerl.trainer.advantages import group_trajectory_advantages
+from forgerl.trainer.losses import cispo_loss
+from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
+from forgerl.trainer.samples import trajectory_to_samples_with_stats
+from forgerl.types import Group, Sample
+
+
+@dataclass
+class PreparedBatch:
+    """Everything one step's loss needs, built before any forward pass.
+
+    samples: the trained samples (all groups). tree: their packed prefix tree.
+    num_loss_tokens: the global loss normaliser N (Σ loss_mask over samples; CASES.md C07).
+    behavior_logprobs / advantages / weight_versions: (Σ T_s,) flat over samples, indexed by
+    `offsets[s] + t`. metrics: data metrics known before the forward (rewards, counts).
+    """
+
+    samples: list[Sample]
+    tree: TreeBatch
+    num_loss_tokens: int
+    offsets: Tensor
+    behavior_logprobs: Tensor
+    advantages: Tensor
+    weight_versions: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Owns the policy model and its AdamW optimizer; `train_step` is one RL update.
+
+    Args:
+        model: a HF causal LM (fp32), put in train mode here.
+        lr, weight_decay: AdamW settings. max_grad_norm: global L2 clip (≤ 0 disables).
+        eps_low, eps_high: CISPO clip bounds as deltas from 1 (`losses.cispo_loss`).
+        temperature: the rollout sampling temperature; policy logprobs use logits / T.
+        max_row_tokens: capacity of one packed row (one forward+backward).
+        merge_prefixes: share common prefixes across samples (False = plain packing).
+        normalize_std: divide advantages by the group's return std (`advantages`).
+        train_failed: also train failed/aborted trajectories (default: only finished ones).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        eps_low: float = 1.0,
+        eps_high: float = 0.28,
+        temperature: float = 1.0,
+        max_row_tokens: int = 4096,
+        merge_prefixes: bool = True,
+        normalize_std: bool = False,
+        train_failed: bool = False,
+    ) -> None:
+        self.model = model.train()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+        )
+        self.max_grad_norm = max_grad_norm
+        self.eps_low, self.eps_high = eps_low, eps_high
+        self.temperature = temperature
+        self.max_row_tokens = max_row_tokens
+        self.merge_prefixes = merge_prefixes
+        self.normalize_std = normalize_std
+        self.train_failed = train_failed
+        self.step = 0
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on `groups`; returns metrics (floats).
+
+        Metrics: loss, reward_mean, advantage_abs_mean (over loss tokens), num_loss_tokens,
+        tokens_before_merge / tokens_after_merge, grad_norm (before clipping), ratio_mean /
+        ratio_max / clip_frac, off_policy_lag_mean / _max (self.step − weight_versions over
+        loss tokens), groups_skipped (all advantages 0), prefix_extensions / prefix_branches,
+        step_seconds, tokens_per_second (tree tokens through forward+backward per second).
+        With no loss tokens at all no optimizer step is taken and `step` is unchanged.
+        """
+        start = time.perf_counter()
+        batch = self.prepare(groups)
+        metrics = dict(batch.metrics)
+        metrics.update(self.accumulate_gradients(batch))
+        if batch.num_loss_tokens > 0:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip).item()
+            self.optimizer.step()
+            self.step += 1
+        else:
+            metrics["grad_norm"] = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        metrics["step_seconds"] = seconds
+        metrics["tokens_per_second"] = batch.tree.num_tree_tokens / max(seconds, 1e-9)
+        return metrics
+
+    def prepare(self, groups: list[Group]) -> PreparedBatch:
+        """Advantages → samples → prefix tree, plus the global loss-token count N."""
+        samples: list[Sample] = []
+        rewards: list[float] = []
+        skipped = extensions = branches = 0
+        for group in groups:
+            rewards += [t.reward for t in group.trajectories if t.reward is not None]
+            members = group_trajectory_advantages(group, self.normalize_std, self.train_failed)
+            if all(a == 0.0 for _, advs in members for a in advs):
+                skipped += 1  # no learning signal: contributes no loss tokens
+                continue
+            for traj, advs in members:
+                traj_samples, stats = trajectory_to_samples_with_stats(traj, advs)
+                samples += [s for s in traj_samples if any(s.loss_mask)]
+                extensions, branches = extensions + stats.extensions, branches + stats.branches
+        tree = build_tree_batch(
+            [s.input_ids for s in samples],
+            self.max_row_tokens,
+            needed=[[m == 1 for m in s.loss_mask] for s in samples],
+            merge=self.merge_prefixes,
+        )
+        lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool)
+        advantages = torch.tensor([a for s in samples for a in s.advantages])
+        versions = torch.tensor([v for s in samples for v in s.weight_versions], dtype=torch.long)
+        lag = (self.step - versions[mask]).float()
+        num_loss_tokens = int(mask.sum())
+        metrics = {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "advantage_abs_mean": advantages[mask].abs().mean().item() if num_loss_tokens else 0.0,
+            "num_loss_tokens": float(num_loss_tokens),
+            "num_samples": float(len(samples)),
+            "tokens_before_merge": float(tree.num_input_tokens),
+            "tokens_after_merge": float(tree.num_tree_tokens),
+            "groups_skipped": float(skipped),
+            "prefix_extensions": float(extensions),
+            "prefix_branches": float(branches),
+            "off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
+            "off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
+        }
+        return PreparedBatch(
+            samples=samples,
+            tree=tree,
+            num_loss_tokens=num_loss_tokens,
+            offsets=offsets,
+            behavior_logprobs=torch.tensor([x for s in samples for x in s.behavior_logprobs]),
+            advantages=advantages,
+            weight_versions=versions,
+            metrics=metrics,
+        )
+
+    def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
+        """Forward + backward of every row, accumulating gradients (no optimizer step).
+
+        Each row's CISPO loss is divided by the global N, so the summed row losses and their
+        gradients equal the single-pass token-mean loss whatever the row split (CASES.md C07).
+        Returns loss and the ratio statistics aggregated over all loss tokens.
+        """
+        total_loss, ratio_sum, ratio_max, clipped = 0.0, 0.0, 0.0, 0.0
+        if batch.num_loss_tokens == 0:
+            return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
+        device = next(self.model.parameters()).device
+        for row in batch.tree.rows:
+            if row.pred_pos.numel() == 0:
+                continue
+            flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
+            policy_logprobs = forward_logprobs(self.model, row, self.temperature)  # (K,)
+            loss, stats = cispo_loss(
+                policy_logprobs,
+                batch.behavior_logprobs[flat].to(device),
+                batch.advantages[flat].to(device),
+                batch.num_loss_tokens,
+                eps_low=self.eps_low,
+                eps_high=self.eps_high,
+            )
+            loss.backward()
+            total_loss += loss.item()
+            ratio_sum += stats["ratio_mean"] * stats["num_tokens"]
+            ratio_max = max(ratio_max, stats["ratio_max"])
+            clipped += stats["clip_frac"] * stats["num_tokens"]
+        n = batch.num_loss_tokens
+        return {
+            "loss": total_loss,
+            "ratio_mean": ratio_sum / n,
+            "ratio_max": ratio_max,
+            "clip_frac": clipped / n,
+        }
+
+    def state_dict_for_sync(self) -> dict[str, Tensor]:
+        """The model's weights for weight sync: {name: detached tensor} (shares storage)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
