@@ -1,0 +1,282 @@
+"""The single controller: builds every service in one process and runs the asynchronous RL loop.
+
+    agents ──HTTP──► gateway ──► local engine          (rollouts: token-in-token-out)
+       │                └──► data pool (SQLite)          (completions, trajectories, rewards)
+    scheduler (fifo | fffo | windowed_fifo) ──► trainer (CISPO over prefix trees)
+       ▲                                          │
+       └────────── engine.update_weights ◄────────┘      (weight sync, weight_version += 1)
+
+`run(config)` is what `forgerl train` calls; `run(config, agent=fn)` runs an async Python
+callable `fn(task, base_url, api_key) -> answer` instead of the configured command. Every
+service is also a plain object usable on its own (tests build them directly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forgerl.config import Config
+
+log = logging.getLogger("forgerl")
+Agent = Callable[[dict, str, str], Awaitable[str | None]]
+
+
+@dataclass
+class Services:
+    """The running services of one run and the rollout bookkeeping between them."""
+
+    config: Config
+    run_dir: Path
+    trainer: Any
+    engine: Any
+    pool: Any
+    gateway: Any
+    server: Any
+    scheduler: Any
+    tasks: list[dict]
+    eval_tasks: list[dict]
+    agent: Agent | None
+    logger: Any
+    rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
+    group_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # ---- rollouts ---------------------------------------------------------------------------
+
+    async def run_agent(self, task: dict, api_key: str) -> tuple[str, str | None, str | None]:
+        """One agent episode against the gateway: (status, answer, error)."""
+        from forgerl.agents.runner import run_callable_agent, run_command_agent
+
+        cfg = self.config
+        if self.agent is not None:
+            result = await run_callable_agent(
+                self.agent, task, self.server.base_url, api_key, cfg.rollout.timeout_s
+            )
+        else:
+            command = list(cfg.agent.command)
+            if command[0] in ("python", "python3"):
+                command[0] = sys.executable
+            result = await run_command_agent(
+                command, task, self.server.base_url, api_key, cfg.rollout.timeout_s,
+                cwd=cfg.agent.cwd, env={"FORGERL_MAX_TURNS": str(cfg.agent.max_turns),
+                                        "OPENAI_MODEL": cfg.gateway.model_name},
+            )
+        error = None if result.status == "finished" else (result.stderr_tail or result.status)
+        return result.status, result.answer, error
+
+    async def rollout(self, task_index: int, rollout_index: int, task: dict,
+                      temperature: float) -> float:
+        """Run one rollout, score it, and finish its trajectory in the pool; returns the reward."""
+        from forgerl.rewards.reasoning_gym import score
+
+        trajectory_id, api_key = self.gateway.open_session(
+            task_index, rollout_index, temperature=temperature,
+            max_tokens=self.config.rollout.max_tokens,
+        )
+        status, answer, error = "failed", None, None
+        try:
+            status, answer, error = await self.run_agent(task, api_key)
+        finally:
+            self.gateway.sessions.close(api_key)
+            if status == "finished":
+                reward = await asyncio.to_thread(score, task, answer)
+                self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
+            else:
+                reward = 0.0
+                self.pool.finish_trajectory(trajectory_id, "failed", error=(error or "")[-2000:])
+        return reward
+
+    async def rollout_group(self, task_index: int) -> None:
+        """The G rollouts of one task, concurrently; then tell the scheduler the group is done."""
+        task = self.tasks[task_index % len(self.tasks)]
+        self.pool.add_task(task_index, task)
+        G, temperature = self.config.rollout.group_size, self.config.rollout.temperature
+        await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in range(G)))
+        group = self.pool.get_group(task_index)
+        versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
+        self.scheduler.on_group_finished(task_index, min(versions, default=self.trainer.step))
+        self.group_done.set()
+
+    def admit(self) -> None:
+        """Start the rollouts of every task the scheduler admits now (lag bound, window)."""
+        for task_index in self.scheduler.admit(self.trainer.step):
+            task = asyncio.create_task(self.rollout_group(task_index))
+            self.rollouts[task_index] = task
+            task.add_done_callback(lambda t, i=task_index: self._rollout_done(i, t))
+
+    def _rollout_done(self, task_index: int, task: asyncio.Task) -> None:
+        self.rollouts.pop(task_index, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout group %d crashed: %r", task_index, task.exception())
+            self.scheduler.on_group_finished(task_index, self.trainer.step)
+            self.group_done.set()
+
+    async def next_batch(self) -> list[int]:
+        """Wait until the scheduler's policy releases `tasks_per_step` finished groups."""
+        while (batch := self.scheduler.next_batch(self.config.rollout.tasks_per_step)) is None:
+            self.group_done.clear()
+            self.admit()
+            await self.group_done.wait()
+        return batch
+
+    # ---- training ---------------------------------------------------------------------------
+
+    async def train(self, task_indices: list[int]) -> dict[str, float]:
+        """One optimizer step on the chosen groups (in a thread: the gateway keeps serving)."""
+        groups = [self.pool.get_group(i) for i in task_indices]
+        metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        self.pool.mark_trained(task_indices, self.trainer.step)
+        self.scheduler.on_trained(task_indices, self.trainer.step)
+        return metrics
+
+    async def sync_weights(self) -> None:
+        """Push the trainer's weights to the engine as weight_version = trainer.step."""
+        await self.engine.update_weights(self.trainer.state_dict_for_sync(), self.trainer.step)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently."""
+        if not self.eval_tasks:
+            return {}
+        start = time.time()
+        rewards = await asyncio.gather(*(
+            self.rollout(-1 - i, 0, task, temperature=0.0) for i, task in enumerate(self.eval_tasks)
+        ))
+        return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "eval_reward_mean": sum(rewards) / len(rewards), "eval_seconds": time.time() - start}
+
+    def checkpoint(self) -> None:
+        from forgerl.trainer.checkpoint import save_checkpoint
+
+        save_checkpoint(self.run_dir / "checkpoint", self.trainer.model, self.trainer.optimizer,
+                        self.trainer.step, {"scheduler": self.scheduler.state()})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        stats = {"rollouts_in_flight": len(self.rollouts),
+                 **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
+                 **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()}}
+        self.logger.log(step, metrics | stats)
+
+
+def load_policy(path: str) -> tuple[Any, Any, str | None]:
+    """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig)."""
+    from forgerl.models import (
+        SMOLLM2_SYSTEM,
+        build_byte_tokenizer,
+        build_tiny_model,
+        load_pretrained,
+    )
+
+    if path == "tiny":
+        return build_tiny_model(), build_byte_tokenizer(), None
+    model, tokenizer = load_pretrained(path)
+    return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None
+
+
+def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
+    """Training tasks and held-out tasks (another seed, questions seen in training removed)."""
+    from forgerl.rewards.reasoning_gym import make_tasks
+
+    t = config.tasks
+    train = make_tasks(t.dataset, t.size, t.seed, **t.params)
+    seen = {task["question"] for task in train}
+    held_out = make_tasks(t.dataset, 4 * t.eval_size + 16, t.seed + 1_000_003, **t.params)
+    return train, [task for task in held_out if task["question"] not in seen][: t.eval_size]
+
+
+@contextlib.asynccontextmanager
+async def start_services(config: Config, agent: Agent | None = None) -> AsyncIterator[Services]:
+    """Build and start every service; resume from RUN_DIR/checkpoint when one exists."""
+    import copy
+
+    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.engines.local import LocalEngine
+    from forgerl.gateway.app import Gateway
+    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.metrics import MetricsLogger
+    from forgerl.scheduler.policies import Scheduler
+    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from forgerl.trainer.trainer import Trainer
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
+    model, tokenizer, system = load_policy(config.model.path)
+    tc = config.trainer
+    trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
+                      max_grad_norm=tc.max_grad_norm, eps_low=tc.eps_low, eps_high=tc.eps_high,
+                      temperature=config.rollout.temperature, max_row_tokens=tc.max_row_tokens,
+                      merge_prefixes=tc.merge_prefixes, normalize_std=tc.normalize_std)
+    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
+    scheduler_state = None
+    if (ckpt := latest_checkpoint(run_dir)) is not None:
+        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        scheduler_state = extra.get("scheduler")
+        log.info("resumed from %s at step %d", ckpt, trainer.step)
+    scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
+    engine = LocalEngine(copy.deepcopy(trainer.model).eval(), max_model_len=config.model.max_model_len,
+                         max_batch_size=config.engine.max_batch_size)
+    engine.weight_version = trainer.step
+    gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
+                      config.gateway.model_name, temperature=config.rollout.temperature,
+                      max_tokens=config.rollout.max_tokens)
+    server = await gateway.serve(config.gateway.host, config.gateway.port)
+    tasks, eval_tasks = make_task_sets(config)
+    services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
+                        eval_tasks, agent, MetricsLogger(run_dir))
+    try:
+        yield services
+    finally:
+        for task in list(services.rollouts.values()):
+            task.cancel()
+        await asyncio.gather(*services.rollouts.values(), return_exceptions=True)
+        await server.stop()
+        await engine.close()
+        services.logger.close()
+        pool.close()
+
+
+async def run(config: Config, agent: Agent | None = None, progress: bool = True) -> Path:
+    """Train until `config.max_steps` optimizer steps; returns the run directory.
+
+    Each step: admit rollouts → take finished groups (scheduler policy) → train (CISPO over the
+    prefix tree) → sync weights to the engine → checkpoint / evaluate / log.
+    """
+    from forgerl.metrics import ProgressBar
+
+    async with start_services(config, agent) as s:
+        with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
+            if s.trainer.step == 0:
+                s.log(0, await s.evaluate())
+            while s.trainer.step < config.max_steps:
+                start = time.time()
+                s.admit()                                   # rollouts the scheduler admits now
+                batch = await s.next_batch()                # finished groups the policy releases
+                metrics = await s.train(batch)              # advantages → prefix tree → CISPO
+                await s.sync_weights()                      # engine runs weight_version = step
+                step = s.trainer.step
+                if step % config.trainer.checkpoint_every == 0 or step == config.max_steps:
+                    s.checkpoint()
+                if step % config.tasks.eval_every == 0 or step == config.max_steps:
+                    metrics |= await s.evaluate()
+                metrics["step_seconds"] = time.time() - start
+                s.log(step, metrics)
+                bar.update(completed=step, in_flight=len(s.rollouts) * config.rollout.group_size,
+                           reward=f"{metrics.get('reward_mean', 0.0):.3f}",
+                           acc=f"{metrics.get('eval_accuracy', float('nan')):.3f}",
+                           sps=f"{metrics['step_seconds']:.1f}")
+    return Path(config.run_dir)
+
+
+async def serve_gateway(config: Config) -> None:
+    """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
+    async with start_services(config) as s:
+        print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
+        await asyncio.Event().wait()
