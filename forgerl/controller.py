@@ -27,6 +27,8 @@ from typing import Any
 from forgerl.config import Config
 
 log = logging.getLogger("forgerl")
+# What SmolLM2's own chat template inserts when a conversation has no system message.
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 Agent = Callable[[dict, str, str], Awaitable[str | None]]
 
 
@@ -155,7 +157,7 @@ class Services:
     def checkpoint(self) -> None:
         from forgerl.trainer.checkpoint import save_checkpoint
 
-        save_checkpoint(self.run_dir / "checkpoint", self.trainer.model, self.trainer.optimizer,
+        save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer,
                         self.trainer.step, {"scheduler": self.scheduler.state()})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -167,12 +169,7 @@ class Services:
 
 def load_policy(path: str) -> tuple[Any, Any, str | None]:
     """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig)."""
-    from forgerl.models import (
-        SMOLLM2_SYSTEM,
-        build_byte_tokenizer,
-        build_tiny_model,
-        load_pretrained,
-    )
+    from forgerl.models import build_byte_tokenizer, build_tiny_model, load_pretrained
 
     if path == "tiny":
         return build_tiny_model(), build_byte_tokenizer(), None
