@@ -1,0 +1,153 @@
+"""Sessions (one per API key) and their turn trees: token-in-token-out prompt building.
+
+Data flow: an agent calls the gateway with a bearer key; the key names a session, the session
+names a trajectory in the data pool. Each answered call is a `Turn` in the session's turn tree.
+For a new request the session looks for the most recent turn whose request messages are a
+message-level prefix of the new messages and whose parsed reply equals the next new message; the
+new prompt is then that turn's exact prompt + completion ids followed by the rendering of the
+remaining messages, so sampled ids are never re-encoded (CASES.md C01, C02). When no turn
+matches (first call, or the agent rewrote its context) the prompt is rendered from scratch: a
+new branch of the tree, counted in `Session.prefix_misses` once the session has turns (C02:
+counted and reported, never silently patched).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from forgerl.gateway.renderer import ChatMLRenderer, Message, content_text
+
+
+def _normal_args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def message_key(msg: Message) -> tuple[Any, ...]:
+    """What must agree for two messages to count as the same turn: role, stripped content text,
+    tool call names and parsed arguments. Call ids, tool_call_id and extra fields differ
+    harmlessly between what the gateway answered and what an agent sends back."""
+    calls = tuple(
+        (
+            (c.get("function") or {}).get("name"),
+            json.dumps(_normal_args((c.get("function") or {}).get("arguments")), sort_keys=True),
+        )
+        for c in msg.get("tool_calls") or []
+    )
+    return (msg.get("role"), content_text(msg.get("content")).strip(), calls)
+
+
+@dataclass
+class Turn:
+    """One answered request: what was asked, the exact ids, and the parsed reply.
+
+    parent: index of the turn whose prompt + completion this turn's prompt extends (None: root).
+    """
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    assistant: Message
+    parent: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """The prompt ids for a request and how they were built."""
+
+    prompt_ids: list[int]
+    parent: int | None
+    extends_previous: bool
+
+
+@dataclass
+class Session:
+    """One agent rollout: its trajectory, sampling overrides and turn tree.
+
+    temperature / max_tokens: when set, override the request's values.
+    training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
+    prefix_misses: requests on a session with turns that matched no recorded turn.
+    """
+
+    api_key: str
+    trajectory_id: str
+    temperature: float | None = None
+    max_tokens: int | None = None
+    training: bool = True
+    turns: list[Turn] = field(default_factory=list)
+    prefix_misses: int = 0
+
+    def plan(
+        self,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        renderer: ChatMLRenderer,
+    ) -> PromptPlan:
+        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix.
+
+        The prompt always ends with the assistant generation header (CASES.md C03).
+        """
+        keys = [message_key(m) for m in messages]
+        for index in range(len(self.turns) - 1, -1, -1):
+            turn = self.turns[index]
+            n = len(turn.messages)
+            if (
+                n < len(messages)
+                and (turn.tools or None) == (tools or None)
+                and [message_key(m) for m in turn.messages] == keys[:n]
+                and message_key(turn.assistant) == keys[n]
+            ):
+                ids = turn.prompt_ids + turn.completion_ids
+                if not turn.completion_ids or turn.completion_ids[-1] != renderer.end_of_turn_id:
+                    ids.append(renderer.end_of_turn_id)  # finish "length": close the turn
+                ids += renderer.newline_ids + renderer.render_turns(messages[n + 1 :])
+                return PromptPlan(ids + renderer.generation_prompt_ids, index, True)
+        return PromptPlan(renderer.render(messages, tools), None, False)
+
+    def record(self, turn: Turn, extends_previous: bool) -> None:
+        """Add an answered turn; a from-scratch prompt on a session with turns is a miss."""
+        if not extends_previous and self.turns:
+            self.prefix_misses += 1
+        self.turns.append(turn)
+
+
+class SessionStore:
+    """Sessions keyed by API key (the bearer token); one gateway multiplexes many sessions."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, Session] = {}
+
+    def create(
+        self,
+        trajectory_id: str,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        training: bool = True,
+    ) -> str:
+        """Open a session for a trajectory; returns its new API key."""
+        api_key = f"sk-forgerl-{secrets.token_hex(16)}"
+        self._by_key[api_key] = Session(api_key, trajectory_id, temperature, max_tokens, training)
+        return api_key
+
+    def get(self, api_key: str) -> Session | None:
+        """The open session for a key, or None."""
+        return self._by_key.get(api_key)
+
+    def find(self, trajectory_id: str) -> Session | None:
+        """The open session of a trajectory, or None."""
+        return next((s for s in self._by_key.values() if s.trajectory_id == trajectory_id), None)
+
+    def close(self, api_key: str) -> Session | None:
+        """Forget a session (its key stops working); returns it, or None if unknown."""
+        return self._by_key.pop(api_key, None)
+
+    def __len__(self) -> int:
+        return len(self._by_key)

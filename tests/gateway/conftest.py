@@ -1,0 +1,162 @@
+"""Gateway fixtures: a scripted rollout engine, a data pool, and the app served over real HTTP.
+
+`ScriptedEngine` answers each generate() with the next scripted (ids, logprobs), so tests can
+make the engine emit ids that re-encoding would never produce (CASES.md C01). The app runs under
+uvicorn on 127.0.0.1 (free port) in a background thread with its own event loop; tests talk to
+it with the official `openai` client and httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from forgerl.gateway.app import Gateway, GatewayServer
+from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.types import Completion, GenerateOutput, Group, SamplingParams, Trajectory
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Scripted:
+    """One scripted engine answer: the ids and logprobs the engine 'samples'."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+class ScriptedEngine:
+    """A RolloutEngine test double: replays scripted completions, records every request.
+
+    A scripted item longer than params.max_tokens is cut there with finish "length"; otherwise
+    finish is "stop" when the last id is a stop id. An Exception item is raised instead.
+    """
+
+    def __init__(self, script: list[Scripted | Exception], max_model_len: int = 4096):
+        self.script = list(script)
+        self.max_model_len = max_model_len
+        self.weight_version = 0
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        self.calls.append((list(prompt_ids), params))
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("prompt + max_tokens exceeds max_model_len")
+        item = self.script.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        ids, lps = item.ids[: params.max_tokens], item.logprobs[: params.max_tokens]
+        finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
+        return GenerateOutput(ids, lps, [self.weight_version] * len(ids), finish)
+
+    async def update_weights(self, state_dict, version: int) -> None:
+        self.weight_version = version
+
+    async def close(self) -> None:
+        pass
+
+
+def reply(renderer: ChatMLRenderer, text: str, end: bool = True) -> Scripted:
+    """A scripted answer: text encoded + end-of-turn, logprob -0.01 * (position + 1)."""
+    ids = renderer.encode(text) + ([renderer.end_of_turn_id] if end else [])
+    return Scripted(ids, [-0.01 * (i + 1) for i in range(len(ids))])
+
+
+@dataclass
+class MemoryPool:
+    """In-memory DataPool holding the methods the gateway calls (plus get_trajectory)."""
+
+    trajectories: dict[str, Trajectory] = field(default_factory=dict)
+
+    def create_trajectory(
+        self, task_index: int, rollout_index: int, trajectory_id: str | None = None
+    ) -> str:
+        tid = trajectory_id or f"traj-{len(self.trajectories)}"
+        self.trajectories[tid] = Trajectory(tid, task_index, rollout_index)
+        return tid
+
+    def add_completion(self, trajectory_id: str, completion: Completion) -> int:
+        traj = self.trajectories[trajectory_id]
+        if traj.status != "running":
+            raise ValueError(f"trajectory {trajectory_id} is {traj.status}")
+        traj.completions.append(completion)
+        return len(traj.completions) - 1
+
+    def finish_trajectory(self, trajectory_id, status, reward=None, error=None) -> None:
+        traj = self.trajectories[trajectory_id]
+        traj.status, traj.reward, traj.error = status, reward, error
+
+    def get_trajectory(self, trajectory_id: str) -> Trajectory:
+        return self.trajectories[trajectory_id]
+
+    def get_group(self, task_index: int) -> Group:
+        return Group(task_index, [t for t in self.trajectories.values()
+                                  if t.task_index == task_index])
+
+    def close(self) -> None:
+        pass
+
+
+def make_pool(tmp_path) -> MemoryPool:
+    return MemoryPool()
+
+
+@dataclass
+class Served:
+    """A gateway served over HTTP: base_url for clients, the gateway and its parts."""
+
+    gateway: Gateway
+    base_url: str
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def engine(self) -> ScriptedEngine:
+        return self.gateway.engine  # type: ignore[return-value]
+
+    @property
+    def pool(self) -> MemoryPool:
+        return self.gateway.pool  # type: ignore[return-value]
+
+    @property
+    def renderer(self) -> ChatMLRenderer:
+        return self.gateway.renderer
+
+    def session(self, task_index: int = 0, **kw) -> tuple[str, str]:
+        """(trajectory_id, api_key) of a new session."""
+        return self.gateway.open_session(task_index=task_index, **kw)
+
+    def client(self, api_key: str):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def serve(tmp_path) -> Iterator[Callable[..., Served]]:
+    """Factory: serve(engine, tokenizer, **gateway_kwargs) -> Served; stopped at teardown."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers: list[GatewayServer] = []
+
+    def _serve(engine, tokenizer, default_system: str | None = None, **kw) -> Served:
+        kw.setdefault("model_name", "tiny")
+        gateway = Gateway(ChatMLRenderer(tokenizer, default_system), engine, make_pool(tmp_path),
+                          **kw)
+        server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
+        servers.append(server)
+        return Served(gateway, server.base_url, loop)
+
+    yield _serve
+    for server in servers:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
