@@ -60,9 +60,9 @@ def cispo_loss(
     No deviation from the paper except the delta convention for the bounds.
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs.detach() - behavior_logprobs)  # (K,)
+    ratio = torch.exp(policy_logprobs - behavior_logprobs).detach()  # (K,)
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = -(weight * advantages * policy_logprobs).sum() / num_loss_tokens
+    loss = -(weight * advantages.detach() * policy_logprobs).sum() / num_loss_tokens
     return loss, _ratio_stats(ratio, weight != ratio)
 
 
@@ -81,12 +81,13 @@ def ppo_clip_loss(
     For comparison with CISPO (same signature; defaults follow DAPO's clip-higher 0.2 / 0.28).
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs - behavior_logprobs)  # (K,)
+    ratio = torch.exp(policy_logprobs - behavior_logprobs.detach())  # (K,)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    adv = advantages.detach()
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
     loss = -surrogate.sum() / num_loss_tokens
     r = ratio.detach()
-    return loss, _ratio_stats(r, (clipped.detach() * advantages) < (r * advantages))
+    return loss, _ratio_stats(r, (clipped.detach() * adv) < (r * adv))
 
 
 def tis_loss(
@@ -104,7 +105,7 @@ def tis_loss(
     eps_low = 1, eps_high = tis_cap − 1; kept as the named baseline for comparisons.
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs.detach() - behavior_logprobs)  # (K,)
+    ratio = torch.exp(policy_logprobs - behavior_logprobs).detach()  # (K,)
     weight = ratio if tis_cap is None else ratio.clamp(max=tis_cap)
-    loss = -(weight * advantages * policy_logprobs).sum() / num_loss_tokens
+    loss = -(weight * advantages.detach() * policy_logprobs).sum() / num_loss_tokens
     return loss, _ratio_stats(ratio, weight != ratio)
