@@ -60,7 +60,7 @@ def sample_tokens(
     temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
     logp = sampling_logprobs(logits, temps)  # (B, V)
     tokens = logp.argmax(dim=-1)  # (B,)
-    for i, (t, gen) in enumerate(zip(temperatures, generators)):
+    for i, (t, gen) in enumerate(zip(temperatures, generators, strict=True)):
         if t > 0:
             tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=gen)[0]
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -101,7 +101,9 @@ class _Request:
     def resolve(self, reason: FinishReason | None = None) -> None:
         """Hand the output (or abort with the partial completion) to the caller's event loop."""
         out = GenerateOutput(
-            list(self.completion_ids), list(self.logprobs), list(self.weight_versions),
+            list(self.completion_ids),
+            list(self.logprobs),
+            list(self.weight_versions),
             reason or self.finish_reason or "abort",
         )
         _settle(self.loop, self.future, out)
@@ -146,8 +148,14 @@ class _Batch:
     int64, the last sampled token per row, fed at the next decode step.
     """
 
-    def __init__(self, rows: list[_Request], cache: DynamicCache, mask: torch.Tensor,
-                 positions: torch.Tensor, next_ids: torch.Tensor) -> None:
+    def __init__(
+        self,
+        rows: list[_Request],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        next_ids: torch.Tensor,
+    ) -> None:
         self.rows, self.cache, self.mask = rows, cache, mask
         self.positions, self.next_ids = positions, next_ids
 
@@ -168,11 +176,13 @@ class _Batch:
         """Append `other`'s rows, left-padding both caches to a common length."""
         length = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, length, 2),
-                                   _left_pad(theirs.keys, length, 2)])
-            mine.values = torch.cat([_left_pad(mine.values, length, 2),
-                                     _left_pad(theirs.values, length, 2)])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat(
+                [_left_pad(mine.keys, length, 2), _left_pad(theirs.keys, length, 2)]
+            )
+            mine.values = torch.cat(
+                [_left_pad(mine.values, length, 2), _left_pad(theirs.values, length, 2)]
+            )
         self.rows = self.rows + other.rows
         self.positions = torch.cat([self.positions, other.positions])
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
@@ -187,11 +197,18 @@ class LocalEngine:
     (weights cast to fp32 on CPU, where bf16 matmuls are very slow).
     """
 
-    def __init__(self, model: PreTrainedModel, max_model_len: int = 2048,
-                 max_batch_size: int = 16, device: str | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_model_len: int = 2048,
+        max_batch_size: int = 16,
+        device: str | None = None,
+    ) -> None:
         if max_model_len < 2 or max_batch_size < 1:
-            raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and "
-                             f"max_batch_size ({max_batch_size}) >= 1")
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must be >= 2 and "
+                f"max_batch_size ({max_batch_size}) >= 1"
+            )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = copy.deepcopy(model).to(self.device).eval()
         if self.device.type == "cpu":
@@ -255,17 +272,25 @@ class LocalEngine:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         if params.top_p != 1.0:
-            raise ValueError(f"top_p ({params.top_p}) must be 1.0: training rollouts need "
-                             "full-vocabulary logprobs (CASES.md C04)")
+            raise ValueError(
+                f"top_p ({params.top_p}) must be 1.0: training rollouts need "
+                "full-vocabulary logprobs (CASES.md C04)"
+            )
         if params.temperature < 0 or params.max_tokens < 1:
-            raise ValueError(f"temperature ({params.temperature}) must be >= 0 and max_tokens "
-                             f"({params.max_tokens}) >= 1")
+            raise ValueError(
+                f"temperature ({params.temperature}) must be >= 0 and max_tokens "
+                f"({params.max_tokens}) >= 1"
+            )
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt length ({len(prompt_ids)}) + max_tokens "
-                             f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"prompt length ({len(prompt_ids)}) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size}), got "
-                             f"[{min(prompt_ids)}, {max(prompt_ids)}]")
+            raise ValueError(
+                f"prompt_ids must lie in [0, {self.vocab_size}), got "
+                f"[{min(prompt_ids)}, {max(prompt_ids)}]"
+            )
 
     def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         if not state_dict:
@@ -276,8 +301,9 @@ class LocalEngine:
         for name, value in state_dict.items():
             if not isinstance(value, torch.Tensor) or value.shape != self._params[name].shape:
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                raise ValueError(f"{name}: expected shape {tuple(self._params[name].shape)}, "
-                                 f"got {got}")
+                raise ValueError(
+                    f"{name}: expected shape {tuple(self._params[name].shape)}, got {got}"
+                )
 
     # ---- worker thread --------------------------------------------------------------------------
 
@@ -352,9 +378,13 @@ class LocalEngine:
         """Feed each row's pending token through the cache; sample the next one."""
         ones = batch.mask.new_ones(len(batch.rows), 1)
         batch.mask = torch.cat([batch.mask, ones], dim=1)  # (B, L + 1)
-        out = self.model(input_ids=batch.next_ids.unsqueeze(1), attention_mask=batch.mask,
-                         position_ids=batch.positions.unsqueeze(1), cache=batch.cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=batch.next_ids.unsqueeze(1),
+            attention_mask=batch.mask,
+            position_ids=batch.positions.unsqueeze(1),
+            cache=batch.cache,
+            use_cache=True,
+        )
         batch.positions = batch.positions + 1
         batch.next_ids = self._sample(batch.rows, out.logits[:, -1])
         return batch
@@ -366,20 +396,27 @@ class LocalEngine:
         ids = torch.zeros(len(seqs), length, dtype=torch.long, device=self.device)  # (B, P)
         mask = torch.zeros_like(ids)
         for i, s in enumerate(seqs):
-            ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, length - len(s):] = 1
+            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - len(s) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P); pads get position 0
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         next_ids = self._sample(rows, out.logits[:, -1])
         return _Batch(rows, cache, mask, mask.sum(dim=1), next_ids)
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
         """Sample per row (its own temperature and generator) and record the tokens."""
-        tokens, logprobs = sample_tokens(logits, [r.params.temperature for r in rows],
-                                         [r.generator for r in rows])
-        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = sample_tokens(
+            logits, [r.params.temperature for r in rows], [r.generator for r in rows]
+        )
+        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             req.record(tok, lp, self.weight_version)
         return tokens
 

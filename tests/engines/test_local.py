@@ -1,0 +1,278 @@
+"""LocalEngine semantics: what the rollout engine promises the gateway and the trainer.
+
+Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
+- KV-cached greedy decoding equals a naive full-forward argmax loop token for token, and a
+  batched run (concurrent prompts of different lengths, some joining a running batch) equals
+  each prompt run alone, logprobs within 1e-4; seeded sampling is batch-independent too.
+- Recorded logprobs are the behavior policy's: for sampled completions they equal a
+  teacher-forced forward with log_softmax(logits / T) (CASES.md C04 replayed through the helper:
+  logits [2, 1, 0] at T 0.5 give -0.142932 for token 0, and greedy uses T = 1, -0.407606).
+- Output lengths agree; a stop id ends the completion and is kept with its logprob; max_tokens
+  ends it with "length".
+- A weight update lands between decode steps of a running generation: weight_versions read
+  0…0 1…1 and the later tokens' logprobs are those of the new weights; a bad update raises and
+  leaves weight_version alone.
+- Requests that cannot be served raise ValueError (too long, empty, top_p < 1, bad ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import pytest
+import torch
+
+from forgerl.engines.local import LocalEngine, sample_logprobs, sampling_logprobs
+from forgerl.types import GenerateOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Reference: full forward over the whole sequence at every step, argmax, T = 1 logprob."""
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            token = int(logits.argmax())
+            lps.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt) :], lps
+
+
+def teacher_forced(model, prompt: list[int], completion: list[int], t: float) -> list[float]:
+    """log_softmax(logits / T)[token] for every completion token, one full forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0]  # (P + C, V)
+    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1 : -1]  # (C, V)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _alone(model, prompt: list[int], params: SamplingParams) -> GenerateOutput:
+    engine = LocalEngine(model, max_model_len=256)
+    try:
+        return await engine.generate(prompt, params)
+    finally:
+        await engine.close()
+
+
+def test_c04_sampling_logprobs_helper():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    lp = sampling_logprobs(logits, torch.tensor([0.5]))
+    assert lp[0, 0].item() == pytest.approx(-0.142932, abs=1e-6)
+    # greedy records the T = 1 distribution
+    assert sample_logprobs(logits[0], 0.0) == (0, pytest.approx(-0.407606, abs=1e-6))
+    gen = torch.Generator().manual_seed(0)
+    draws = [sample_logprobs(logits[0], 0.5, gen) for _ in range(400)]
+    expected = lp[0].tolist()
+    assert all(lp_ == pytest.approx(expected[tok], abs=1e-6) for tok, lp_ in draws)
+    # p(token 0) = 0.8668 at T = 0.5; 400 draws put the frequency well within ±0.07
+    assert abs(sum(tok == 0 for tok, _ in draws) / 400 - 0.8668) < 0.07
+
+
+def test_greedy_equals_naive_loop(tiny_model):
+    prompt = [1, 40, 41, 42, 7]
+    out = run(_alone(tiny_model, prompt, GREEDY))
+    ref_ids, ref_lps = naive_greedy(tiny_model, prompt, GREEDY.max_tokens)
+    assert out.completion_ids == ref_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lps, strict=True)) < 1e-4
+    assert out.weight_versions == [0] * GREEDY.max_tokens
+    assert out.finish_reason == "length"
+
+
+def test_batched_and_joining_equal_unbatched(tiny_model):
+    prompts = [[5, 6, 7], list(range(10, 40)), [100], list(range(50, 62)), [9, 9, 9, 9]]
+    params = [
+        GREEDY,
+        GREEDY,
+        SamplingParams(temperature=0.7, max_tokens=30, seed=3),
+        GREEDY,
+        SamplingParams(temperature=1.3, max_tokens=10, seed=11),
+    ]
+
+    async def batched() -> list[GenerateOutput]:
+        engine = LocalEngine(tiny_model, max_model_len=256, max_batch_size=4)
+
+        async def late(i: int, delay: float) -> GenerateOutput:
+            await asyncio.sleep(delay)
+            return await engine.generate(prompts[i], params[i])
+
+        together = await asyncio.gather(
+            *[engine.generate(p, s) for p, s in zip(prompts, params, strict=True)]
+        )
+        staggered = await asyncio.gather(*[late(i, 0.005 * i) for i in range(len(prompts))])
+        await engine.close()
+        return together + staggered
+
+    outs = run(batched())
+    for i, out in enumerate(outs):
+        alone = run(_alone(tiny_model, prompts[i % 5], params[i % 5]))
+        assert out.completion_ids == alone.completion_ids, i
+        assert max(abs(a - b) for a, b in zip(out.logprobs, alone.logprobs, strict=True)) < 1e-4
+
+
+def test_newcomer_joins_running_batch(tiny_model):
+    """A short request sent while a long one decodes finishes first (it did not wait)."""
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput, list[str]]:
+        engine = LocalEngine(tiny_model, max_model_len=1024)
+        order: list[str] = []
+
+        async def tagged(name: str, prompt: list[int], n: int) -> GenerateOutput:
+            out = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))
+            order.append(name)
+            return out
+
+        long_task = asyncio.create_task(tagged("long", [3, 4, 5], 300))
+        while engine._batch is None:  # wait until the long row is decoding
+            await asyncio.sleep(0.001)
+        short = await tagged("short", [60, 61, 62, 63, 64, 65], 5)
+        long = await long_task
+        await engine.close()
+        return long, short, order
+
+    long, short, order = run(main())
+    assert order == ["short", "long"]
+    assert short.completion_ids == naive_greedy(tiny_model, [60, 61, 62, 63, 64, 65], 5)[0]
+    assert long.completion_ids[:20] == naive_greedy(tiny_model, [3, 4, 5], 20)[0]
+
+
+def test_sampled_logprobs_match_teacher_forcing(tiny_model):
+    prompts = [[1, 20, 21, 22], list(range(70, 90))]
+
+    async def main() -> list[GenerateOutput]:
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        outs = await asyncio.gather(
+            *[
+                engine.generate(p, SamplingParams(temperature=0.7, max_tokens=40, seed=7 + i))
+                for i, p in enumerate(prompts)
+            ]
+        )
+        again = await engine.generate(prompts[0], SamplingParams(0.7, max_tokens=40, seed=7))
+        await engine.close()
+        return [*outs, again]
+
+    outs = run(main())
+    for prompt, out in zip(prompts, outs, strict=False):
+        ref = teacher_forced(tiny_model, prompt, out.completion_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref, strict=True)) < 1e-4
+        assert len(set(out.completion_ids)) > 5  # really sampled, not a greedy loop
+    assert outs[2].completion_ids == outs[0].completion_ids  # same seed, same completion
+
+
+def test_stop_id_and_lengths(tiny_model):
+    prompt = [1, 33, 34]
+    ref_ids, ref_lps = naive_greedy(tiny_model, prompt, 12)
+    stop = ref_ids[6]
+    cut = ref_ids.index(stop) + 1
+    out = run(
+        _alone(tiny_model, prompt, SamplingParams(0.0, max_tokens=12, stop_token_ids=(stop, 258)))
+    )
+    assert out.finish_reason == "stop"
+    assert out.completion_ids == ref_ids[:cut] and out.completion_ids[-1] == stop
+    assert out.logprobs[-1] == pytest.approx(ref_lps[cut - 1], abs=1e-4)
+    assert len(out.completion_ids) == len(out.logprobs) == len(out.weight_versions) == cut
+    one = run(_alone(tiny_model, prompt, SamplingParams(0.0, max_tokens=1)))
+    assert (one.completion_ids, one.finish_reason) == ([ref_ids[0]], "length")
+
+
+def test_weight_update_mid_generation(tiny_model):
+    new_model = copy.deepcopy(tiny_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    new_state = new_model.state_dict()
+    snapshot = {name: v.clone() for name, v in tiny_model.state_dict().items()}
+    prompt = [1, 50, 51, 52]
+    t = 0.7
+
+    async def main() -> tuple[GenerateOutput, int]:
+        engine = LocalEngine(tiny_model, max_model_len=1024)
+        task = asyncio.create_task(
+            engine.generate(prompt, SamplingParams(temperature=t, max_tokens=600, seed=5))
+        )
+        while engine._batch is None or len(engine._batch.rows[0].completion_ids) < 3:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(new_state, 1)
+        version = engine.weight_version
+        out = await task
+        await engine.close()
+        return out, version
+
+    out, version = run(main())
+    assert version == 1
+    k = out.weight_versions.index(1)
+    assert k >= 3 and out.weight_versions == [0] * k + [1] * (len(out.completion_ids) - k)
+    old = teacher_forced(tiny_model, prompt, out.completion_ids, t)
+    new = teacher_forced(new_model, prompt, out.completion_ids, t)
+    assert max(abs(a - b) for a, b in zip(out.logprobs[:k], old[:k], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(out.logprobs[k:], new[k:], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(new[k:], old[k:], strict=True)) > 1e-2  # really new
+    after = tiny_model.state_dict()  # the caller's model is untouched
+    assert all(torch.equal(after[name], value) for name, value in snapshot.items())
+
+
+def test_failed_update_keeps_weights(tiny_model):
+    prompt = [1, 2, 3, 4]
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput, int]:
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        before = await engine.generate(prompt, GREEDY)
+        bad = dict(tiny_model.state_dict())
+        bad["model.norm.weight"] = torch.ones(3)
+        with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+            await engine.update_weights(bad, 1)
+        with pytest.raises(ValueError, match="unknown"):
+            await engine.update_weights({"not.a.weight": torch.ones(1)}, 1)
+        after = await engine.generate(prompt, GREEDY)
+        version = engine.weight_version
+        await engine.close()
+        return before, after, version
+
+    before, after, version = run(main())
+    assert version == 0 and after == before
+
+
+def test_request_errors_and_close(tiny_model):
+    async def main() -> GenerateOutput:
+        engine = LocalEngine(tiny_model, max_model_len=64)
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.generate([5] * 60, SamplingParams(max_tokens=5))
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate([], SamplingParams(max_tokens=5))
+        with pytest.raises(ValueError, match="top_p"):
+            await engine.generate([5], SamplingParams(top_p=0.9, max_tokens=5))
+        with pytest.raises(ValueError, match="259"):
+            await engine.generate([5, 259], SamplingParams(max_tokens=5))
+        ok = await engine.generate([5] * 59, SamplingParams(temperature=0.0, max_tokens=5))
+        await engine.close()
+        await engine.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate([5], SamplingParams(max_tokens=5))
+        return ok
+
+    ok = run(main())
+    assert len(ok.completion_ids) == 5 and ok.finish_reason == "length"
+
+
+def test_close_aborts_in_flight(tiny_model):
+    async def main() -> GenerateOutput:
+        engine = LocalEngine(tiny_model, max_model_len=2048)
+        task = asyncio.create_task(engine.generate([7, 8], SamplingParams(0.0, max_tokens=2000)))
+        start = time.monotonic()
+        while engine._batch is None and time.monotonic() - start < 10:
+            await asyncio.sleep(0.001)
+        await engine.close()
+        return await task
+
+    out = run(main())
+    assert out.finish_reason == "abort" and 0 < len(out.completion_ids) < 2000
+    n = min(len(out.completion_ids), 20)
+    assert out.completion_ids[:n] == naive_greedy(tiny_model, [7, 8], n)[0]
