@@ -1,0 +1,457 @@
+"""`SQLitePool`: the default, durable `DataPool` backend (one SQLite file in WAL mode).
+
+Writers are the gateway (completions, from the event-loop thread) and the controller (tasks,
+trajectory status, rewards, trained marks, scheduler state; possibly from worker threads); the
+reader is the trainer. Every public method runs as one transaction under a lock on a single
+connection (`check_same_thread=False`), so threads never interleave inside a transaction; other
+processes may open the same file (SQLite file locks + `busy_timeout`).
+
+Durability: `journal_mode=WAL` with `synchronous=FULL`. Under WAL, NORMAL already survives a
+SIGKILL of the process (the WAL is in the OS page cache), but a power loss or kernel crash can roll
+back the last commits; FULL fsyncs the WAL on every commit, so "committed before the call returns"
+(the `DataPool` contract) also holds across power loss. Rollouts cost seconds of engine time each,
+an fsync costs about a millisecond, so FULL is cheap here.
+
+Storage: token ids are little-endian int32 blobs, weight versions int64 blobs and logprobs float64
+blobs, so floats round-trip bit-exactly and a 4k-token turn costs 32 KiB, not ~80 KiB of JSON.
+
+Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajectory created) →
+"finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
+(`mark_trained`). Extra methods beyond `DataPool`, for the scheduler and for resume (CASES.md C12):
+`finish_group`, `task_indices`, `finished_group_task_indices`, `missing_rollouts`, `reset_task`,
+`reset_in_flight`, `commit_trained`, `revert_trained_after`, `stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from forgerl.types import Completion, Group, SamplingParams, Trajectory, TrajectoryStatus
+
+TaskStatus = Literal["queued", "running", "finished", "trained"]
+_ENDED: tuple[str, ...] = ("finished", "failed", "aborted")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_index INTEGER PRIMARY KEY,
+    payload TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'queued',
+    trained_step INTEGER
+);
+CREATE TABLE IF NOT EXISTS trajectories (
+    id TEXT PRIMARY KEY,
+    task_index INTEGER NOT NULL,
+    rollout_index INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    reward REAL,
+    turn_rewards TEXT,
+    error TEXT,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL DEFAULT 0.0,
+    seq INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS trajectories_by_task ON trajectories (task_index, rollout_index, seq);
+CREATE TABLE IF NOT EXISTS completions (
+    trajectory_id TEXT NOT NULL,
+    turn INTEGER NOT NULL,
+    prompt_ids BLOB NOT NULL,
+    completion_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    weight_versions BLOB NOT NULL,
+    weight_version INTEGER NOT NULL,
+    finish_reason TEXT NOT NULL,
+    sampling TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL,
+    token_exact INTEGER NOT NULL,
+    extends_previous INTEGER NOT NULL,
+    PRIMARY KEY (trajectory_id, turn)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def _pack(values: list[int] | list[float], typecode: str) -> bytes:
+    """Little-endian blob of `values` ('i' int32, 'q' int64, 'd' float64)."""
+    arr = array(typecode, values)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _unpack(blob: bytes, typecode: str) -> list[Any]:
+    arr = array(typecode)
+    arr.frombytes(blob)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _sampling_json(params: SamplingParams) -> str:
+    return json.dumps(asdict(params))
+
+
+def _sampling_from_json(text: str) -> SamplingParams:
+    raw = json.loads(text)
+    raw["stop_token_ids"] = tuple(raw["stop_token_ids"])
+    return SamplingParams(**raw)
+
+
+class SQLitePool:
+    """Durable data pool in one SQLite file (WAL, synchronous=FULL); see the module docstring.
+
+    Args:
+        path: the database file; created (with its parent folder) if missing.
+        busy_timeout_s: how long a write waits for another process's lock before
+            `sqlite3.OperationalError` ("database is locked").
+    """
+
+    def __init__(self, path: str | Path, busy_timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+        self._conn: sqlite3.Connection | None = sqlite3.connect(
+            self.path, check_same_thread=False, isolation_level=None,
+            timeout=busy_timeout_s,
+        )
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        with self._tx() as db:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: BEGIN IMMEDIATE (takes the write lock up front) ... COMMIT."""
+        with self._lock:
+            if self._conn is None:
+                raise ValueError(f"SQLitePool({self.path}) is closed")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            if self._conn is None:
+                raise ValueError(f"SQLitePool({self.path}) is closed")
+            return self._conn.execute(sql, args).fetchall()
+
+    # ---- DataPool -----------------------------------------------------------------------------
+
+    def add_task(self, task_index: int, payload: dict[str, Any]) -> None:
+        """Append a task (status "queued"); idempotent for the same payload.
+
+        Raises ValueError if `task_index` exists with a different payload.
+        """
+        text = json.dumps(payload, sort_keys=True)
+        with self._tx() as db:
+            row = db.execute("SELECT payload FROM tasks WHERE task_index=?", (task_index,))
+            old = row.fetchone()
+            if old is None:
+                db.execute("INSERT INTO tasks (task_index, payload) VALUES (?, ?)",
+                           (task_index, text))
+            elif old[0] != text:
+                raise ValueError(f"task {task_index} already exists with another payload")
+
+    def get_task(self, task_index: int) -> dict[str, Any]:
+        """The payload given to add_task. Raises KeyError if unknown."""
+        rows = self._read("SELECT payload FROM tasks WHERE task_index=?", (task_index,))
+        if not rows:
+            raise KeyError(f"unknown task {task_index}")
+        return json.loads(rows[0][0])
+
+    def create_trajectory(
+        self, task_index: int, rollout_index: int, trajectory_id: str | None = None
+    ) -> str:
+        """Start a "running" trajectory; returns its id (a new uuid4 hex if None).
+
+        The task need not exist (ad-hoc and eval sessions use negative indices); a queued task
+        becomes "running". Raises ValueError if `trajectory_id` is already taken.
+        """
+        trajectory_id = trajectory_id or uuid.uuid4().hex
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM trajectories WHERE id=?", (trajectory_id,)).fetchone():
+                raise ValueError(f"trajectory {trajectory_id!r} already exists")
+            seq = db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM trajectories").fetchone()[0]
+            db.execute(
+                "INSERT INTO trajectories (id, task_index, rollout_index, status, started_at, seq)"
+                " VALUES (?, ?, ?, 'running', ?, ?)",
+                (trajectory_id, task_index, rollout_index, time.time(), seq),
+            )
+            db.execute("UPDATE tasks SET status='running' WHERE task_index=? AND status='queued'",
+                       (task_index,))
+        return trajectory_id
+
+    def add_completion(self, trajectory_id: str, completion: Completion) -> int:
+        """Append one completion to a running trajectory; returns its turn index (0-based).
+
+        Raises KeyError for an unknown trajectory and ValueError if it is no longer running.
+        """
+        c = completion
+        with self._tx() as db:
+            self._require_running(db, trajectory_id)
+            turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
+                              (trajectory_id,)).fetchone()[0]
+            db.execute(
+                "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
+                 _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
+                 c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
+                 int(c.token_exact), int(c.extends_previous)),
+            )
+        return turn
+
+    def finish_trajectory(
+        self,
+        trajectory_id: str,
+        status: TrajectoryStatus,
+        reward: float | None = None,
+        error: str | None = None,
+        turn_rewards: list[float] | None = None,
+    ) -> None:
+        """Set the final status (finished | failed | aborted), reward, error and turn rewards.
+
+        Raises KeyError for an unknown trajectory, ValueError for a non-final `status` or a
+        trajectory that already ended (a late report after a timeout abort is refused).
+        """
+        if status not in _ENDED:
+            raise ValueError(f"final status must be one of {_ENDED}, got {status!r}")
+        with self._tx() as db:
+            self._require_running(db, trajectory_id)
+            db.execute(
+                "UPDATE trajectories SET status=?, reward=?, error=?, turn_rewards=?, ended_at=?"
+                " WHERE id=?",
+                (status, reward, error, None if turn_rewards is None else json.dumps(turn_rewards),
+                 time.time(), trajectory_id),
+            )
+
+    def get_trajectory(self, trajectory_id: str) -> Trajectory:
+        """The trajectory with all its completions in turn order. Raises KeyError."""
+        with self._lock:
+            rows = self._read(
+                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
+                " started_at, ended_at FROM trajectories WHERE id=?", (trajectory_id,))
+            if not rows:
+                raise KeyError(f"unknown trajectory {trajectory_id!r}")
+            return self._trajectory(rows[0])
+
+    def get_group(self, task_index: int) -> Group:
+        """All trajectories of one task, ordered by rollout_index (then creation order).
+
+        After `reset_task`, aborted attempts stay in the group next to their re-runs (same
+        rollout_index); the trainer trains only status "finished".
+        """
+        with self._lock:
+            rows = self._read(
+                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
+                " started_at, ended_at FROM trajectories WHERE task_index=?"
+                " ORDER BY rollout_index, seq", (task_index,))
+            return Group(task_index, [self._trajectory(r) for r in rows])
+
+    def mark_trained(self, task_indices: list[int], step: int) -> None:
+        """Record that these tasks' groups were consumed by optimizer step `step`.
+
+        All or nothing. Raises KeyError for an unknown task and ValueError for a task that was
+        already trained (exactly-once, CASES.md C12).
+        """
+        with self._tx() as db:
+            self._mark_trained(db, task_indices, step)
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Store a JSON-serialisable value (e.g. the scheduler state) durably."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        """Read a value stored with set_meta (`default` if absent)."""
+        rows = self._read("SELECT value FROM meta WHERE key=?", (key,))
+        return json.loads(rows[0][0]) if rows else default
+
+    def close(self) -> None:
+        """Close the connection; idempotent. Later calls raise ValueError."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # ---- scheduler and resume helpers ---------------------------------------------------------
+
+    def finish_group(self, task_index: int) -> list[str]:
+        """Mark the task's group finished; abort its still-running trajectories (timeout).
+
+        Returns the ids of the trajectories it aborted. Raises KeyError for an unknown task and
+        ValueError for a trained one.
+        """
+        with self._tx() as db:
+            status = self._task_status(db, task_index)
+            if status == "trained":
+                raise ValueError(f"task {task_index} is already trained")
+            aborted = self._abort_running(db, task_index, "group finalised (timeout)")
+            db.execute("UPDATE tasks SET status='finished' WHERE task_index=?", (task_index,))
+        return aborted
+
+    def task_indices(self, status: TaskStatus | None = None) -> list[int]:
+        """Task indices in ascending order, optionally only those with `status`."""
+        if status is None:
+            rows = self._read("SELECT task_index FROM tasks ORDER BY task_index")
+        else:
+            rows = self._read("SELECT task_index FROM tasks WHERE status=? ORDER BY task_index",
+                              (status,))
+        return [r[0] for r in rows]
+
+    def finished_group_task_indices(self) -> list[int]:
+        """Tasks whose group is finished but not yet trained (ascending): train these on resume."""
+        return self.task_indices("finished")
+
+    def missing_rollouts(self, task_index: int, group_size: int) -> list[int]:
+        """Rollout indices in 0..group_size-1 with no finished or failed trajectory yet."""
+        rows = self._read(
+            "SELECT DISTINCT rollout_index FROM trajectories WHERE task_index=?"
+            " AND status IN ('finished', 'failed')", (task_index,))
+        done = {r[0] for r in rows}
+        return [g for g in range(group_size) if g not in done]
+
+    def reset_task(self, task_index: int) -> list[str]:
+        """Abort the task's running trajectories and send it back to "queued" for a re-run.
+
+        Finished rollouts are kept (re-run only `missing_rollouts`). Returns the aborted ids.
+        Raises KeyError for an unknown task and ValueError for a trained or finished one.
+        """
+        with self._tx() as db:
+            status = self._task_status(db, task_index)
+            if status in ("trained", "finished"):
+                raise ValueError(f"task {task_index} is {status}; only in-flight tasks reset")
+            aborted = self._abort_running(db, task_index, "aborted on resume")
+            db.execute("UPDATE tasks SET status='queued' WHERE task_index=?", (task_index,))
+        return aborted
+
+    def reset_in_flight(self) -> list[int]:
+        """`reset_task` every "running" task and abort orphan running trajectories (resume).
+
+        Returns the reset task indices, ascending.
+        """
+        with self._tx() as db:
+            tasks = [r[0] for r in db.execute(
+                "SELECT task_index FROM tasks WHERE status='running' ORDER BY task_index")]
+            db.execute("UPDATE trajectories SET status='aborted', error='aborted on resume',"
+                       " ended_at=? WHERE status='running'", (time.time(),))
+            db.execute("UPDATE tasks SET status='queued' WHERE status='running'")
+        return tasks
+
+    def commit_trained(self, task_indices: list[int], step: int, meta: dict[str, Any]) -> None:
+        """`mark_trained` plus `set_meta` for every item of `meta`, in one transaction.
+
+        Use it to save the scheduler state with the trained marks, so a crash can never leave
+        one without the other. Errors as `mark_trained`.
+        """
+        with self._tx() as db:
+            self._mark_trained(db, task_indices, step)
+            for key, value in meta.items():
+                db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def revert_trained_after(self, step: int) -> list[int]:
+        """Un-train tasks with trained_step > `step` (back to "finished"); returns them.
+
+        For a resume from a model checkpoint older than the pool: those groups never reached
+        the restored weights, so they must be trained again (not lost, not twice).
+        """
+        with self._tx() as db:
+            tasks = [r[0] for r in db.execute(
+                "SELECT task_index FROM tasks WHERE status='trained' AND trained_step>?"
+                " ORDER BY task_index", (step,))]
+            db.execute("UPDATE tasks SET status='finished', trained_step=NULL"
+                       " WHERE status='trained' AND trained_step>?", (step,))
+        return tasks
+
+    def stats(self) -> dict[str, int]:
+        """Counts: `tasks_<status>`, `trajectories_<status>` (every status, 0 if none), and
+        `completions`, `completion_tokens`."""
+        with self._lock:
+            out = {f"tasks_{s}": 0 for s in ("queued", "running", "finished", "trained")}
+            out |= {f"trajectories_{s}": 0 for s in ("running", *_ENDED)}
+            for status, n in self._read("SELECT status, COUNT(*) FROM tasks GROUP BY status"):
+                out[f"tasks_{status}"] = n
+            for status, n in self._read(
+                    "SELECT status, COUNT(*) FROM trajectories GROUP BY status"):
+                out[f"trajectories_{status}"] = n
+            n, nbytes = self._read(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(completion_ids)), 0) FROM completions")[0]
+            out["completions"] = n
+            out["completion_tokens"] = nbytes // 4
+            return out
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _require_running(db: sqlite3.Connection, trajectory_id: str) -> None:
+        row = db.execute("SELECT status FROM trajectories WHERE id=?", (trajectory_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"unknown trajectory {trajectory_id!r}")
+        if row[0] != "running":
+            raise ValueError(f"trajectory {trajectory_id!r} is {row[0]}, not running")
+
+    @staticmethod
+    def _task_status(db: sqlite3.Connection, task_index: int) -> str:
+        row = db.execute("SELECT status FROM tasks WHERE task_index=?", (task_index,)).fetchone()
+        if row is None:
+            raise KeyError(f"unknown task {task_index}")
+        return row[0]
+
+    @staticmethod
+    def _abort_running(db: sqlite3.Connection, task_index: int, error: str) -> list[str]:
+        ids = [r[0] for r in db.execute(
+            "SELECT id FROM trajectories WHERE task_index=? AND status='running' ORDER BY seq",
+            (task_index,))]
+        db.execute("UPDATE trajectories SET status='aborted', error=?, ended_at=?"
+                   " WHERE task_index=? AND status='running'", (error, time.time(), task_index))
+        return ids
+
+    def _mark_trained(self, db: sqlite3.Connection, task_indices: list[int], step: int) -> None:
+        if len(set(task_indices)) != len(task_indices):
+            raise ValueError(f"duplicate task indices in {task_indices}")
+        for i in task_indices:
+            if self._task_status(db, i) == "trained":
+                raise ValueError(f"task {i} was already trained")
+        db.executemany("UPDATE tasks SET status='trained', trained_step=? WHERE task_index=?",
+                       [(step, i) for i in task_indices])
+
+    def _trajectory(self, row: tuple[Any, ...]) -> Trajectory:
+        tid, task_index, rollout_index, status, reward, turn_rewards, error, start, end = row
+        rows = self._read(
+            "SELECT prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
+            " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous"
+            " FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
+        completions = [
+            Completion(
+                prompt_ids=_unpack(r[0], "i"), completion_ids=_unpack(r[1], "i"),
+                logprobs=_unpack(r[2], "d"), weight_versions=_unpack(r[3], "q"),
+                weight_version=r[4], finish_reason=r[5], sampling=_sampling_from_json(r[6]),
+                started_at=r[7], ended_at=r[8], token_exact=bool(r[9]),
+                extends_previous=bool(r[10]),
+            )
+            for r in rows
+        ]
+        return Trajectory(
+            id=tid, task_index=task_index, rollout_index=rollout_index, completions=completions,
+            reward=reward, turn_rewards=None if turn_rewards is None else json.loads(turn_rewards),
+            status=status, error=error, started_at=start, ended_at=end,
+        )

@@ -1,0 +1,212 @@
+"""SQLitePool: exact round-trips, WAL mode, task lifecycle and crash durability.
+
+Pins: every field of `Completion` / `Trajectory` comes back bit-exact (float64 logprobs, int ids,
+per-token weight versions, sampling params); the file is in WAL mode with synchronous=FULL;
+writes after a trajectory ended are refused; trained marks are exactly-once; and a writer process
+killed with SIGKILL mid-loop leaves a file that passes `integrity_check` with every completion it
+reported committed intact (the durability half of CASES.md C12).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from forgerl.datapool.sqlite import SQLitePool
+from forgerl.types import Completion, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_completion(i: int) -> Completion:
+    """A completion whose every field depends on `i` (awkward floats included)."""
+    n = 3 + i % 5
+    return Completion(
+        prompt_ids=[151644, 198, 77091, i, 2**31 - 1],
+        completion_ids=[1000 + i + t for t in range(n)],
+        logprobs=[-(t + 1) / 3.0 - i * 1e-17 for t in range(n)],
+        weight_versions=[i // 2 + (t >= 1) for t in range(n)],
+        weight_version=i // 2,
+        finish_reason="tool_calls" if i % 2 else "length",
+        sampling=SamplingParams(temperature=0.7, top_p=1.0, max_tokens=64 + i,
+                                stop_token_ids=(151645, 2), seed=i),
+        started_at=1_700_000_000.123456789 + i,
+        ended_at=1_700_000_001.987654321 + i,
+        token_exact=i % 3 != 0,
+        extends_previous=i % 2 == 1,
+    )
+
+
+def test_completion_and_trajectory_round_trip_exactly(db_path):
+    pool = SQLitePool(db_path)
+    pool.add_task(3, {"question": "2+2?", "answer": 4})
+    tid = pool.create_trajectory(3, rollout_index=1, trajectory_id="traj-a")
+    assert tid == "traj-a"
+    sent = [make_completion(i) for i in range(4)]
+    assert [pool.add_completion(tid, c) for c in sent] == [0, 1, 2, 3]
+    pool.finish_trajectory(tid, "finished", reward=0.1 + 0.2, turn_rewards=[0.1, -1e-300, 0, 2])
+    pool.close()
+
+    pool = SQLitePool(db_path)  # a fresh connection reads what the first one committed
+    traj = pool.get_trajectory(tid)
+    assert traj.completions == sent
+    assert traj.completions[0].logprobs[0] == -1 / 3.0  # bit-exact float64
+    assert traj.completions[1].sampling.stop_token_ids == (151645, 2)
+    assert (traj.task_index, traj.rollout_index, traj.status) == (3, 1, "finished")
+    assert traj.reward == 0.30000000000000004
+    assert traj.turn_rewards == [0.1, -1e-300, 0, 2]
+    assert traj.error is None
+    assert 0 < traj.started_at <= traj.ended_at
+    assert pool.get_task(3) == {"question": "2+2?", "answer": 4}
+    pool.close()
+    pool.close()  # idempotent
+
+
+def test_wal_mode_and_full_sync(db_path):
+    pool = SQLitePool(db_path)
+    other = sqlite3.connect(db_path)
+    assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert pool._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # 2 == FULL
+    other.close()
+    pool.close()
+
+
+def test_errors_and_lifecycle(db_path):
+    pool = SQLitePool(db_path)
+    with pytest.raises(KeyError):
+        pool.get_task(0)
+    pool.add_task(0, {"q": 1})
+    pool.add_task(0, {"q": 1})  # idempotent
+    with pytest.raises(ValueError):
+        pool.add_task(0, {"q": 2})
+    with pytest.raises(KeyError):
+        pool.add_completion("nope", make_completion(0))
+    with pytest.raises(KeyError):
+        pool.get_trajectory("nope")
+    assert pool.task_indices("queued") == [0]
+    a = pool.create_trajectory(0, 0)
+    b = pool.create_trajectory(0, 1)
+    assert len(a) == 32 and a != b
+    assert pool.task_indices("running") == [0]
+    with pytest.raises(ValueError):
+        pool.create_trajectory(0, 2, trajectory_id=a)
+    with pytest.raises(ValueError):
+        pool.finish_trajectory(a, "running")
+    pool.finish_trajectory(a, "failed", error="agent crashed")
+    with pytest.raises(ValueError):
+        pool.add_completion(a, make_completion(0))
+    with pytest.raises(ValueError):
+        pool.finish_trajectory(a, "finished", reward=1.0)
+    assert pool.finish_group(0) == [b]  # timeout finalisation aborts the straggler
+    assert [t.status for t in pool.get_group(0).trajectories] == ["failed", "aborted"]
+    assert pool.finished_group_task_indices() == [0]
+    pool.mark_trained([0], step=5)
+    with pytest.raises(ValueError):
+        pool.mark_trained([0], step=6)
+    with pytest.raises(KeyError):
+        pool.mark_trained([9], step=6)
+    assert pool.stats() == {
+        "tasks_queued": 0, "tasks_running": 0, "tasks_finished": 0, "tasks_trained": 1,
+        "trajectories_running": 0, "trajectories_finished": 0, "trajectories_failed": 1,
+        "trajectories_aborted": 1, "completions": 0, "completion_tokens": 0,
+    }
+    pool.set_meta("scheduler", {"head": 1, "lags": [0, 1.5]})
+    assert pool.get_meta("scheduler") == {"head": 1, "lags": [0, 1.5]}
+    assert pool.get_meta("missing", 7) == 7
+    pool.close()
+    with pytest.raises(ValueError):
+        pool.get_task(0)
+
+
+def test_reset_commit_and_revert(db_path):
+    pool = SQLitePool(db_path)
+    for i in range(3):
+        pool.add_task(i, {"i": i})
+    done = pool.create_trajectory(1, 0)
+    pool.add_completion(done, make_completion(1))
+    pool.finish_trajectory(done, "finished", reward=1.0)
+    partial = pool.create_trajectory(1, 1)
+    pool.add_completion(partial, make_completion(2))
+    pool.finish_trajectory(pool.create_trajectory(2, 0), "finished", reward=0.0)
+    pool.finish_group(2)
+    eval_id = pool.create_trajectory(-1, 0)  # eval session: no task row
+    assert pool.reset_in_flight() == [1]
+    assert pool.get_trajectory(partial).status == "aborted"
+    assert pool.get_trajectory(eval_id).status == "aborted"
+    assert pool.get_trajectory(done).status == "finished"  # finished work is kept
+    assert pool.missing_rollouts(1, group_size=3) == [1, 2]
+    assert pool.task_indices("queued") == [0, 1]
+    with pytest.raises(ValueError):
+        pool.reset_task(2)  # a finished group is trained, never re-run
+    pool.commit_trained([2], step=4, meta={"scheduler": {"v": 5}})
+    assert pool.get_meta("scheduler") == {"v": 5}
+    with pytest.raises(ValueError):  # all or nothing: neither the mark nor the meta change
+        pool.commit_trained([0, 2], step=5, meta={"scheduler": {"v": 6}})
+    assert pool.get_meta("scheduler") == {"v": 5}
+    assert pool.task_indices("trained") == [2]
+    assert pool.revert_trained_after(3) == [2]
+    assert pool.finished_group_task_indices() == [2]
+    pool.close()
+
+
+def test_concurrent_threads_get_distinct_turns(db_path):
+    pool = SQLitePool(db_path)
+    tid = pool.create_trajectory(0, 0)
+    turns: list[int] = []
+
+    def writer(k: int) -> None:
+        for j in range(20):
+            turns.append(pool.add_completion(tid, make_completion(k * 100 + j)))
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(turns) == list(range(80))
+    assert len(pool.get_trajectory(tid).completions) == 80
+    pool.close()
+
+
+CHILD = """
+import sys
+from forgerl.datapool.sqlite import SQLitePool
+from tests.datapool.test_sqlite import make_completion
+pool = SQLitePool(sys.argv[1])
+tid = pool.create_trajectory(0, 0, trajectory_id="t")
+i = 0
+while True:
+    pool.add_completion(tid, make_completion(i))
+    i += 1
+    print(i, flush=True)
+"""
+
+
+def test_sigkill_mid_write_loses_no_committed_completion(db_path):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db_path)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    reported = 0
+    while reported < 200:
+        reported = int(child.stdout.readline())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=10)
+    for line in child.stdout.read().split():  # lines written before the kill
+        reported = int(line)
+    assert child.returncode == -signal.SIGKILL
+
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    raw.close()
+    pool = SQLitePool(db_path)
+    completions = pool.get_trajectory("t").completions
+    # Committed before the print, so at most one commit can be unreported.
+    assert reported <= len(completions) <= reported + 1
+    assert completions == [make_completion(i) for i in range(len(completions))]
+    pool.close()
