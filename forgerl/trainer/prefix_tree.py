@@ -137,11 +137,11 @@ def _pieces(trie: _Trie, size: list[int], node: int, chain: list[int], cap: int)
 
 
 def _first_fit(pieces: list[list[int]], cap: int) -> list[list[int]]:
-    """Pack pieces into rows of at most `cap` tokens, first-fit decreasing; each row keeps the
-    DFS order of its pieces."""
+    """Pack pieces into rows of at most `cap` tokens, first-fit in input order (so sequences
+    keep their order when nothing is shared)."""
     rows: list[list[int]] = []
     free: list[int] = []
-    for piece in sorted(pieces, key=len, reverse=True):
+    for piece in pieces:
         for r, room in enumerate(free):
             if len(piece) <= room:
                 rows[r].extend(piece)
@@ -231,7 +231,9 @@ def _make_row(trie: _Trie, nodes: list[int], preds: list[tuple[int, int, int, in
     )
 
 
-def forward_logprobs(model: torch.nn.Module, row: TreeRow, temperature: float = 1.0) -> torch.Tensor:
+def forward_logprobs(
+    model: torch.nn.Module, row: TreeRow, temperature: float = 1.0
+) -> torch.Tensor:
     """Policy logprobs of a row's predictions: one forward over the row (differentiable).
 
     Returns (K,) fp32: log_softmax(logits[pred_pos] / temperature)[target_ids], on the model's
