@@ -1,0 +1,206 @@
+"""Run one black-box agent episode: a subprocess in any language, or an async Python callable.
+
+The agent is a pure trajectory producer (DESIGN.md): it only gets the gateway's `base_url` and a
+per-rollout `api_key` (the session), plus the task. Its final answer is what the reward scores;
+the completions it produced were already recorded by the gateway.
+
+A command agent gets the OpenAI variables (`OPENAI_BASE_URL`, `OPENAI_API_KEY`), the Anthropic
+ones (`ANTHROPIC_BASE_URL` without the `/v1` suffix, `ANTHROPIC_API_KEY`) and `FORGERL_TASK`
+(the task as JSON) in its environment, and the same JSON on stdin. Its answer is the last
+non-empty stdout line. It runs in its own process group; on timeout or cancellation the whole
+group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period,
+so an aborted rollout leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+AgentStatus = Literal["finished", "failed", "timeout"]
+AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
+
+STDOUT_KEEP = 65536  # bytes of stdout kept: the answer is on the last line, logs may be long
+STDERR_KEEP = 4000  # characters of stderr kept for the trajectory's error field
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """Outcome of one agent episode.
+
+    answer: the final answer (last non-empty stdout line, or the callable's return value);
+        None when the agent failed, timed out or printed nothing.
+    status: "finished" (exit code 0 / callable returned), "failed" (non-zero exit, could not
+        start, or raised) or "timeout" (killed after `timeout_s`).
+    returncode: the process exit code (negative = killed by that signal); None for callables and
+        for commands that could not start.
+    stderr_tail: the last 4000 characters of stderr, or of the callable's traceback.
+    seconds: wall-clock duration of the episode.
+    """
+
+    answer: str | None
+    status: AgentStatus
+    returncode: int | None
+    stderr_tail: str
+    seconds: float
+
+
+def agent_env(task: dict, base_url: str, api_key: str) -> dict[str, str]:
+    """The variables that point an agent at the gateway and give it the task."""
+    anthropic_url = base_url.rstrip("/").removesuffix("/v1")
+    return {
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": anthropic_url,
+        "ANTHROPIC_API_KEY": api_key,
+        "FORGERL_TASK": json.dumps(task),
+    }
+
+
+async def run_agent(
+    agent: list[str] | AgentFn, task: dict, base_url: str, api_key: str, timeout_s: float
+) -> AgentResult:
+    """Run a command agent (list of argv strings) or an async callable agent; see below."""
+    if isinstance(agent, list):
+        return await run_command_agent(agent, task, base_url, api_key, timeout_s)
+    return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
+
+
+async def run_command_agent(
+    command: list[str],
+    task: dict,
+    base_url: str,
+    api_key: str,
+    timeout_s: float,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    grace_s: float = 2.0,
+) -> AgentResult:
+    """Run `command` as one agent episode and return its answer and status.
+
+    The process inherits this environment plus `env` plus `agent_env(...)`, reads the task JSON
+    on stdin, and starts a new session (its own process group). At `timeout_s` seconds, or when
+    the calling task is cancelled, the group gets SIGTERM, then SIGKILL `grace_s` seconds later;
+    a finished agent's leftover children get SIGKILL too. Cancellation re-raises
+    `asyncio.CancelledError` after the group is dead. Never raises for agent faults.
+    """
+    start = time.monotonic()
+    full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
+            env=full_env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0)
+
+    out_buf, err_buf = bytearray(), bytearray()
+    readers = {
+        asyncio.create_task(_read_tail(proc.stdout, out_buf, STDOUT_KEEP)),
+        asyncio.create_task(_read_tail(proc.stderr, err_buf, STDERR_KEEP)),
+        asyncio.create_task(_feed_stdin(proc, json.dumps(task).encode())),
+    }
+    status: AgentStatus = "finished"
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _exited(proc)
+    except TimeoutError:
+        status = "timeout"
+        await _terminate_group(proc, grace_s)
+    except asyncio.CancelledError:
+        await _terminate_group(proc, grace_s)
+        for reader in readers:
+            reader.cancel()
+        raise
+    _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
+    # The pipes close when the group is gone; a process that left the group (setsid) and
+    # still holds them only costs us its unread output.
+    _, pending = await asyncio.wait(readers, timeout=grace_s)
+    for reader in pending:
+        reader.cancel()
+    out, err = (b.decode("utf-8", errors="replace") for b in (out_buf, err_buf))
+    if status == "finished" and proc.returncode != 0:
+        status = "failed"
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    answer = lines[-1] if status == "finished" and lines else None
+    return AgentResult(answer, status, proc.returncode, err, time.monotonic() - start)
+
+
+async def run_callable_agent(
+    fn: AgentFn, task: dict, base_url: str, api_key: str, timeout_s: float
+) -> AgentResult:
+    """Await `fn(task, base_url, api_key)` with a timeout; exceptions become status "failed".
+
+    Cancellation propagates (the callable is cancelled with the caller).
+    """
+    start = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(fn(task, base_url, api_key), timeout_s)
+    except TimeoutError:
+        return AgentResult(None, "timeout", None, "", time.monotonic() - start)
+    except Exception:
+        tail = traceback.format_exc()[-STDERR_KEEP:]
+        return AgentResult(None, "failed", None, tail, time.monotonic() - start)
+    text = None if answer is None else str(answer).strip() or None
+    return AgentResult(text, "finished", None, "", time.monotonic() - start)
+
+
+async def _read_tail(stream: asyncio.StreamReader | None, buf: bytearray, keep: int) -> None:
+    """Read `stream` to EOF into `buf`, keeping only its last `keep` bytes."""
+    while stream is not None and (chunk := await stream.read(65536)):
+        buf += chunk
+        del buf[:-keep]
+
+
+async def _exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
+    """The leader's exit code, as soon as it exits.
+
+    `Process.wait()` also waits for the stdout/stderr pipes to close (Python 3.11), which a
+    grandchild holding them would delay forever; the return code is set on exit itself.
+    """
+    while proc.returncode is None:
+        await asyncio.sleep(poll_s)
+    return proc.returncode
+
+
+async def _feed_stdin(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    """Write the task to stdin and close it; an agent that never reads it is fine."""
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+        proc.stdin.close()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to process group `pgid`; an already empty group is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM the agent's group, wait up to `grace_s` for the leader, then SIGKILL the group.
+
+    The SIGKILL runs even if this wait is itself cancelled; asyncio's child watcher reaps the
+    leader, and the final wait makes sure it has been reaped before returning.
+    """
+    try:
+        _signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_exited(proc), grace_s)
+    finally:
+        _signal_group(proc.pid, signal.SIGKILL)
+    await _exited(proc)
