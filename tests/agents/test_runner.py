@@ -164,7 +164,7 @@ def test_finished_agent_leftover_child_is_killed(tmp_path):
 
 def test_cancellation_kills_the_process_group(tmp_path):
     pids = tmp_path / "pids"
-    agent = write(tmp_path, "hang.py", HANGING) + [str(pids), "--stubborn"]
+    agent = [*write(tmp_path, "hang.py", HANGING), str(pids), "--stubborn"]
 
     async def main() -> tuple[int, int]:
         rollout = asyncio.create_task(run_command_agent(agent, TASK, URL, KEY, 60.0, grace_s=0.3))
