@@ -1,0 +1,1 @@
+"""Gateway tests (renderer, tool parsers, sessions, the served app)."""
