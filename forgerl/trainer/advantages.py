@@ -7,7 +7,7 @@ turn's completion tokens.
 Formula (DESIGN.md "Advantage", Forge §4.1): a trajectory's per-turn rewards are its process
 rewards (zero if absent) with the outcome reward added at the last turn, r_0 .. r_{T-1}; the
 return is R = Σ_p r_p; the group baseline is B = mean_G(R); the advantage of turn t is
-Â_t = Σ_{p≥t} r_p − B (reward-to-go minus baseline), optionally divided by the group's return
+Â_t = Σ_{p≥t} r_p - B (reward-to-go minus baseline), optionally divided by the group's return
 std (ddof=1) when that std is at least `std_floor`.
 """
 
@@ -24,7 +24,7 @@ def group_advantages(
 ) -> list[float]:
     """Group-mean-centred rewards, one per group member.
 
-    Â_i = R_i − mean(R); with `normalize_std`, Â_i /= std(R, ddof=1) unless that std is below
+    Â_i = R_i - mean(R); with `normalize_std`, Â_i /= std(R, ddof=1) unless that std is below
     `std_floor` (near-constant groups are only centred, never blown up; CASES.md C08).
     A group of size 1, or one whose rewards are all equal, gives exactly 0.0 for every member.
 
@@ -62,8 +62,7 @@ def turn_rewards(traj: Trajectory) -> list[float]:
     process = list(traj.turn_rewards) if traj.turn_rewards is not None else [0.0] * n
     if len(process) != n:
         raise ValueError(
-            f"trajectory {traj.id}: len(turn_rewards) ({len(process)}) != "
-            f"len(completions) ({n})"
+            f"trajectory {traj.id}: len(turn_rewards) ({len(process)}) != len(completions) ({n})"
         )
     if n:
         process[-1] += traj.reward if traj.reward is not None else 0.0
@@ -73,7 +72,7 @@ def turn_rewards(traj: Trajectory) -> list[float]:
 def trajectory_advantages(
     trajectories: list[Trajectory], normalize_std: bool = False, std_floor: float = 1e-6
 ) -> list[list[float]]:
-    """Per-turn advantages Â_t = reward_to_go[t] − B for each trajectory of one group.
+    """Per-turn advantages Â_t = reward_to_go[t] - B for each trajectory of one group.
 
     B = group mean of the total returns; with `normalize_std` every Â_t is divided by the
     group's return std (ddof=1) when that std is ≥ `std_floor`. Returns one list per trajectory,

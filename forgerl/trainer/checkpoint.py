@@ -59,7 +59,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint folder under `run_dir/checkpoints/`, or None."""
     root = Path(run_dir) / "checkpoints"
     done = [p for p in root.glob(f"{_PREFIX}*") if (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name[len(_PREFIX):]), default=None)
+    return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
 
 
 def load_checkpoint(
@@ -89,4 +89,3 @@ def load_checkpoint(
     opt_state = torch.load(ckpt_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(opt_state)
     return int(state["step"]), dict(state["extra"])
-

@@ -7,8 +7,8 @@ the GLOBAL number of loss tokens N of the whole batch, known before the row loop
 token-mean under gradient accumulation).
 
 All inputs are 1-D tensors of shape (K,) over the K loss tokens in the call; only
-`policy_logprobs` carries gradient. Ratios are r = exp(policy_logprobs − behavior_logprobs).
-Clip bounds are deltas from 1 (STYLE.md): the ratio is clipped to [1 − eps_low, 1 + eps_high].
+`policy_logprobs` carries gradient. Ratios are r = exp(policy_logprobs - behavior_logprobs).
+Clip bounds are deltas from 1 (STYLE.md): the ratio is clipped to [1 - eps_low, 1 + eps_high].
 Each function returns (loss, stats) with loss a 0-dim tensor and stats plain floats:
 ratio_mean, ratio_max, clip_frac (fraction of the K tokens whose weight was clipped), and
 num_tokens (K), so callers can aggregate stats over rows weighted by num_tokens.
@@ -52,10 +52,10 @@ def cispo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO loss (MiniMax-M1, arXiv 2506.13585 eq. 4; Forge §4.1).
 
-    J = 1/N · Σ_t sg(clip(r_t, 1 − eps_low, 1 + eps_high)) · Â_t · log π_θ(o_t); loss = −J.
+    J = 1/N · Σ_t sg(clip(r_t, 1 - eps_low, 1 + eps_high)) · Â_t · log π_θ(o_t); loss = -J.
 
     The clipped ratio is a stop-gradient importance weight, so every token keeps a gradient
-    d loss / d policy_logprobs_t = −clip(r_t)·Â_t / N (unlike PPO, no token is dropped). With the
+    d loss / d policy_logprobs_t = -clip(r_t)·Â_t / N (unlike PPO, no token is dropped). With the
     default eps_low = 1 the lower bound is 0, i.e. DESIGN.md's clip(r, 0, 1 + ε_high).
     No deviation from the paper except the delta convention for the bounds.
     """
@@ -76,7 +76,7 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip surrogate (Schulman et al. 2017 eq. 7) with the behavior policy as π_old.
 
-    J = 1/N · Σ_t min(r_t·Â_t, clip(r_t, 1 − eps_low, 1 + eps_high)·Â_t); loss = −J.
+    J = 1/N · Σ_t min(r_t·Â_t, clip(r_t, 1 - eps_low, 1 + eps_high)·Â_t); loss = -J.
     Here the ratio carries the gradient, and tokens whose clipped term is the minimum get none.
     For comparison with CISPO (same signature; defaults follow DAPO's clip-higher 0.2 / 0.28).
     """
@@ -102,7 +102,7 @@ def tis_loss(
     J = 1/N · Σ_t sg(w_t) · Â_t · log π_θ(o_t) with w_t = min(r_t, tis_cap) (TIS: Yao et al.
     2025, "Your efficient RL framework secretly brings you off-policy RL training"), or w_t = r_t
     when tis_cap is None (plain IS, unbounded variance). It equals `cispo_loss` with
-    eps_low = 1, eps_high = tis_cap − 1; kept as the named baseline for comparisons.
+    eps_low = 1, eps_high = tis_cap - 1; kept as the named baseline for comparisons.
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
     ratio = torch.exp(policy_logprobs - behavior_logprobs).detach()  # (K,)

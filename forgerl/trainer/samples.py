@@ -1,7 +1,7 @@
 """Trajectory → token-exact training samples with a loss mask (pure Python, no torch).
 
 Data flow: after advantages (one per turn), each trajectory becomes one or more `Sample`s, which
-the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01–C03):
+the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01-C03):
 
 - When turn k+1's prompt_ids extend turn k's prompt_ids + completion_ids token-for-token, the
   turn is appended to the current sample: the inserted tokens (turn separator, tool results,
@@ -41,8 +41,9 @@ def _new_sample(traj: Trajectory) -> Sample:
     return Sample([], [], [], [], [], task_index=traj.task_index, trajectory_id=traj.id)
 
 
-def _append(sample: Sample, ids: list[int], mask: int, lps: list[float], adv: float,
-            versions: list[int]) -> None:
+def _append(
+    sample: Sample, ids: list[int], mask: int, lps: list[float], adv: float, versions: list[int]
+) -> None:
     sample.input_ids += ids
     sample.loss_mask += [mask] * len(ids)
     sample.behavior_logprobs += lps if mask else [0.0] * len(ids)
@@ -52,7 +53,7 @@ def _append(sample: Sample, ids: list[int], mask: int, lps: list[float], adv: fl
 
 def _append_turn(sample: Sample, turn: Completion, advantage: float) -> None:
     """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion."""
-    _append(sample, turn.prompt_ids[len(sample.input_ids):], 0, [], 0.0, [])
+    _append(sample, turn.prompt_ids[len(sample.input_ids) :], 0, [], 0.0, [])
     mask = 1 if turn.token_exact else 0
     _append(sample, turn.completion_ids, mask, turn.logprobs, advantage, turn.weight_versions)
 

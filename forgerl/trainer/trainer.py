@@ -89,7 +89,7 @@ class Trainer:
 
         Metrics: loss, reward_mean, advantage_abs_mean (over loss tokens), num_loss_tokens,
         tokens_before_merge / tokens_after_merge, grad_norm (before clipping), ratio_mean /
-        ratio_max / clip_frac, off_policy_lag_mean / _max (self.step − weight_versions over
+        ratio_max / clip_frac, off_policy_lag_mean / _max (self.step - weight_versions over
         loss tokens), groups_skipped (all advantages 0), prefix_extensions / prefix_branches,
         step_seconds, tokens_per_second (tree tokens through forward+backward per second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged.

@@ -2,7 +2,7 @@
 
 Pins CASES.md C08 (near-zero-variance groups must give exact, finite advantages: centring only,
 no division by a vanishing std, zeros for constant or singleton groups) and DESIGN.md's
-Â_t = Σ_{p≥t} r_p − B with B the group mean of total returns.
+Â_t = Σ_{p≥t} r_p - B with B the group mean of total returns.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def test_reward_to_go_suffix_sums():
 
 def _traj(i: int, turns: int, reward: float | None, process=None, status="finished"):
     c = Completion([1], [2], [-0.1], [0], 0, "stop")
-    return Trajectory(f"t{i}", 0, i, [c] * turns, reward=reward, turn_rewards=process,
-                      status=status)
+    return Trajectory(
+        f"t{i}", 0, i, [c] * turns, reward=reward, turn_rewards=process, status=status
+    )
 
 
 def test_composite_rewards_reward_to_go_minus_group_mean_return():

@@ -1,7 +1,7 @@
 """Losses: CISPO (and PPO-clip / TIS for comparison) against hand computations.
 
-Pins: the CISPO value and its gradient d loss / d policy_logprobs = −clip(r)·Â / N with ratios
-inside and outside [1 − eps_low, 1 + eps_high]; no gradient through the clipped ratio; ratio
+Pins: the CISPO value and its gradient d loss / d policy_logprobs = -clip(r)·Â / N with ratios
+inside and outside [1 - eps_low, 1 + eps_high]; no gradient through the clipped ratio; ratio
 exactly 1 when policy == behavior (CASES.md C04's trainer side); and CASES.md C07: the token-mean
 loss divides by the GLOBAL loss-token count, so accumulating micro-batches gives the same loss
 and gradients as one pass.
@@ -55,7 +55,7 @@ def test_cispo_lower_bound_with_eps_low():
 
 def test_cispo_no_gradient_through_the_ratio():
     # Gradient of the loss equals that of -(const weight)·Â·logπ: the ratio's own derivative
-    # (which would add −w·Â·logπ/N for unclipped tokens) must be absent.
+    # (which would add -w·Â·logπ/N for unclipped tokens) must be absent.
     behavior = torch.tensor([-1.0])
     policy = _leaf([-1.0 + math.log(1.1)])  # unclipped ratio 1.1
     loss, _ = cispo_loss(policy, behavior, torch.tensor([2.0]), 1)
@@ -78,7 +78,7 @@ def test_c04_ratio_is_one_when_policy_equals_behavior():
 
 
 def _c07_inputs():
-    # A: 10 loss tokens, per-token loss −1·1·(−1) = 1.0 ; B: 2 tokens, −1·4·(−1) = 4.0 (ratio 1)
+    # A: 10 loss tokens, per-token loss -1·1·(-1) = 1.0 ; B: 2 tokens, -1·4·(-1) = 4.0 (ratio 1)
     pol = _leaf([-1.0] * 12)
     beh = torch.full((12,), -1.0)
     adv = torch.tensor([1.0] * 10 + [4.0] * 2)
@@ -97,7 +97,7 @@ def test_c07_global_token_mean_under_accumulation(micro_batch):
     n_global = 12  # known before the micro-batch loop
     total = 0.0
     for i in range(0, len(sequences), micro_batch):
-        idx = torch.cat([torch.arange(12)[s] for s in sequences[i:i + micro_batch]])
+        idx = torch.cat([torch.arange(12)[s] for s in sequences[i : i + micro_batch]])
         loss, _ = cispo_loss(pol[idx], beh[idx], adv[idx], n_global)
         loss.backward()
         total += loss.item()

@@ -1,6 +1,6 @@
 """Trajectory → samples: loss masks, behavior logprobs and advantages per token.
 
-Pins DESIGN.md's merging rule and CASES.md C01–C03 on the trainer side: a turn whose prompt
+Pins DESIGN.md's merging rule and CASES.md C01-C03 on the trainer side: a turn whose prompt
 extends the previous prompt + completion joins the same sample, where the sampled end-of-turn id
 (151645) keeps loss mask 1 and the inserted "\\n" (198), tool turn and next assistant header
 (151644 77091 198) get mask 0; a rewritten context starts a new sample and is counted as a
@@ -24,13 +24,26 @@ C2 = [20, IM_END]
 
 
 def _turn(prompt, completion, logprobs, versions, exact=True):
-    return Completion(prompt, completion, logprobs, versions, versions[0] if versions else 0,
-                      "stop", token_exact=exact)
+    return Completion(
+        prompt,
+        completion,
+        logprobs,
+        versions,
+        versions[0] if versions else 0,
+        "stop",
+        token_exact=exact,
+    )
 
 
 def _traj(*turns):
-    return Trajectory("traj-a", task_index=5, rollout_index=1, completions=list(turns),
-                      reward=1.0, status="finished")
+    return Trajectory(
+        "traj-a",
+        task_index=5,
+        rollout_index=1,
+        completions=list(turns),
+        reward=1.0,
+        status="finished",
+    )
 
 
 def test_extending_turns_merge_into_one_sample():
@@ -48,8 +61,8 @@ def test_extending_turns_merge_into_one_sample():
     assert (s.task_index, s.trajectory_id) == (5, "traj-a")
     # C02 boundary: sampled end-of-turn trained, the separator and next header are not
     i = s.input_ids.index(IM_END, 9)
-    assert s.input_ids[i:i + 3] == [IM_END, NL, IM_START]
-    assert s.loss_mask[i:i + 3] == [1, 0, 0]
+    assert s.input_ids[i : i + 3] == [IM_END, NL, IM_START]
+    assert s.loss_mask[i : i + 3] == [1, 0, 0]
     # C03: the second completion directly follows the assistant header, which has mask 0
     assert s.input_ids[-5:-2] == [IM_START, ASSISTANT, NL] and s.loss_mask[-5:-2] == [0, 0, 0]
 
@@ -62,7 +75,7 @@ def test_rewritten_context_branches_into_a_new_sample():
     t3 = _turn(p3, [30, IM_END], [-0.9, -0.05], [4, 4])
     samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2, t3), [0.7, 0.5, 0.25])
     assert (stats.extensions, stats.branches) == (1, 1)
-    assert [s.input_ids for s in samples] == [P1 + C1 + INSERT + C2, p3 + [30, IM_END]]
+    assert [s.input_ids for s in samples] == [P1 + C1 + INSERT + C2, [*p3, 30, IM_END]]
     b = samples[1]
     assert b.loss_mask == [0] * 9 + [1, 1]
     assert b.behavior_logprobs == [0.0] * 9 + [-0.9, -0.05]
@@ -75,7 +88,7 @@ def test_prompt_equal_to_previous_prefix_but_shorter_is_a_branch():
     t2 = _turn(P1 + C1[:2], [7], [-0.4], [0])  # ends before the previous completion's end
     samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2), [1.0, 1.0])
     assert (stats.extensions, stats.branches) == (0, 1)
-    assert samples[1].input_ids == P1 + [10, 11, 7]
+    assert samples[1].input_ids == [*P1, 10, 11, 7]
     assert samples[1].loss_mask == [0] * 11 + [1]
 
 
@@ -83,15 +96,15 @@ def test_non_token_exact_turn_contributes_only_mask_zero():
     t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
     # turn 2 came back as text and was re-encoded: ids kept for context, never trained
     t2 = _turn(P2, [12, IM_END], [0.0, 0.0], [4, 4], exact=False)
-    p3 = P2 + [12, IM_END] + INSERT
+    p3 = [*P2, 12, IM_END, *INSERT]
     t3 = _turn(p3, [40, IM_END], [-1.0, -0.2], [4, 4])
     samples = trajectory_to_samples(_traj(t1, t2, t3), [0.3, 0.2, 0.1])
     assert len(samples) == 1
     s = samples[0]
-    assert s.input_ids == p3 + [40, IM_END]
+    assert s.input_ids == [*p3, 40, IM_END]
     n1 = len(P1)
     assert s.loss_mask == [0] * n1 + [1] * 3 + [0] * 10 + [0, 0] + [0] * 10 + [1, 1]
-    assert s.behavior_logprobs[n1 + 13:n1 + 15] == [0.0, 0.0]
+    assert s.behavior_logprobs[n1 + 13 : n1 + 15] == [0.0, 0.0]
     assert s.advantages == [0.0] * n1 + [0.3] * 3 + [0.0] * 22 + [0.1] * 2
     assert 12 in s.input_ids and all(
         m == 0 for i, m in zip(s.input_ids, s.loss_mask, strict=True) if i == 12

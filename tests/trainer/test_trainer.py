@@ -41,8 +41,10 @@ def _model_logprobs(model, prompt, completion):
 
 def _turn(model, prompt, completion, version, shift):
     """A completion whose behavior logprobs are the model's own plus `shift` per token."""
-    lps = [lp + shift[i % len(shift)] for i, lp in enumerate(_model_logprobs(model, prompt,
-                                                                             completion))]
+    lps = [
+        lp + shift[i % len(shift)]
+        for i, lp in enumerate(_model_logprobs(model, prompt, completion))
+    ]
     return Completion(prompt, completion, lps, [version] * len(completion), version, "stop")
 
 
@@ -53,19 +55,32 @@ def _traj(tid, task, turns, reward, status="finished", process=None):
 def make_groups(model, shift=(0.0,)):
     """Three groups: multi-turn extend + branch (task 0), process rewards (task 1), no signal."""
     a1 = _turn(model, P, [40, 41, IM_END], 0, shift)
-    a2 = _turn(model, P + [40, 41] + INS, [44, 45, IM_END], 1, shift)
-    c2_prompt = P[:4] + [120, 121, NL, IM_START, 70]
-    g0 = Group(0, [
-        _traj("a", 0, [a1, a2], 1.0),
-        _traj("b", 0, [_turn(model, P, [50, IM_END], 0, shift)], 0.0),
-        _traj("c", 0, [_turn(model, P, [40, 52, 53, IM_END], 1, shift),
-                       _turn(model, c2_prompt, [66, IM_END], 1, shift)], 0.5),
-        _traj("d", 0, [_turn(model, P, [99, 98], 0, shift)], None, status="failed"),
-    ])
-    g1 = Group(1, [
-        _traj("e", 1, [_turn(model, Q, [30, 31, IM_END], 1, shift)], 1.0, process=[0.2]),
-        _traj("f", 1, [_turn(model, Q, [30, IM_END], 0, shift)], 0.0),
-    ])
+    a2 = _turn(model, [*P, 40, 41, *INS], [44, 45, IM_END], 1, shift)
+    c2_prompt = [*P[:4], 120, 121, NL, IM_START, 70]
+    g0 = Group(
+        0,
+        [
+            _traj("a", 0, [a1, a2], 1.0),
+            _traj("b", 0, [_turn(model, P, [50, IM_END], 0, shift)], 0.0),
+            _traj(
+                "c",
+                0,
+                [
+                    _turn(model, P, [40, 52, 53, IM_END], 1, shift),
+                    _turn(model, c2_prompt, [66, IM_END], 1, shift),
+                ],
+                0.5,
+            ),
+            _traj("d", 0, [_turn(model, P, [99, 98], 0, shift)], None, status="failed"),
+        ],
+    )
+    g1 = Group(
+        1,
+        [
+            _traj("e", 1, [_turn(model, Q, [30, 31, IM_END], 1, shift)], 1.0, process=[0.2]),
+            _traj("f", 1, [_turn(model, Q, [30, IM_END], 0, shift)], 0.0),
+        ],
+    )
     g2 = Group(2, [_traj(x, 2, [_turn(model, Q, [33, IM_END], 0, shift)], 1.0) for x in "gh"])
     return [g0, g1, g2]
 
@@ -78,8 +93,11 @@ EXPECTED_ADVANTAGES = {"a": [0.5, 0.5], "b": [-0.5], "c": [0.0, 0.0], "e": [0.6]
 def naive_loss(model, groups, eps_high=0.28):
     """Reference: one plain causal forward per sample, CISPO per token, divided by global N."""
     trajs = {t.id: t for g in groups for t in g.trajectories}
-    samples = [s for tid, adv in EXPECTED_ADVANTAGES.items()
-               for s in trajectory_to_samples(trajs[tid], adv)]
+    samples = [
+        s
+        for tid, adv in EXPECTED_ADVANTAGES.items()
+        for s in trajectory_to_samples(trajs[tid], adv)
+    ]
     n_global = sum(sum(s.loss_mask) for s in samples)
     total = torch.zeros(())
     for s in samples:
@@ -88,8 +106,13 @@ def naive_loss(model, groups, eps_high=0.28):
         lp = torch.log_softmax(logits, -1)
         t = torch.tensor([i for i, m in enumerate(s.loss_mask) if m])
         policy = lp[t - 1, ids[0, t]]
-        loss, _ = cispo_loss(policy, torch.tensor(s.behavior_logprobs)[t],
-                             torch.tensor(s.advantages)[t], n_global, eps_high=eps_high)
+        loss, _ = cispo_loss(
+            policy,
+            torch.tensor(s.behavior_logprobs)[t],
+            torch.tensor(s.advantages)[t],
+            n_global,
+            eps_high=eps_high,
+        )
         total = total + loss
     return total, n_global
 
@@ -98,8 +121,9 @@ def naive_loss(model, groups, eps_high=0.28):
 def test_packed_loss_and_grads_equal_naive_per_sample(merge, max_row_tokens):
     model = build_tiny_model()
     groups = make_groups(model, shift=(0.0, -0.6, 0.4, 0.1))  # ratios in and out of the clip
-    trainer = Trainer(model, temperature=TEMPERATURE, merge_prefixes=merge,
-                      max_row_tokens=max_row_tokens)
+    trainer = Trainer(
+        model, temperature=TEMPERATURE, merge_prefixes=merge, max_row_tokens=max_row_tokens
+    )
     batch = trainer.prepare(groups)
     metrics = trainer.accumulate_gradients(batch)
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -142,7 +166,7 @@ def test_train_step_changes_every_parameter_and_reports_metrics():
     assert m["off_policy_lag_max"] == 2.0
     # rewards of all scored trajectories: 1, 0, .5 | 1, 0 | 1, 1
     assert m["reward_mean"] == pytest.approx(4.5 / 7)
-    # |Â| over loss tokens: a 6×0.5, b 2×0.5, c 6×0, e 3×0.6, f 2×0.6
+    # |Â| over loss tokens: a 6x0.5, b 2x0.5, c 6x0, e 3x0.6, f 2x0.6
     assert m["advantage_abs_mean"] == pytest.approx((3.0 + 1.0 + 1.8 + 1.2) / 19)
     assert m["grad_norm"] > 0.0 and m["tokens_per_second"] > 0.0
     sync = trainer.state_dict_for_sync()
@@ -175,8 +199,9 @@ def test_checkpoint_round_trip(tmp_path):
     fresh = Trainer(build_tiny_model(seed=1), lr=1e-3, temperature=TEMPERATURE)
     step, extra = load_checkpoint(path, fresh.model, fresh.optimizer)
     assert (step, extra) == (2, {"cursor": [5, 6]})
-    for (name, a), b in zip(model.state_dict().items(), fresh.model.state_dict().values(),
-                            strict=True):
+    for (name, a), b in zip(
+        model.state_dict().items(), fresh.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
     s_old, s_new = trainer.optimizer.state_dict(), fresh.optimizer.state_dict()
     assert s_old["param_groups"] == s_new["param_groups"]
