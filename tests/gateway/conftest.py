@@ -98,8 +98,9 @@ class MemoryPool:
         return self.trajectories[trajectory_id]
 
     def get_group(self, task_index: int) -> Group:
-        return Group(task_index, [t for t in self.trajectories.values()
-                                  if t.task_index == task_index])
+        return Group(
+            task_index, [t for t in self.trajectories.values() if t.task_index == task_index]
+        )
 
     def close(self) -> None:
         pass
@@ -149,8 +150,9 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
 
     def _serve(engine, tokenizer, default_system: str | None = None, **kw) -> Served:
         kw.setdefault("model_name", "tiny")
-        gateway = Gateway(ChatMLRenderer(tokenizer, default_system), engine, make_pool(tmp_path),
-                          **kw)
+        gateway = Gateway(
+            ChatMLRenderer(tokenizer, default_system), engine, make_pool(tmp_path), **kw
+        )
         server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
         servers.append(server)
         return Served(gateway, server.base_url, loop)

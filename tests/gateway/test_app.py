@@ -20,8 +20,13 @@ from forgerl.gateway.renderer import ChatMLRenderer
 from .conftest import ScriptedEngine, reply
 from .test_tito import WEATHER, tool_call_text
 
-LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"id": {"type": "integer"}}}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}},
+    },
+}
 USER = [{"role": "user", "content": "look up 7 and 8"}]
 
 
@@ -50,8 +55,9 @@ def test_c05_several_tool_calls(serve, tokenizer, renderer, second, n_calls, kep
     r = srv.client(key).chat.completions.create(model="tiny", messages=USER, tools=[LOOKUP])
     msg = r.choices[0].message
     assert [c.function.name for c in msg.tool_calls] == ["lookup"] * n_calls
-    assert [json.loads(c.function.arguments) for c in msg.tool_calls] == [
-        {"id": 7}, {"id": 8}][:n_calls]
+    assert [json.loads(c.function.arguments) for c in msg.tool_calls] == [{"id": 7}, {"id": 8}][
+        :n_calls
+    ]
     assert all(c.id.startswith("call_") and c.type == "function" for c in msg.tool_calls)
     assert r.choices[0].finish_reason == "tool_calls"
     if kept is None:
@@ -76,10 +82,15 @@ def test_c06_stream_records_the_same_as_plain(serve, tokenizer, renderer):
     tid_plain, key_plain = srv.session(task_index=0)
     tid_stream, key_stream = srv.session(task_index=1)
     plain = srv.client(key_plain).chat.completions.create(
-        model="tiny", messages=USER, tools=[WEATHER])
+        model="tiny", messages=USER, tools=[WEATHER]
+    )
     stream = srv.client(key_stream).chat.completions.create(
-        model="tiny", messages=USER, tools=[WEATHER], stream=True,
-        stream_options={"include_usage": True})
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     (a,) = srv.pool.get_trajectory(tid_plain).completions
     (b,) = srv.pool.get_trajectory(tid_stream).completions
@@ -102,8 +113,12 @@ def test_c06_raw_sse_ends_with_done(serve, tokenizer, renderer):
     srv = serve(ScriptedEngine([reply(renderer, "hi")]), tokenizer)
     _, key = srv.session()
     body = {"model": "tiny", "messages": USER, "stream": True}
-    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{srv.base_url}/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -133,7 +148,8 @@ def test_c09_truncated_tool_call_keeps_length(serve, tokenizer, renderer):
     srv = serve(ScriptedEngine([reply(renderer, text)]), tokenizer)
     tid, key = srv.session()
     r = srv.client(key).chat.completions.create(
-        model="tiny", messages=USER, tools=[LOOKUP], max_tokens=20)
+        model="tiny", messages=USER, tools=[LOOKUP], max_tokens=20
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == text[:20]
@@ -146,8 +162,9 @@ def test_sampling_overrides_and_weight_version(serve, tokenizer, renderer):
     srv = serve(engine, tokenizer, temperature=0.7, max_tokens=33)
     tid, key = srv.session(temperature=0.25, max_tokens=9)
     engine.weight_version = 3
-    srv.client(key).chat.completions.create(model="tiny", messages=USER, temperature=1.3,
-                                            max_tokens=100, seed=5)
+    srv.client(key).chat.completions.create(
+        model="tiny", messages=USER, temperature=1.3, max_tokens=100, seed=5
+    )
     _, key2 = srv.session()
     srv.client(key2).chat.completions.create(model="tiny", messages=USER)
     p1, p2 = engine.calls[0][1], engine.calls[1][1]
@@ -171,10 +188,17 @@ def test_models_and_session_endpoints(serve, tokenizer, renderer):
     assert r.status_code == 200
     traj = srv.pool.get_trajectory(sid)
     assert (traj.task_index, traj.status, traj.reward, len(traj.completions)) == (
-        4, "finished", 1.0, 1)
+        4,
+        "finished",
+        1.0,
+        1,
+    )
     # the session is closed: its key no longer works, the finished record stays
-    bad = httpx.post(f"{srv.base_url}/chat/completions", json={"model": "tiny", "messages": USER},
-                     headers={"Authorization": f"Bearer {key}"})
+    bad = httpx.post(
+        f"{srv.base_url}/chat/completions",
+        json={"model": "tiny", "messages": USER},
+        headers={"Authorization": f"Bearer {key}"},
+    )
     assert bad.status_code == 401 and len(srv.pool.get_trajectory(sid).completions) == 1
     r = httpx.post(f"{srv.base_url}/sessions/nope/reward", json={"reward": 1.0})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
@@ -191,29 +215,60 @@ BAD = [
     # (name, headers-key, raw body, status, code)
     ("malformed-json", "good", b'{"model": "tiny", "messages": [', 400, "invalid_json"),
     ("wrong-type", "good", json.dumps({"model": "tiny", "messages": "hi"}), 400, "invalid_type"),
-    ("bad-role", "good", json.dumps({"model": "tiny", "messages": [{"role": "bot"}]}), 400,
-     "invalid_type"),
-    ("temperature-type", "good", json.dumps({"model": "tiny", "messages": USER,
-                                             "temperature": "hot"}), 400, "invalid_type"),
-    ("unknown-model", "good", json.dumps({"model": "gpt-9", "messages": USER}), 404,
-     "model_not_found"),
+    (
+        "bad-role",
+        "good",
+        json.dumps({"model": "tiny", "messages": [{"role": "bot"}]}),
+        400,
+        "invalid_type",
+    ),
+    (
+        "temperature-type",
+        "good",
+        json.dumps({"model": "tiny", "messages": USER, "temperature": "hot"}),
+        400,
+        "invalid_type",
+    ),
+    (
+        "unknown-model",
+        "good",
+        json.dumps({"model": "gpt-9", "messages": USER}),
+        404,
+        "model_not_found",
+    ),
     ("missing-key", None, json.dumps({"model": "tiny", "messages": USER}), 401, "invalid_api_key"),
-    ("unknown-key", "sk-nope", json.dumps({"model": "tiny", "messages": USER}), 401,
-     "invalid_api_key"),
-    ("top-p", "good", json.dumps({"model": "tiny", "messages": USER, "top_p": 0.8}), 400,
-     "unsupported_value"),
-    ("too-long", "good", json.dumps({"model": "tiny", "messages": [
-        {"role": "user", "content": "y" * 300}]}), 400, "context_length_exceeded"),
-    ("engine-error", "good", json.dumps({"model": "tiny", "messages": USER}), 500,
-     "engine_error"),
+    (
+        "unknown-key",
+        "sk-nope",
+        json.dumps({"model": "tiny", "messages": USER}),
+        401,
+        "invalid_api_key",
+    ),
+    (
+        "top-p",
+        "good",
+        json.dumps({"model": "tiny", "messages": USER, "top_p": 0.8}),
+        400,
+        "unsupported_value",
+    ),
+    (
+        "too-long",
+        "good",
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "y" * 300}]}),
+        400,
+        "context_length_exceeded",
+    ),
+    ("engine-error", "good", json.dumps({"model": "tiny", "messages": USER}), 500, "engine_error"),
 ]
 
 
 @pytest.mark.parametrize(("name", "key", "raw", "status", "code"), BAD, ids=[b[0] for b in BAD])
-def test_bad_input_gets_openai_error_and_pool_unchanged(serve, tokenizer, renderer, name, key,
-                                                        raw, status, code):
-    engine = ScriptedEngine([reply(renderer, "first"), RuntimeError("CUDA fell over")],
-                            max_model_len=256)
+def test_bad_input_gets_openai_error_and_pool_unchanged(
+    serve, tokenizer, renderer, name, key, raw, status, code
+):
+    engine = ScriptedEngine(
+        [reply(renderer, "first"), RuntimeError("CUDA fell over")], max_model_len=256
+    )
     srv = serve(engine, tokenizer)
     tid, good = srv.session()
     client = srv.client(good)

@@ -38,15 +38,24 @@ def test_c01_sampled_ids_are_reused_not_reencoded(serve):
     assert tok.encode("hello", add_special_tokens=False) == [262]
     assert tok.decode([259, 261]) == "hello"
     end = 2
-    engine = ScriptedEngine([Scripted([259, 261, end], [-0.5, -0.7, -0.1]),
-                             Scripted([259, 261, end], [-0.2, -0.3, -0.4])])
+    engine = ScriptedEngine(
+        [
+            Scripted([259, 261, end], [-0.5, -0.7, -0.1]),
+            Scripted([259, 261, end], [-0.2, -0.3, -0.4]),
+        ]
+    )
     srv = serve(engine, tok)
     tid, key = srv.session()
     client = srv.client(key)
-    r1 = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "say hi"}])
+    r1 = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "say hi"}]
+    )
     assert r1.choices[0].message.content == "hello"
-    turn2 = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hello"},
-             {"role": "tool", "content": "42", "tool_call_id": "x"}]
+    turn2 = [
+        {"role": "user", "content": "say hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "tool", "content": "42", "tool_call_id": "x"},
+    ]
     client.chat.completions.create(model="tiny", messages=turn2)
 
     traj = srv.pool.get_trajectory(tid)
@@ -55,9 +64,9 @@ def test_c01_sampled_ids_are_reused_not_reencoded(serve):
     p1 = engine.calls[0][0]
     p2 = engine.calls[1][0]
     assert first.prompt_ids == p1 and second.prompt_ids == p2
-    assert p2[: len(p1) + 3] == p1 + [259, 261, 2]
+    assert p2[: len(p1) + 3] == [*p1, 259, 261, 2]
     tail = srv.renderer.encode("\n") + srv.renderer.render_turns(turn2[2:])
-    assert p2 == p1 + [259, 261, 2] + tail + srv.renderer.generation_prompt_ids
+    assert p2 == [*p1, 259, 261, 2, *tail, *srv.renderer.generation_prompt_ids]
     assert all(262 not in c.prompt_ids + c.completion_ids for c in traj.completions)
     assert second.extends_previous and not first.extends_previous
     assert srv.gateway.sessions.get(key).prefix_misses == 0
@@ -68,17 +77,26 @@ def tool_call_text(name: str, args: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
     from forgerl.gateway.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
-    engine = ScriptedEngine([reply(renderer, tool_call_text("get_weather", {"city": "Paris"})),
-                             reply(renderer, "It is sunny.")])
+    engine = ScriptedEngine(
+        [
+            reply(renderer, tool_call_text("get_weather", {"city": "Paris"})),
+            reply(renderer, "It is sunny."),
+        ]
+    )
     srv = serve(engine, tokenizer)
     tid, key = srv.session()
     client = srv.client(key)
@@ -88,8 +106,10 @@ def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
     assert r1.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER])
 
     first, second = srv.pool.get_trajectory(tid).completions
@@ -129,7 +149,10 @@ def test_c03_later_turn_ends_with_generation_header(serve, tokenizer):
     client = srv.client(key)
     m = [{"role": "user", "content": "capital of France?"}]
     client.chat.completions.create(model="tiny", messages=m)
-    m += [{"role": "assistant", "content": "Paris"}, {"role": "user", "content": "capital of Spain?"}]
+    m += [
+        {"role": "assistant", "content": "Paris"},
+        {"role": "user", "content": "capital of Spain?"},
+    ]
     r2 = client.chat.completions.create(model="tiny", messages=m)
     assert r2.choices[0].message.content == "Madrid"
     second = srv.pool.get_trajectory(tid).completions[1]
