@@ -220,6 +220,7 @@ class LocalEngine:
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
+        self._admitted: list[_Request] = []  # newcomers being prefilled this step
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
         self._thread.start()
@@ -317,13 +318,19 @@ class LocalEngine:
                 try:
                     self._step()
                 except Exception as exc:  # a failed forward fails its rows, not the engine
-                    rows = self._batch.rows if self._batch else []
-                    self._batch = None
+                    rows = (self._batch.rows if self._batch else []) + self._admitted
+                    self._batch, self._admitted = None, []
                     for req in rows:
                         _settle(req.loop, req.future, exc, error=True)
         for req in (self._batch.rows if self._batch else []) + list(self._waiting):
             req.resolve("abort")
         self._batch, self._waiting = None, deque()
+        while not self._inbox.empty():  # raced with close(): nothing will serve these
+            item = self._inbox.get()
+            if isinstance(item, _Request):
+                item.resolve("abort")
+            elif item is not None:
+                _settle(item.loop, item.future, RuntimeError("LocalEngine is closed"), True)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Move new requests to the waiting queue and apply weight updates; False on close."""
@@ -368,7 +375,9 @@ class LocalEngine:
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         newcomers = [r for r in newcomers if not r.future.done()]  # skip cancelled callers
         if newcomers:
+            self._admitted = newcomers
             fresh = self._finish(self._prefill(newcomers))
+            self._admitted = []
             if self._batch is None:
                 self._batch = fresh
             elif fresh is not None:

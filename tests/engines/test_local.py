@@ -276,3 +276,25 @@ def test_close_aborts_in_flight(tiny_model):
     assert out.finish_reason == "abort" and 0 < len(out.completion_ids) < 2000
     n = min(len(out.completion_ids), 20)
     assert out.completion_ids[:n] == naive_greedy(tiny_model, [7, 8], n)[0]
+
+
+def test_failed_forward_fails_its_rows_only(tiny_model):
+    """A forward that raises reaches the waiting callers; the engine keeps serving."""
+
+    async def main() -> GenerateOutput:
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        forward = engine.model.forward
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        engine.model.forward = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            await engine.generate([1, 2, 3], GREEDY)
+        engine.model.forward = forward
+        out = await engine.generate([1, 2, 3], GREEDY)
+        await engine.close()
+        return out
+
+    out = run(main())
+    assert out.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]
