@@ -30,6 +30,8 @@ class SimResult:
 
     batches: list[list[int]] = field(default_factory=list)
     """Trained task indices per step, in step order."""
+    trained_at: list[float] = field(default_factory=list)
+    """Fake-clock time at which each step ended."""
     admitted: list[int] = field(default_factory=list)
     """Task indices in dispatch order (re-dispatches excluded)."""
     finished_at: dict[int, float] = field(default_factory=dict)
@@ -89,6 +91,7 @@ def simulate(
             scheduler.on_trained(batch, scheduler.version + 1)
             res.lags.update(scheduler.last_lags)
             res.batches.append(batch)
+            res.trained_at.append(now)
     res.end_time = now
     return res
 

@@ -1,0 +1,176 @@
+"""Scheduler policies as pure state machines (Forge §3.1) and the C10 staleness case.
+
+Pins: windowed FIFO never trains a group beyond [head, head+W-1] and its window moves only when
+the head is trained; FIFO trains in queue order; FFFO trains in finish order; every admitted task
+is trained exactly once; with `max_off_policy_steps` = L no trained group's off-policy lag exceeds
+L (admission pauses, nothing is discarded); state() / from_state() round-trips mid-run.
+CASES.md C10 in our words: on a fake clock with one slow task among quick ones, windowed FIFO still
+trains the slow task promptly, trains every task equally often, and the trained tasks' durations
+match the admitted ones'.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.scheduling import simulate
+from forgerl.scheduler.policies import (
+    Fffo,
+    Fifo,
+    Scheduler,
+    WindowedFifo,
+    admissible,
+    resolve_window,
+)
+
+
+def test_select_by_hand():
+    finished = [5, 2, 0, 3]  # finish order
+    assert WindowedFifo(3).select(finished, set(), head=0, k=4) == [0, 2, 3]
+    # head 0 taken → window [1, 2]; 1 unfinished so 3 and 5 stay outside.
+    assert WindowedFifo(2).select(finished, set(), head=0, k=4) == [0, 2]
+    # 1 already trained: the window slides 0 → 2 → 3 → 4 as heads are taken.
+    assert WindowedFifo(2).select(finished, {1}, head=0, k=4) == [0, 2, 3, 5]
+    assert WindowedFifo(2).select(finished, {1}, head=0, k=2) == [0, 2]
+    assert Fifo().select(finished, set(), head=0, k=4) == [0]
+    assert Fifo().select([1, 0, 2], set(), head=0, k=2) == [0, 1]
+    assert Fffo().select(finished, set(), head=0, k=3) == [5, 2, 0]
+    assert resolve_window(0.5, 8) == 4 and resolve_window(0.01, 8) == 1
+    assert resolve_window(16, 4) == 16
+    with pytest.raises(ValueError):
+        WindowedFifo(0)
+
+
+def test_admission_bound_by_hand():
+    # FIFO, k=4, L=1, trainer at version 1, tasks 4..7 admitted at version 0.
+    admitted = {4: 0, 5: 0, 6: 0, 7: 0}
+    assert admissible(admitted, 8, 1, 1, 4, 1, 1)  # 8: C=4 → 1 + 1 - 1 = 1 ≤ 1
+    full = admitted | {8: 1, 9: 1, 10: 1, 11: 1}
+    assert not admissible(full, 12, 1, 1, 4, 1, 1)  # 12: C=8 → 1 + 2 - 1 = 2 > 1
+    # Windowed W=4: 8 would let 4,8,9,10 train before 7 (7 admitted at 0): 1 + 1 - 0 > 1.
+    assert not admissible(admitted, 8, 1, 1, 4, 4, 1)
+    # L=0 is synchronous: one batch of k at a time.
+    sched = Scheduler(Fifo(), batch_size=2, max_off_policy_steps=0, max_in_flight=10)
+    assert sched.admit(0) == [0, 1]
+    assert sched.admit(0) == []
+
+
+def test_next_batch_is_a_query_and_training_is_checked():
+    sched = Scheduler(WindowedFifo(4), batch_size=2, max_in_flight=4)
+    assert sched.admit(0) == [0, 1, 2, 3]
+    sched.on_group_finished(2, 0)
+    assert sched.next_batch() is None
+    sched.on_group_finished(1, 0)
+    sched.on_group_finished(1, 0)  # idempotent
+    assert sched.next_batch(2) == [1, 2] == sched.next_batch()
+    with pytest.raises(ValueError):
+        sched.next_batch(3)
+    with pytest.raises(ValueError):
+        sched.on_trained([0, 1], 1)  # 0 is not finished
+    sched.on_trained([1, 2], 1)
+    assert sched.queue.head == 0  # head not consumed → window does not slide
+    assert sched.metrics()["off_policy_lag_max"] == 0
+    assert sched.admit(1) == [4, 5]
+
+
+events = st.lists(st.tuples(st.sampled_from(["finish", "train"]), st.integers(0, 10**6)),
+                  min_size=1, max_size=120)
+policies = st.one_of(st.just(Fifo()), st.just(Fffo()), st.integers(1, 9).map(WindowedFifo))
+
+
+@settings(deadline=None, max_examples=150)
+@given(policy=policies, k=st.integers(1, 4), lag=st.one_of(st.none(), st.integers(0, 3)),
+       in_flight=st.integers(1, 12), events=events)
+def test_policy_invariants(policy, k, lag, in_flight, events):
+    sched = Scheduler(policy, k, lag, max_in_flight=in_flight, num_tasks=40)
+    admitted_at: dict[int, int] = {}
+    trained: list[int] = []
+    finish_order: list[int] = []
+    for kind, r in events:
+        for i in sched.admit(sched.version):
+            admitted_at[i] = sched.version
+        running = sched.queue.in_flight()
+        if kind == "finish" and running:
+            i = running[r % len(running)]
+            sched.on_group_finished(i, min(admitted_at[i] + r % 2, sched.version))  # newer tokens
+            finish_order.append(i)
+        batch = sched.next_batch()
+        if kind != "train" or batch is None:
+            continue
+        head = sched.queue.head
+        if policy.window is not None:  # each pick lies in the window of the head at that time
+            done = set(trained)
+            for i in batch:
+                assert head <= i < head + policy.window
+                done.add(i)
+                while head in done:
+                    head += 1
+        if isinstance(policy, Fffo):
+            ready = [i for i in finish_order if i not in trained]
+            assert batch == ready[:k]
+        old_head = sched.queue.head
+        sched.on_trained(batch, sched.version + 1)
+        if old_head not in batch:
+            assert sched.queue.head == old_head  # slides only when the head is consumed
+        trained += batch
+        if lag is not None:
+            assert all(0 <= x <= lag for x in sched.last_lags.values())
+        sched = Scheduler.from_state(json.loads(json.dumps(sched.state())))
+    assert len(trained) == len(set(trained))  # exactly once
+    assert set(trained) <= set(admitted_at)
+    if isinstance(policy, Fifo):
+        assert trained == list(range(len(trained)))
+    # Drain: with every group finished, everything admitted is trained (nothing discarded).
+    for _ in range(200):
+        for i in sched.admit(sched.version):
+            admitted_at[i] = sched.version
+        for i in sched.queue.in_flight():
+            sched.on_group_finished(i, admitted_at[i])
+        if (batch := sched.next_batch()) is None:
+            break
+        sched.on_trained(batch, sched.version + 1)
+        trained += batch
+        if lag is not None:
+            assert max(sched.last_lags.values()) <= lag
+    assert len(trained) == len(set(trained))
+    assert sorted(trained) == list(range(len(trained)))  # no gap: nothing skipped
+    assert len(sched.queue.admitted) < k or sched.queue.next_index == 40
+
+
+def c10_duration(i: int) -> float:
+    return 3.0 if i % 8 == 7 else 0.5
+
+
+def test_c10_slow_task_is_not_starved():
+    lag_bound = 3  # the slow group spans 3 train steps; L=2 makes the trainer run ahead of it
+    sched = Scheduler(WindowedFifo(4), batch_size=2, max_off_policy_steps=lag_bound,
+                      group_size=4)
+    res = simulate(sched, c10_duration, slots=16, train_time=1.0, steps=20)
+    trained = res.trained
+    assert len(trained) == 40 == len(set(trained))
+    items = Counter(i % 8 for i in trained)
+    assert set(items) == set(range(8)) and max(items.values()) - min(items.values()) <= 1
+    # Every slow task is trained in the step that starts next after its group finished: its
+    # step ends at most two train steps (2.0) after it finished.
+    step_of = {i: s for s, batch in enumerate(res.batches) for i in batch}
+    for i in (7, 15, 23, 31, 39):
+        assert 0 < res.trained_at[step_of[i]] - res.finished_at[i] <= 2.0
+    assert max(res.lags.values()) <= lag_bound
+    # Nothing discarded: the trained tasks are exactly the queue prefix 0..39.
+    assert sorted(trained) == list(range(40))
+    # Durations of trained tasks match those admitted (same multiset over the prefix).
+    assert sorted(c10_duration(i) for i in trained) == sorted(
+        c10_duration(i) for i in res.admitted[:40])
+
+
+def test_c10_fffo_for_contrast_is_biased():
+    sched = Scheduler(Fffo(), batch_size=2, max_off_policy_steps=None, max_in_flight=16,
+                      group_size=4)
+    res = simulate(sched, c10_duration, slots=16, train_time=1.0, steps=20)
+    first = res.trained[:8]
+    assert 7 not in first  # FFFO trains quick tasks from later epochs before slow task 7
