@@ -1,0 +1,53 @@
+"""Tasks and outcome rewards from `reasoning_gym` (procedurally generated, offline).
+
+A task is a JSON-safe dict `{"question", "answer", "metadata", "dataset"}`: the dataset entry
+exactly as reasoning-gym produced it (after a JSON round trip, so what the data pool stores and
+gives back is what the scorer saw in tests) plus the dataset name. `score` hands reasoning-gym's
+own `score_answer` the entry it expects (question, answer, metadata) and returns its reward in
+[0, 1]. Run `score` under `forgerl.rewards.scoring.score_with_timeout` to guard against slow
+verifiers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+
+import reasoning_gym
+
+
+def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dict]:
+    """`size` tasks of the reasoning-gym `dataset` with config `params`, deterministic in `seed`.
+
+    Example: `make_tasks("chain_sum", 64, 0, min_terms=2, max_terms=2, max_digits=1)`.
+
+    Raises:
+        ValueError: unknown dataset or invalid params (reasoning-gym's own message).
+    """
+    entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
+    tasks = []
+    for entry in entries:
+        # JSON round trip: tuples in metadata become lists, as they will after storage.
+        clean = json.loads(json.dumps(entry))
+        tasks.append({**clean, "dataset": dataset})
+    return tasks
+
+
+@functools.cache
+def _scorer(dataset: str) -> Callable[[str | None, dict], float]:
+    return reasoning_gym.get_score_answer_fn(dataset)
+
+
+def score(task: dict, answer: str | None) -> float:
+    """reasoning-gym's reward for `answer` on `task` (1.0 = correct; some datasets give partial
+    credit); 0.0 for a missing answer.
+
+    The scorer receives the original entry (`question`, `answer`, `metadata`), never the extra
+    `dataset` key; a composite task is scored by its `metadata.source_dataset`.
+    """
+    if answer is None:
+        return 0.0
+    name = task["metadata"].get("source_dataset") or task["dataset"]
+    entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
+    return float(_scorer(name)(answer, entry))

@@ -1,0 +1,83 @@
+"""Out-of-process reward scoring pins (CASES.md C13, hanging and failing verifiers).
+
+Semantics pinned: in a group of 8 where the verifier busy-loops in pure CPU on sample 3 and
+raises ValueError on sample 5, with a 1 s per-sample timeout, scoring returns in about 1 s, the
+two bad samples get the fallback with status timeout / error (counted), the 6 others get their
+exact rewards in input order, and the looping process is killed and reaped (no orphan), along
+with any child process it started.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from forgerl.rewards.scoring import ScoreResult, score_with_timeout, status_counts
+
+
+def verifier(sample: int, pid_dir: str) -> float:
+    """Sample 3 loops forever (after starting a sleeping child), 5 raises, others give i/8."""
+    Path(pid_dir, str(sample)).write_text(str(os.getpid()))
+    if sample == 3:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        Path(pid_dir, "child").write_text(str(child.pid))
+        while True:
+            pass
+    if sample == 5:
+        raise ValueError("malformed answer")
+    return sample / 8
+
+
+def odd_values(kind: str) -> float:
+    if kind == "nan":
+        return math.nan
+    if kind == "exit":
+        os._exit(3)
+    return 0.25
+
+
+def gone(pid: int) -> bool:
+    """True when `pid` no longer runs (absent, or a zombie waiting for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_c13_hanging_and_failing_verifier(tmp_path):
+    items = [(i, str(tmp_path)) for i in range(8)]
+    start = time.monotonic()
+    results = score_with_timeout(verifier, items, timeout_s=1.0, fallback=-1.0)
+    elapsed = time.monotonic() - start
+    assert 1.0 <= elapsed < 2.5  # 1 s timeout + forks (~0.1 s each) on 2 busy cores
+    expected = [ScoreResult(i / 8, "ok") for i in range(8)]
+    expected[3] = ScoreResult(-1.0, "timeout", "no reward in 1.0 s")
+    expected[5] = ScoreResult(-1.0, "error", "ValueError: malformed answer")
+    assert results == expected
+    assert status_counts(results) == {"reward_timeouts": 1, "reward_errors": 1}
+    looping = int((tmp_path / "3").read_text())
+    assert not Path(f"/proc/{looping}").exists()  # killed and reaped by us
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 2.0
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(child)
+
+
+def test_non_finite_or_silent_death_is_an_error():
+    results = score_with_timeout(odd_values, [("nan",), ("exit",), ("ok",)], timeout_s=5.0)
+    assert [r.status for r in results] == ["error", "error", "ok"]
+    assert [r.reward for r in results] == [0.0, 0.0, 0.25]
+    assert results[0].error == "reward nan"
+
+
+def test_more_items_than_workers_keeps_order(tmp_path):
+    items = [(i, str(tmp_path)) for i in (0, 1, 2, 4, 6, 7)]
+    results = score_with_timeout(verifier, items, timeout_s=5.0, max_workers=2)
+    assert [r.reward for r in results] == [0.0, 0.125, 0.25, 0.5, 0.75, 0.875]
+    assert all(r.status == "ok" for r in results)
