@@ -446,6 +446,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = parse_body(await request.body(), RewardRequest)
         try:
             gateway.finish_session(session_id, body.reward)
+        except ValueError as e:
+            raise GatewayError(409, str(e), "trajectory_not_running", "session_id") from None
         except KeyError:
             raise GatewayError(
                 404, f"unknown session {session_id!r}", "session_not_found", "session_id"

@@ -3,7 +3,7 @@
 `ScriptedEngine` answers each generate() with the next scripted (ids, logprobs), so tests can
 make the engine emit ids that re-encoding would never produce (CASES.md C01). The app runs under
 uvicorn on 127.0.0.1 (free port) in a background thread with its own event loop; tests talk to
-it with the official `openai` client and httpx.
+it with the official `openai` client and httpx; completions land in a real SQLite pool file.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
+from forgerl.datapool.sqlite import SQLitePool
 from forgerl.gateway.app import Gateway, GatewayServer
 from forgerl.gateway.renderer import ChatMLRenderer
-from forgerl.types import Completion, GenerateOutput, Group, SamplingParams, Trajectory
+from forgerl.types import GenerateOutput, SamplingParams
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -71,46 +72,6 @@ def reply(renderer: ChatMLRenderer, text: str, end: bool = True) -> Scripted:
 
 
 @dataclass
-class MemoryPool:
-    """In-memory DataPool holding the methods the gateway calls (plus get_trajectory)."""
-
-    trajectories: dict[str, Trajectory] = field(default_factory=dict)
-
-    def create_trajectory(
-        self, task_index: int, rollout_index: int, trajectory_id: str | None = None
-    ) -> str:
-        tid = trajectory_id or f"traj-{len(self.trajectories)}"
-        self.trajectories[tid] = Trajectory(tid, task_index, rollout_index)
-        return tid
-
-    def add_completion(self, trajectory_id: str, completion: Completion) -> int:
-        traj = self.trajectories[trajectory_id]
-        if traj.status != "running":
-            raise ValueError(f"trajectory {trajectory_id} is {traj.status}")
-        traj.completions.append(completion)
-        return len(traj.completions) - 1
-
-    def finish_trajectory(self, trajectory_id, status, reward=None, error=None) -> None:
-        traj = self.trajectories[trajectory_id]
-        traj.status, traj.reward, traj.error = status, reward, error
-
-    def get_trajectory(self, trajectory_id: str) -> Trajectory:
-        return self.trajectories[trajectory_id]
-
-    def get_group(self, task_index: int) -> Group:
-        return Group(
-            task_index, [t for t in self.trajectories.values() if t.task_index == task_index]
-        )
-
-    def close(self) -> None:
-        pass
-
-
-def make_pool(tmp_path) -> MemoryPool:
-    return MemoryPool()
-
-
-@dataclass
 class Served:
     """A gateway served over HTTP: base_url for clients, the gateway and its parts."""
 
@@ -123,7 +84,7 @@ class Served:
         return self.gateway.engine  # type: ignore[return-value]
 
     @property
-    def pool(self) -> MemoryPool:
+    def pool(self) -> SQLitePool:
         return self.gateway.pool  # type: ignore[return-value]
 
     @property
@@ -147,12 +108,13 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     servers: list[GatewayServer] = []
+    pools: list[SQLitePool] = []
 
     def _serve(engine, tokenizer, default_system: str | None = None, **kw) -> Served:
         kw.setdefault("model_name", "tiny")
-        gateway = Gateway(
-            ChatMLRenderer(tokenizer, default_system), engine, make_pool(tmp_path), **kw
-        )
+        pool = SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
+        pools.append(pool)
+        gateway = Gateway(ChatMLRenderer(tokenizer, default_system), engine, pool, **kw)
         server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
         servers.append(server)
         return Served(gateway, server.base_url, loop)
@@ -160,5 +122,7 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     yield _serve
     for server in servers:
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+    for pool in pools:
+        pool.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)

@@ -200,6 +200,9 @@ def test_models_and_session_endpoints(serve, tokenizer, renderer):
         headers={"Authorization": f"Bearer {key}"},
     )
     assert bad.status_code == 401 and len(srv.pool.get_trajectory(sid).completions) == 1
+    again = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 0.0})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "trajectory_not_running"
+    assert srv.pool.get_trajectory(sid).reward == 1.0
     r = httpx.post(f"{srv.base_url}/sessions/nope/reward", json={"reward": 1.0})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
 
