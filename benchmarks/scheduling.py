@@ -155,7 +155,8 @@ def run_table(
             "bias": duration_bias(res, duration, min(bias_m, len(res.trained))),
         })
     for row in rows:  # ratio to FFFO under the same lag bound
-        base = next(r for r in rows if r["policy"].startswith("fffo") and r["bound"] == row["bound"])
+        base = next(r for r in rows if r["policy"].startswith("fffo")
+                    and r["bound"] == row["bound"])
         row["vs_fffo"] = row["throughput"] / base["throughput"]  # type: ignore[operator]
     return rows
 
