@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
-from forgerl.scheduler.policies import Scheduler, WindowedFifo
+from forgerl.scheduler.policies import Scheduler
 from forgerl.types import Completion
 
 REPO = Path(__file__).resolve().parents[2]
