@@ -30,6 +30,15 @@ from forgerl.types import GenerateOutput, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny model's ops are too small to split; one intra-op thread avoids spin contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Reference: full forward over the whole sequence at every step, argmax, T = 1 logprob."""
     ids, lps = list(prompt), []
@@ -196,7 +205,7 @@ def test_weight_update_mid_generation(tiny_model):
     async def main() -> tuple[GenerateOutput, int]:
         engine = LocalEngine(tiny_model, max_model_len=1024)
         task = asyncio.create_task(
-            engine.generate(prompt, SamplingParams(temperature=t, max_tokens=600, seed=5))
+            engine.generate(prompt, SamplingParams(temperature=t, max_tokens=300, seed=5))
         )
         while engine._batch is None or len(engine._batch.rows[0].completion_ids) < 3:
             await asyncio.sleep(0.001)
@@ -293,6 +302,23 @@ def test_failed_forward_fails_its_rows_only(tiny_model):
             await engine.generate([1, 2, 3], GREEDY)
         engine.model.forward = forward
         out = await engine.generate([1, 2, 3], GREEDY)
+        await engine.close()
+        return out
+
+    out = run(main())
+    assert out.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]
+
+
+def test_cancelled_request_frees_its_slot(tiny_model):
+    """With one slot, a cancelled long generation leaves at once and the next request runs."""
+
+    async def main() -> GenerateOutput:
+        engine = LocalEngine(tiny_model, max_model_len=4096, max_batch_size=1)
+        long = asyncio.create_task(engine.generate([4, 5], SamplingParams(0.0, max_tokens=4000)))
+        while engine._batch is None:
+            await asyncio.sleep(0.001)
+        long.cancel()
+        out = await asyncio.wait_for(engine.generate([1, 2, 3], GREEDY), timeout=5)
         await engine.close()
         return out
 
