@@ -187,8 +187,10 @@ class Gateway:
         return trajectory_id, self.sessions.create(trajectory_id, temperature, max_tokens)
 
     def finish_session(self, trajectory_id: str, reward: float | None) -> None:
-        """Close the trajectory's session and mark it finished with `reward`. Raises KeyError."""
-        self.pool.get_trajectory(trajectory_id)  # KeyError for an unknown id
+        """Mark the trajectory finished with `reward` and close its session.
+
+        Raises KeyError (unknown trajectory) or ValueError (already ended) from the pool.
+        """
         self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
         session = self.sessions.find(trajectory_id)
         if session is not None:
