@@ -194,7 +194,9 @@ class LocalEngine:
     model: a causal LM (e.g. LlamaForCausalLM); the engine deep-copies it and never touches the
     caller's object. max_model_len: prompt + completion tokens per request. max_batch_size: most
     rows decoded together. device: "cpu", "cuda", ...; default CUDA when available, else CPU
-    (weights cast to fp32 on CPU, where bf16 matmuls are very slow).
+    (weights cast to fp32 on CPU, where bf16 matmuls are very slow). The worker uses torch's
+    intra-op threads; on a small, busy CPU `torch.set_num_threads(1)` can be far faster for small
+    models (the tiny model: 37 → 365 tok/s at batch 1 on a loaded 2-core machine).
     """
 
     def __init__(
