@@ -66,8 +66,8 @@ class WindowedFifoConfig(_Section):
     """Forge §3.1: any finished group among queue positions [i, i+W-1]; slides on head consumption."""
 
     type: Literal["windowed_fifo"] = "windowed_fifo"
-    window: float = Field(0.5, gt=0)
-    """W: a count of tasks when >= 1, else a fraction of the tasks admitted per step."""
+    window: float = Field(4, gt=0)
+    """W: a count of queue positions when >= 1, else a fraction of the tasks admitted per step."""
 
 
 SchedulerPolicyConfig = Annotated[
@@ -149,7 +149,8 @@ class Config(_Section):
     datapool: SQLitePoolConfig = SQLitePoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     rollout: RolloutConfig = RolloutConfig()
-    agent: AgentConfig
+    agent: AgentConfig | None = None
+    """The black-box agent command; may be omitted when an agent callable is passed to `run`."""
     tasks: TasksConfig = TasksConfig()
     trainer: TrainerConfig = TrainerConfig()
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forgerl.config import Config
+from forgerl.config import Config, ConfigError
 
 log = logging.getLogger("forgerl")
 # What SmolLM2's own chat template inserts when a conversation has no system message.
@@ -58,11 +58,13 @@ class Services:
         from forgerl.agents.runner import run_callable_agent, run_command_agent
 
         cfg = self.config
+        task = {"question": task["question"]}  # the agent never sees the reference answer
         if self.agent is not None:
             result = await run_callable_agent(
                 self.agent, task, self.server.base_url, api_key, cfg.rollout.timeout_s
             )
         else:
+            assert cfg.agent is not None  # checked in start_services
             command = list(cfg.agent.command)
             if command[0] in ("python", "python3"):
                 command[0] = sys.executable
@@ -97,11 +99,16 @@ class Services:
         return reward
 
     async def rollout_group(self, task_index: int) -> None:
-        """The G rollouts of one task, concurrently; then tell the scheduler the group is done."""
+        """The G rollouts of one task, concurrently; then tell the scheduler the group is done.
+
+        After a resume only the rollouts without a finished/failed trajectory are run again.
+        """
         task = self.tasks[task_index % len(self.tasks)]
         self.pool.add_task(task_index, task)
         G, temperature = self.config.rollout.group_size, self.config.rollout.temperature
-        await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in range(G)))
+        missing = self.pool.missing_rollouts(task_index, G)
+        await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in missing))
+        self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
         versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
         self.scheduler.on_group_finished(task_index, min(versions, default=self.trainer.step))
@@ -135,8 +142,9 @@ class Services:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving)."""
         groups = [self.pool.get_group(i) for i in task_indices]
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
-        self.pool.mark_trained(task_indices, self.trainer.step)
         self.scheduler.on_trained(task_indices, self.trainer.step)
+        self.pool.commit_trained(task_indices, self.trainer.step,
+                                 {"scheduler": self.scheduler.state()})
         return metrics
 
     async def sync_weights(self) -> None:
@@ -178,14 +186,18 @@ def load_policy(path: str) -> tuple[Any, Any, str | None]:
 
 
 def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
-    """Training tasks and held-out tasks (another seed, questions seen in training removed)."""
+    """Training tasks and held-out tasks (another seed; their questions are removed from the
+    training set, so evaluation never sees a question that was trained on)."""
     from forgerl.rewards.reasoning_gym import make_tasks
 
     t = config.tasks
-    train = make_tasks(t.dataset, t.size, t.seed, **t.params)
-    seen = {task["question"] for task in train}
-    held_out = make_tasks(t.dataset, 4 * t.eval_size + 16, t.seed + 1_000_003, **t.params)
-    return train, [task for task in held_out if task["question"] not in seen][: t.eval_size]
+    held_out = make_tasks(t.dataset, t.eval_size, t.seed + 1_000_003, **t.params) if t.eval_size else []
+    held = {task["question"] for task in held_out}
+    train = [task for task in make_tasks(t.dataset, t.size, t.seed, **t.params)
+             if task["question"] not in held]
+    if not train:
+        raise ValueError(f"tasks: every training question is also a held-out one; raise tasks.size")
+    return train, held_out
 
 
 @contextlib.asynccontextmanager
@@ -202,6 +214,8 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from forgerl.trainer.trainer import Trainer
 
+    if agent is None and config.agent is None:
+        raise ConfigError("agent.command: required (no agent callable was given)")
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))

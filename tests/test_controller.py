@@ -1,0 +1,149 @@
+"""End-to-end RL loop on the tiny model: gateway over HTTP, local engine, SQLite pool, windowed
+FIFO scheduler, CISPO trainer, weight sync, checkpoints, resume, metrics and plot.
+
+Pins: a 2-step run changes every trained parameter; the engine's weight_version follows the
+trainer's steps; recorded completions are token-exact; a run resumes from its checkpoint without
+training a group twice; an agent that crashes marks its trajectory failed and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+import re
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from openai import AsyncOpenAI
+
+from forgerl.config import load_config
+from forgerl.controller import run, start_services
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE_AGENT = Path(__file__).resolve().parents[1] / "examples" / "chain_sum" / "agent.py"
+
+
+def _solve(question: str) -> str:
+    """The exact answer of a reasoning-gym chain_sum question ("... problem: 4 - 1 =")."""
+    expr = question.rsplit(":", 1)[1].replace("=", "").strip()
+    assert re.fullmatch(r"[-+ 0-9]+", expr), expr
+    return str(eval(expr))  # digits, + and - only (checked above)
+
+
+def make_agent():
+    """A white-box agent: one chat call through the gateway, then a right answer on every other
+    episode, so group rewards vary and advantages are non-zero."""
+    counter = itertools.count()
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": task["question"]}], max_tokens=8
+        )
+        assert reply.choices[0].message.role == "assistant"
+        return _solve(task["question"]) if next(counter) % 2 == 0 else "wrong"
+
+    return agent
+
+
+def tiny_config(run_dir: Path, *extra: str):
+    return load_config(None, [
+        "--run_dir", str(run_dir), "--model.path", "tiny", "--model.max_model_len", "512",
+        "--max_steps", "2", "--rollout.group_size", "4", "--rollout.tasks_per_step", "2",
+        "--rollout.max_tokens", "8", "--rollout.timeout_s", "60",
+        "--tasks.params", "{min_terms = 2, max_terms = 2, max_digits = 1}",
+        "--tasks.eval_size", "2", "--tasks.eval_every", "1", "--trainer.lr", "1e-3",
+        "--trainer.checkpoint_every", "1", *extra,
+    ])
+
+
+def sync(fn):
+    """Run an async test function to completion in a fresh event loop."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@sync
+async def test_two_steps_change_every_parameter_and_sync_weights(tmp_path):
+    config = tiny_config(tmp_path / "run")
+    async with start_services(config, make_agent()) as s:
+        before = _params(s.trainer.model)
+        for _ in range(2):
+            s.admit()
+            batch = await s.next_batch()
+            metrics = await s.train(batch)
+            await s.sync_weights()
+            assert metrics["num_loss_tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+        assert s.trainer.step == 2 and s.engine.weight_version == 2
+        after = _params(s.trainer.model)
+        unchanged = [k for k in before if torch.equal(before[k], after[k])]
+        assert unchanged == []
+        engine_state = s.engine.model.state_dict()
+        for name, value in s.trainer.model.state_dict().items():
+            assert torch.equal(engine_state[name], value), name
+        # Every recorded completion is token-exact and its logprobs line up with its ids.
+        group = s.pool.get_group(batch[0])
+        completions = [c for t in group.trajectories for c in t.completions]
+        assert completions and all(len(c.completion_ids) == len(c.logprobs) for c in completions)
+
+
+@sync
+async def test_run_writes_metrics_resumes_and_plots(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir)
+    await run(config, agent=make_agent(), progress=False)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 1, 2]
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    assert json.loads((run_dir / "config.json").read_text())["max_steps"] == 2
+    assert list((run_dir / "tb").iterdir())
+    # Resume to step 3: starts from the step-2 checkpoint, never trains a group twice.
+    await run(tiny_config(run_dir, "--max_steps", "3"), agent=make_agent(), progress=False)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2, 3]
+    db = sqlite3.connect(run_dir / "pool.sqlite")
+    trained = db.execute("SELECT task_index, trained_step FROM tasks WHERE status='trained'")
+    steps = sorted(step for _, step in trained)
+    assert steps == [1, 1, 2, 2, 3, 3]
+    from forgerl.plot import plot_run
+
+    png = plot_run(run_dir)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@sync
+async def test_command_agent_and_crashing_agent(tmp_path):
+    """The example black-box agent (a subprocess speaking the openai client) trains one step; a
+    crashing agent command marks its trajectories failed and the run goes on."""
+    config = tiny_config(tmp_path / "run", "--max_steps", "1", "--tasks.eval_size", "0",
+                         "--agent.command", json.dumps(["python", str(EXAMPLE_AGENT)]),
+                         "--agent.max_turns", "2", "--model.max_model_len", "2048")
+    async with start_services(config) as s:
+        s.admit()
+        batch = await s.next_batch()
+        group = s.pool.get_group(batch[0])
+        assert [t.status for t in group.trajectories] == ["finished"] * 4, group.trajectories[0].error
+        assert all(t.completions for t in group.trajectories)
+    crash = tiny_config(tmp_path / "crash", "--max_steps", "1", "--tasks.eval_size", "0",
+                        "--agent.command", json.dumps([sys.executable, "-c", "raise SystemExit(3)"]))
+    async with start_services(crash) as s:
+        s.admit()
+        batch = await s.next_batch()
+        group = s.pool.get_group(batch[0])
+        assert [t.status for t in group.trajectories] == ["failed"] * 4
+        metrics = await s.train(batch)
+        assert metrics["num_loss_tokens"] == 0 and s.trainer.step == 0
