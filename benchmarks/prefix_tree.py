@@ -1,0 +1,233 @@
+"""Benchmark: prefix-tree merging vs plain packing vs a per-sample padded batch (Forge §3.2).
+
+    python benchmarks/prefix_tree.py [--model tiny|smollm2] [--model-path DIR] [--quick]
+
+Workloads are agent-shaped: G rollouts x T turns on one shared prompt (random ids), one training
+sample per turn (the turn's whole context + completion, loss on that turn's completion tokens,
+as a per-completion trainer such as TRL builds them). Turn k+1's context extends turn k's.
+`rewrite` rewrites the context after turn T/2: later turns restart from prompt + a summary,
+so each rollout branches into two paths after the prompt.
+
+Methods, each one forward+backward over the whole batch with loss = mean policy logprob over
+trained tokens (the same number for all three, printed as a check):
+- padded: micro-batches of `--micro-batch` sequences right-padded to the longest, HF 2D
+  attention mask; the lm_head runs from the first trained position on (TRL's logits_to_keep).
+- packed: `build_tree_batch(merge=False)`: sequences packed into rows, no sharing.
+- tree: `build_tree_batch(merge=True)`: the prefix tree, ancestors-only attention.
+
+Time is the median wall time of `--reps` fwd+bwd passes after one warm-up. Peak memory is the
+peak RSS (getrusage ru_maxrss) of a fresh worker process minus its RSS after building the
+model and the batch, so each method starts from the same clean process (CPU); on CUDA it is
+torch.cuda.max_memory_allocated minus the allocation before the pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import torch
+
+from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+
+
+@dataclass(frozen=True)
+class Workload:
+    """G rollouts x T turns; lengths in tokens."""
+
+    name: str
+    group_size: int
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    observation_tokens: int
+    rewrite: bool
+
+
+def make_samples(
+    w: Workload, vocab: int, seed: int = 0
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """Per-turn samples (sequences_S_T) and their loss masks (completion tokens of that turn)."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    prompt = ids(w.prompt_tokens)
+    sequences, needed = [], []
+    for _ in range(w.group_size):
+        context = list(prompt)
+        for turn in range(w.turns):
+            if w.rewrite and turn == w.turns // 2:
+                context = prompt + ids(w.observation_tokens)  # summary replaces the history
+            completion = ids(w.completion_tokens)
+            sequences.append(context + completion)
+            needed.append([False] * len(context) + [True] * len(completion))
+            context = context + completion + ids(w.observation_tokens)
+    return sequences, needed
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model_path:
+        from forgerl.models import load_pretrained
+
+        return load_pretrained(args.model_path)[0]
+    if args.model == "smollm2":
+        from forgerl.models import load_pretrained
+
+        return load_pretrained("smollm2")[0]
+    from forgerl.models import build_tiny_model
+
+    return build_tiny_model()
+
+
+def padded_loss(model, sequences, needed, micro_batch: int, pad_id: int = 0) -> float:
+    """Mean trained-token logprob over right-padded micro-batches; backward per micro-batch."""
+    total = sum(sum(m[1:]) for m in needed)
+    loss_sum = 0.0
+    for b in range(0, len(sequences), micro_batch):
+        seqs, masks = sequences[b : b + micro_batch], needed[b : b + micro_batch]
+        length = max(map(len, seqs))
+        input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), length), dtype=torch.long)
+        trained = torch.zeros((len(seqs), length), dtype=torch.bool)
+        for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            attention[i, : len(s)] = 1
+            trained[i, : len(s)] = torch.tensor(m)
+        start = max(int(trained.any(0).nonzero()[0]) - 1, 0)  # first position whose logits count
+        dev = next(model.parameters()).device
+        hidden = model.get_decoder()(
+            input_ids=input_ids.to(dev), attention_mask=attention.to(dev), use_cache=False
+        ).last_hidden_state  # (B, L, H)
+        logits = model.get_output_embeddings()(hidden[:, start:-1]).float()  # (B, L-1-start, V)
+        lp = torch.log_softmax(logits, -1).gather(2, input_ids[:, start + 1 :, None].to(dev))[
+            ..., 0
+        ]
+        loss = -(lp * trained[:, start + 1 :].to(dev)).sum() / total
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def tree_loss(model, batch) -> float:
+    total = sum(row.pred_pos.numel() for row in batch.rows)
+    loss_sum = 0.0
+    for row in batch.rows:
+        loss = -forward_logprobs(model, row).sum() / total
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
+    """Run in a fresh process: build model + batch, warm up, time `reps` fwd+bwd passes."""
+    torch.manual_seed(0)
+    model = load_model(args)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    model.train()
+    sequences, needed = make_samples(workload, model.config.vocab_size)
+    info = {"seqs": len(sequences), "input": sum(map(len, sequences))}
+    if method == "padded":
+        mb = args.micro_batch
+        info["computed"] = sum(
+            len(sequences[b : b + mb]) * max(map(len, sequences[b : b + mb]))
+            for b in range(0, len(sequences), mb)
+        )
+        info["rows"] = -(-len(sequences) // mb)
+
+        def step() -> float:
+            return padded_loss(model, sequences, needed, mb)
+    else:
+        batch = build_tree_batch(sequences, args.max_row_tokens, needed, merge=method == "tree")
+        info["computed"], info["rows"] = batch.num_tree_tokens, len(batch.rows)
+
+        def step() -> float:
+            return tree_loss(model, batch)
+
+    cuda = torch.cuda.is_available()
+    base = torch.cuda.memory_allocated() if cuda else _rss_mib()
+    times, loss = [], 0.0
+    for rep in range(args.reps + 1):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if rep:  # rep 0 is the warm-up
+            times.append(time.perf_counter() - start)
+    peak = (
+        (torch.cuda.max_memory_allocated() - base) / 2**20
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    )
+    return info | {"time": statistics.median(times), "peak": peak, "loss": loss}
+
+
+def workloads(quick: bool) -> list[Workload]:
+    if quick:
+        shape = {"group_size": 8, "turns": 6, "prompt_tokens": 384, "completion_tokens": 24}
+        return [
+            Workload("extend", **shape, observation_tokens=8, rewrite=False),
+            Workload("rewrite", **shape, observation_tokens=8, rewrite=True),
+        ]
+    shape = {"group_size": 8, "turns": 6, "prompt_tokens": 1536, "completion_tokens": 128}
+    return [
+        Workload("extend", **shape, observation_tokens=64, rewrite=False),
+        Workload("rewrite", **shape, observation_tokens=64, rewrite=True),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--model-path", default=None, help="a local HF model folder")
+    parser.add_argument("--quick", action="store_true", help="shorter sequences, one timed rep")
+    parser.add_argument(
+        "--max-row-tokens", type=int, default=None, help="default 4096 (quick 1024)"
+    )
+    parser.add_argument("--micro-batch", type=int, default=8, help="padded: sequences per pass")
+    parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
+    args = parser.parse_args()
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.max_row_tokens = args.max_row_tokens or (1024 if args.quick else 4096)
+    print(
+        f"model={args.model_path or args.model} reps={args.reps} micro_batch={args.micro_batch} "
+        f"max_row_tokens={args.max_row_tokens} "
+        f"device={'cuda' if torch.cuda.is_available() else 'cpu'} "
+        f"threads={torch.get_num_threads()}"
+    )
+    header = (
+        f"{'workload':<9}{'method':<8}{'seqs':>5}{'rows':>5}{'input tok':>10}{'computed':>10}"
+        f"{'compress':>9}{'fwd+bwd s':>10}{'speedup':>8}{'peak MiB':>9}{'loss':>9}"
+    )
+    print(header)
+    ctx = get_context("spawn")
+    for w in workloads(args.quick):
+        ref_time = None
+        for method in ("padded", "packed", "tree"):
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                r = pool.submit(measure, args, w, method).result()
+            ref_time = ref_time or r["time"]
+            print(
+                f"{w.name:<9}{method:<8}{r['seqs']:>5}{r['rows']:>5}{r['input']:>10}"
+                f"{r['computed']:>10}{r['input'] / r['computed']:>8.2f}x{r['time']:>10.2f}"
+                f"{ref_time / r['time']:>7.2f}x{r['peak']:>9.0f}{r['loss']:>9.4f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
