@@ -36,6 +36,9 @@ class TreeRow:
     target_ids: (K,) long, the predicted token id.
     sample_idx: (K,) long, index of the input sequence the prediction belongs to.
     token_idx: (K,) long, index t >= 1 of the predicted token in that sequence.
+
+    Predictions are sorted by (sample_idx, token_idx); several may share one pred_pos (samples
+    through the same node), each listed with its own sample.
     """
 
     input_ids: torch.Tensor
