@@ -1,6 +1,7 @@
 """Benchmark: prefix-tree merging vs plain packing vs a per-sample padded batch (Forge §3.2).
 
     python benchmarks/prefix_tree.py [--model tiny|smollm2] [--model-path DIR] [--quick]
+                                     [--threads 1]
 
 Workloads are agent-shaped: G rollouts x T turns on one shared prompt (random ids), one training
 sample per turn (the turn's whole context + completion, loss on that turn's completion tokens,
@@ -133,6 +134,8 @@ def _rss_mib() -> float:
 
 def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
     """Run in a fresh process: build model + batch, warm up, time `reps` fwd+bwd passes."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_model(args)
     if torch.cuda.is_available():
@@ -199,6 +202,12 @@ def main() -> None:
         "--max-row-tokens", type=int, default=None, help="default 4096 (quick 1024)"
     )
     parser.add_argument("--micro-batch", type=int, default=8, help="padded: sequences per pass")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (1 avoids OpenMP stalls when other processes busy the cores)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
     args = parser.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
@@ -207,7 +216,7 @@ def main() -> None:
         f"model={args.model_path or args.model} reps={args.reps} micro_batch={args.micro_batch} "
         f"max_row_tokens={args.max_row_tokens} "
         f"device={'cuda' if torch.cuda.is_available() else 'cpu'} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={args.threads or torch.get_num_threads()}"
     )
     header = (
         f"{'workload':<9}{'method':<8}{'seqs':>5}{'rows':>5}{'input tok':>10}{'computed':>10}"
