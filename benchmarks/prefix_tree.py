@@ -179,18 +179,25 @@ def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
     return info | {"time": statistics.median(times), "peak": peak, "loss": loss}
 
 
-def workloads(quick: bool) -> list[Workload]:
-    if quick:
-        shape = {"group_size": 8, "turns": 6, "prompt_tokens": 384, "completion_tokens": 24}
-        return [
-            Workload("extend", **shape, observation_tokens=8, rewrite=False),
-            Workload("rewrite", **shape, observation_tokens=8, rewrite=True),
-        ]
-    shape = {"group_size": 8, "turns": 6, "prompt_tokens": 1536, "completion_tokens": 128}
-    return [
-        Workload("extend", **shape, observation_tokens=64, rewrite=False),
-        Workload("rewrite", **shape, observation_tokens=64, rewrite=True),
-    ]
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """extend / rewrite at the default (or --quick) lengths; --prompt-tokens etc. override."""
+    lengths = (384, 24, 8) if args.quick else (1536, 128, 64)
+    prompt, completion, observation = (
+        given or default
+        for given, default in zip(
+            (args.prompt_tokens, args.completion_tokens, args.observation_tokens),
+            lengths,
+            strict=True,
+        )
+    )
+    shape = {
+        "group_size": 8,
+        "turns": 6,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "observation_tokens": observation,
+    }
+    return [Workload("extend", **shape, rewrite=False), Workload("rewrite", **shape, rewrite=True)]
 
 
 def main() -> None:
@@ -208,14 +215,18 @@ def main() -> None:
         default=None,
         help="torch CPU threads (1 avoids OpenMP stalls when other processes busy the cores)",
     )
+    for name in ("prompt", "completion", "observation"):
+        parser.add_argument(f"--{name}-tokens", type=int, default=None, help="override length")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
     args = parser.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
     args.max_row_tokens = args.max_row_tokens or (1024 if args.quick else 4096)
+    w0 = workloads(args)[0]
     print(
         f"model={args.model_path or args.model} reps={args.reps} micro_batch={args.micro_batch} "
-        f"max_row_tokens={args.max_row_tokens} "
-        f"device={'cuda' if torch.cuda.is_available() else 'cpu'} "
+        f"max_row_tokens={args.max_row_tokens} G={w0.group_size} turns={w0.turns} "
+        f"prompt/completion/observation tokens={w0.prompt_tokens}/{w0.completion_tokens}/"
+        f"{w0.observation_tokens} device={'cuda' if torch.cuda.is_available() else 'cpu'} "
         f"threads={args.threads or torch.get_num_threads()}"
     )
     header = (
@@ -224,7 +235,7 @@ def main() -> None:
     )
     print(header)
     ctx = get_context("spawn")
-    for w in workloads(args.quick):
+    for w in workloads(args):
         ref_time = None
         for method in ("padded", "packed", "tree"):
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
