@@ -103,6 +103,14 @@ class _Trie:
                 size[self.parent[n]] += size[n]
         return size
 
+    def ancestors(self, node: int) -> list[int]:
+        """Node ids from the root down to the parent of `node`."""
+        out: list[int] = []
+        while self.parent[node] >= 0:
+            node = self.parent[node]
+            out.append(node)
+        return out[::-1]
+
     def dfs(self, node: int) -> list[int]:
         """Node ids of the subtree of `node` in DFS (pre-)order."""
         out: list[int] = []
@@ -114,28 +122,38 @@ class _Trie:
         return out
 
 
-def _pieces(trie: _Trie, size: list[int], node: int, chain: list[int], cap: int) -> list[list[int]]:
-    """Split the subtree of `node` (below ancestor `chain`) into pieces of at most `cap` tokens.
+def _pieces(trie: _Trie, size: list[int], root: int, cap: int) -> list[list[int]]:
+    """Split the tree under `root` into pieces of at most `cap` tokens, at subtree boundaries.
 
-    A piece is `chain` + a connected part of the subtree in DFS order (a single tree rooted at the
-    trie root). Children of `node` are packed greedily into pieces that each repeat
-    `chain + [node]`; a child too big for a fresh piece is split recursively.
+    A piece is the ancestor chain of some node v, then v, then whole child subtrees of v, in DFS
+    order: a single tree rooted at `root`. The children of an over-full node are packed greedily
+    into pieces that each repeat its chain; a child too big for a fresh piece is split in turn
+    (an explicit stack, since a long shared prompt is a chain thousands of nodes deep).
     """
-    if len(chain) + size[node] <= cap:
-        return [chain + trie.dfs(node)]
-    prefix = [*chain, node]
     pieces: list[list[int]] = []
-    current = list(prefix)
-    for child in trie.children[node].values():
-        if len(current) + size[child] <= cap:
-            current.extend(trie.dfs(child))
-        elif len(prefix) + size[child] <= cap:
-            pieces.append(current)
-            current = prefix + trie.dfs(child)
-        else:
-            pieces.extend(_pieces(trie, size, child, prefix, cap))
-    if len(current) > len(prefix) or not pieces:
-        pieces.append(current)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        depth = trie.depth[node]
+        if depth + size[node] <= cap:
+            pieces.append(trie.ancestors(node) + trie.dfs(node))
+            continue
+        groups: list[list[int]] = []
+        current: list[int] = []
+        deferred: list[int] = []
+        for child in trie.children[node].values():
+            if depth + 1 + len(current) + size[child] <= cap:
+                current.extend(trie.dfs(child))
+            elif depth + 1 + size[child] <= cap:  # current is non-empty here
+                groups.append(current)
+                current = trie.dfs(child)
+            else:
+                deferred.append(child)
+        if current:
+            groups.append(current)
+        prefix = [*trie.ancestors(node), node]
+        pieces.extend(prefix + group for group in groups)
+        stack.extend(reversed(deferred))
     return pieces
 
 
@@ -189,7 +207,7 @@ def build_tree_batch(
             )
         paths.append(trie.insert(list(seq), share=merge))
     size = trie.subtree_sizes()
-    pieces = [p for root in trie.roots for p in _pieces(trie, size, root, [], max_row_tokens)]
+    pieces = [p for root in trie.roots for p in _pieces(trie, size, root, max_row_tokens)]
     node_rows = _first_fit(pieces, max_row_tokens)
 
     owner: dict[int, tuple[int, int]] = {}  # node -> (row, position) of its first occurrence

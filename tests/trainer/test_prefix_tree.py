@@ -193,6 +193,24 @@ def test_prefix_sequence_shares_all_nodes():
     assert row.target_ids.tolist() == [6, 7, 6, 7, 8, 9, 6]
 
 
+def test_deep_shared_prompt_split_across_rows():
+    # a 1500-token shared prompt is a chain deeper than Python's recursion limit
+    prompt = [3 + i % 250 for i in range(1500)]
+    sequences = [prompt + [c] * 300 for c in (7, 8, 9)] + [prompt[:10]]
+    batch = build_tree_batch(sequences, 2000)
+    assert [row.input_ids.numel() for row in batch.rows] == [1800, 1800, 1800]
+    assert batch.num_tree_tokens == 5400 and batch.num_input_tokens == 3 * 1800 + 10
+    for row, c in zip(batch.rows, (7, 8, 9), strict=True):
+        assert row.input_ids.tolist() == prompt + [c] * 300
+        assert row.position_ids.tolist() == list(range(1800))
+    owned = [row.sample_idx.tolist() for row in batch.rows]
+    # the prompt's nodes (predicting t = 1..1500 of every sequence) are owned by row 0 only;
+    # the repeated copies in rows 1 and 2 predict nothing
+    assert [owned[0].count(s) for s in range(4)] == [1799, 1500, 1500, 9]
+    assert owned[1] == [1] * 299 and owned[2] == [2] * 299
+    assert batch.rows[1].pred_pos.min() == 1500
+
+
 def test_too_long_sequence_names_both_numbers():
     with pytest.raises(ValueError, match=r"7 tokens.*max_row_tokens=6"):
         build_tree_batch([[1, 2], [1, 2, 3, 4, 5, 6, 7]], max_row_tokens=6)
