@@ -266,23 +266,28 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0:
                 s.log(0, await s.evaluate())
+            start, no_signal, acc = time.time(), 0, "-"
             while s.trainer.step < config.max_steps:
-                start = time.time()
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
                 metrics = await s.train(batch)              # advantages → prefix tree → CISPO
+                if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
+                    no_signal += len(batch)
+                    continue
                 await s.sync_weights()                      # engine runs weight_version = step
                 step = s.trainer.step
                 if step % config.trainer.checkpoint_every == 0 or step == config.max_steps:
                     s.checkpoint()
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
-                metrics["step_seconds"] = time.time() - start
+                    acc = f"{metrics.get('eval_accuracy', float('nan')):.3f}"
+                metrics |= {"train_seconds": metrics.pop("step_seconds"),
+                            "step_seconds": time.time() - start, "groups_without_signal": no_signal}
                 s.log(step, metrics)
                 bar.update(completed=step, in_flight=len(s.rollouts) * config.rollout.group_size,
-                           reward=f"{metrics.get('reward_mean', 0.0):.3f}",
-                           acc=f"{metrics.get('eval_accuracy', float('nan')):.3f}",
+                           reward=f"{metrics['reward_mean']:.3f}", acc=acc,
                            sps=f"{metrics['step_seconds']:.1f}")
+                start, no_signal = time.time(), 0
     return Path(config.run_dir)
 
 
