@@ -16,10 +16,12 @@ trained tokens (the same number for all three, printed as a check):
 - packed: `build_tree_batch(merge=False)`: sequences packed into rows, no sharing.
 - tree: `build_tree_batch(merge=True)`: the prefix tree, ancestors-only attention.
 
-Time is the median wall time of `--reps` fwd+bwd passes after one warm-up. Peak memory is the
-peak RSS (getrusage ru_maxrss) of a fresh worker process minus its RSS after building the
-model and the batch, so each method starts from the same clean process (CPU); on CUDA it is
-torch.cuda.max_memory_allocated minus the allocation before the pass.
+Time is the median wall time of `--reps` fwd+bwd passes after one warm-up (`--no-warmup`).
+Peak memory is the peak RSS (getrusage ru_maxrss) of a fresh worker process minus its RSS
+after building the model and the batch, so each method starts from the same clean process
+(CPU); on CUDA it is torch.cuda.max_memory_allocated minus the allocation before the pass.
+On a shared 2-core machine pass `--threads 1`: with 2 threads, OpenMP stalls whenever another
+process holds a core (measured here: 30x slower).
 """
 
 from __future__ import annotations
@@ -163,13 +165,13 @@ def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
     cuda = torch.cuda.is_available()
     base = torch.cuda.memory_allocated() if cuda else _rss_mib()
     times, loss = [], 0.0
-    for rep in range(args.reps + 1):
+    for rep in range(args.reps + int(args.warmup)):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = step()
         if cuda:
             torch.cuda.synchronize()
-        if rep:  # rep 0 is the warm-up
+        if rep >= int(args.warmup):  # rep 0 is the warm-up
             times.append(time.perf_counter() - start)
     peak = (
         (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -197,7 +199,8 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         "completion_tokens": completion,
         "observation_tokens": observation,
     }
-    return [Workload("extend", **shape, rewrite=False), Workload("rewrite", **shape, rewrite=True)]
+    both = [Workload("extend", **shape, rewrite=False), Workload("rewrite", **shape, rewrite=True)]
+    return [w for w in both if args.workload in (w.name, "both")]
 
 
 def main() -> None:
@@ -215,6 +218,8 @@ def main() -> None:
         default=None,
         help="torch CPU threads (1 avoids OpenMP stalls when other processes busy the cores)",
     )
+    parser.add_argument("--workload", choices=["extend", "rewrite", "both"], default="both")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     for name in ("prompt", "completion", "observation"):
         parser.add_argument(f"--{name}-tokens", type=int, default=None, help="override length")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
@@ -223,7 +228,8 @@ def main() -> None:
     args.max_row_tokens = args.max_row_tokens or (1024 if args.quick else 4096)
     w0 = workloads(args)[0]
     print(
-        f"model={args.model_path or args.model} reps={args.reps} micro_batch={args.micro_batch} "
+        f"model={args.model_path or args.model} reps={args.reps} warmup={args.warmup} "
+        f"micro_batch={args.micro_batch} "
         f"max_row_tokens={args.max_row_tokens} G={w0.group_size} turns={w0.turns} "
         f"prompt/completion/observation tokens={w0.prompt_tokens}/{w0.completion_tokens}/"
         f"{w0.observation_tokens} device={'cuda' if torch.cuda.is_available() else 'cpu'} "
