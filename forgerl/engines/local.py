@@ -11,8 +11,18 @@ the caller's asyncio future through `loop.call_soon_threadsafe`. Each loop step
    merges their KV cache into the running one (continuous batching);
 4. records token, logprob and weight_version per row; finished rows leave at once.
 
-Padding is on the left; an explicit 2D attention mask and per-row position ids make a batched
-row compute the same logits as the row alone (up to float rounding). Only full-attention
+Prefix caching (KV reuse): after each prefill, and when a row finishes, the row's KV (prompt +
+completion so far, unpadded) is kept in an LRU `PrefixCache` keyed by its token ids. A newcomer
+takes the KV of the longest common token prefix from the cache and prefills only the rest, with
+position ids continuing from the reused length (agent prompts share a long system prompt, and
+turn k + 1 extends turn k's prompt + completion). Newcomers that share a prefix with each other
+(a group of G rollouts) are prefilled in waves: the first computes the shared part, the others
+reuse it. A weight update clears the cache, so every KV the engine attends over was built by the
+current weights.
+
+Padding is on the left (a prefill reusing cached KV lays out [pad, reused KV, pad, new tokens]);
+an explicit 2D attention mask and per-row position ids make a batched row compute the same
+logits as the row alone (up to float rounding). Only full-attention
 decoders (Llama family) are supported: sliding-window KV layers would be cut wrongly.
 
 Recorded logprobs are those of the distribution actually sampled, log_softmax(logits / T)
@@ -25,7 +35,7 @@ import asyncio
 import copy
 import queue
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +43,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
+WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
 
 
 def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -140,6 +153,75 @@ def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token-id tuples."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """LRU map from token ids to one sequence's KV cache, bounded by the total cached tokens.
+
+    Each entry holds, per layer, keys and values (H, L, D) for its L = len(key) tokens, no
+    padding. An entry whose key is a prefix of a newer one is dropped (the newer covers it).
+    max_tokens == 0 disables the cache. Not thread-safe: only the engine's worker uses it.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens, self.tokens = max_tokens, 0
+        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+
+    def longest(self, ids: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None]:
+        """(n, key): the entry sharing the longest prefix with `ids`, n capped at len(ids) - 1
+        so at least one token is left to prefill (its logits give the next token)."""
+        best, best_key = 0, None
+        for key in self.entries:
+            n = common_prefix(key, ids)
+            if n > best:
+                best, best_key = n, key
+        best = min(best, len(ids) - 1)
+        return (best, best_key) if best > 0 else (0, None)
+
+    def lookup(self, ids: tuple[int, ...]) -> tuple[int, KV | None]:
+        """(n, KV of the first n tokens of `ids`) for the longest hit, marking it recently used;
+        (0, None) on a miss."""
+        n, key = self.longest(ids)
+        if key is None:
+            return 0, None
+        self.entries.move_to_end(key)
+        return n, [(k[:, :n], v[:, :n]) for k, v in self.entries[key]]
+
+    def insert(self, ids: tuple[int, ...], kv: KV) -> None:
+        """Store `kv` for `ids` (len(ids) == L); evict least recently used entries to fit."""
+        n = len(ids)
+        if not 0 < n <= self.max_tokens:
+            return
+        for key in list(self.entries):
+            if len(key) >= n and key[:n] == ids:  # already covered by a longer entry
+                self.entries.move_to_end(key)
+                return
+            if ids[: len(key)] == key:
+                self._drop(key)
+        self.entries[ids] = kv
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            self._drop(next(iter(self.entries)))
+
+    def clear(self) -> None:
+        """Forget every entry (after a weight update the cached KV are stale)."""
+        self.entries.clear()
+        self.tokens = 0
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        del self.entries[key]
+        self.tokens -= len(key)
+
+
 class _Batch:
     """Running rows with their left-padded KV cache.
 
@@ -172,6 +254,14 @@ class _Batch:
             layer.keys = layer.keys[idx, :, start:]
             layer.values = layer.values[idx, :, start:]
 
+    def row_kv(self, i: int) -> KV:
+        """Row i's cached KV without padding: per layer (keys, values), each (H, L_i, D)."""
+        cols = self.mask[i].nonzero().squeeze(1)
+        return [
+            (layer.keys[i].index_select(1, cols), layer.values[i].index_select(1, cols))
+            for layer in self.cache.layers
+        ]
+
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows, left-padding both caches to a common length."""
         length = max(self.mask.shape[1], other.mask.shape[1])
@@ -197,6 +287,10 @@ class LocalEngine:
     (weights cast to fp32 on CPU, where bf16 matmuls are very slow). The worker uses torch's
     intra-op threads; on a small, busy CPU `torch.set_num_threads(1)` can be far faster for small
     models (the tiny model: 37 → 365 tok/s at batch 1 on a loaded 2-core machine).
+    prefix_cache_tokens: bound of the prefix (KV reuse) cache in tokens, 0 disables it; memory
+    is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
+    stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
+    "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused).
     """
 
     def __init__(
@@ -205,11 +299,12 @@ class LocalEngine:
         max_model_len: int = 2048,
         max_batch_size: int = 16,
         device: str | None = None,
+        prefix_cache_tokens: int = 32768,
     ) -> None:
-        if max_model_len < 2 or max_batch_size < 1:
+        if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
-                f"max_model_len ({max_model_len}) must be >= 2 and "
-                f"max_batch_size ({max_batch_size}) >= 1"
+                f"max_model_len ({max_model_len}) must be >= 2, max_batch_size "
+                f"({max_batch_size}) >= 1 and prefix_cache_tokens ({prefix_cache_tokens}) >= 0"
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = copy.deepcopy(model).to(self.device).eval()
@@ -223,6 +318,8 @@ class LocalEngine:
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
         self._admitted: list[_Request] = []  # newcomers being prefilled this step
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
         self._thread.start()
@@ -363,6 +460,7 @@ class LocalEngine:
             _settle(update.loop, update.future, exc, error=True)
             return
         self.weight_version = update.version
+        self.prefix_cache.clear()
         if self._batch is not None:  # KV caches were built by the old weights: rebuild them
             self._waiting.extendleft(reversed(self._batch.rows))
             self._batch = None
@@ -401,16 +499,54 @@ class LocalEngine:
         return batch
 
     def _prefill(self, rows: list[_Request]) -> _Batch:
-        """Run each row's prompt + completion so far as one left-padded batch; sample a token."""
-        seqs = [r.prompt_ids + r.completion_ids for r in rows]
-        length = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), length, dtype=torch.long, device=self.device)  # (B, P)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, length - len(s) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P); pads get position 0
-        cache = DynamicCache()
+        """Prefill `rows` in waves (see `_next_wave`) and merge them into one batch."""
+        batch, pending = None, rows
+        while pending:
+            wave, pending = self._next_wave(pending)
+            fresh = self._prefill_wave(wave)
+            if batch is None:
+                batch = fresh
+            else:
+                batch.merge(fresh)
+        assert batch is not None
+        return batch
+
+    def _next_wave(self, rows: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """Split rows into (this wave, later): a row waits when an earlier row of this wave
+        shares WAVE_MIN_SHARED more prompt tokens with it than the cache does, so a group's
+        shared system prompt is prefilled once and then reused from the cache."""
+        if not self.prefix_cache.max_tokens:
+            return rows, []
+        wave: list[tuple[int, ...]] = []
+        now, later = [], []
+        for req in rows:
+            seq = tuple(req.prompt_ids + req.completion_ids)
+            hit = self.prefix_cache.longest(seq)[0]
+            sibling = min(max((common_prefix(seq, w) for w in wave), default=0), len(seq) - 1)
+            if sibling >= hit + WAVE_MIN_SHARED:
+                later.append(req)
+            else:
+                now.append(req)
+                wave.append(seq)
+        return now, later
+
+    def _prefill_wave(self, rows: list[_Request]) -> _Batch:
+        """Prefill each row's prompt + completion so far, reusing cached KV for its longest
+        cached prefix; sample a token. Row i's cache columns are [pad, n_i reused, pad, new]."""
+        seqs = [tuple(r.prompt_ids + r.completion_ids) for r in rows]
+        hits = [self.prefix_cache.lookup(s) for s in seqs]
+        past = max(n for n, _ in hits)
+        new = max(len(s) - n for s, (n, _) in zip(seqs, hits, strict=True))
+        ids = torch.zeros(len(rows), new, dtype=torch.long, device=self.device)  # (B, S)
+        positions = torch.zeros_like(ids)
+        mask = torch.zeros(len(rows), past + new, dtype=torch.long, device=self.device)
+        for i, (seq, (n, _)) in enumerate(zip(seqs, hits, strict=True)):
+            m = len(seq) - n
+            ids[i, new - m :] = torch.tensor(seq[n:], dtype=torch.long)
+            positions[i, new - m :] = torch.arange(n, len(seq))
+            mask[i, past - n : past] = 1
+            mask[i, past + new - m :] = 1
+        cache = DynamicCache(ddp_cache_data=self._stack_past(hits, past) if past else None)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -419,8 +555,29 @@ class LocalEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        next_ids = self._sample(rows, out.logits[:, -1])
-        return _Batch(rows, cache, mask, mask.sum(dim=1), next_ids)
+        batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
+        if self.prefix_cache.max_tokens:
+            for i, seq in enumerate(seqs):
+                self.prefix_cache.insert(seq, batch.row_kv(i))
+        reused = sum(n for n, _ in hits)
+        self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
+        self.stats["prefix_hits"] += sum(n > 0 for n, _ in hits)
+        self.stats["prefix_hit_tokens"] += reused
+        return batch
+
+    @staticmethod
+    def _stack_past(hits: list[tuple[int, KV | None]], past: int) -> KV:
+        """Left-pad each row's reused KV to `past` columns: per layer (B, H, past, D)."""
+        template = next(kv for _, kv in hits if kv is not None)
+        stacked = []
+        for layer, (k0, _) in enumerate(template):
+            keys = k0.new_zeros(len(hits), k0.shape[0], past, k0.shape[2])
+            values = torch.zeros_like(keys)
+            for i, (n, kv) in enumerate(hits):
+                if kv is not None:
+                    keys[i, :, past - n :], values[i, :, past - n :] = kv[layer]
+            stacked.append((keys, values))
+        return stacked
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
         """Sample per row (its own temperature and generator) and record the tokens."""
@@ -431,12 +588,17 @@ class LocalEngine:
             req.record(tok, lp, self.weight_version)
         return tokens
 
-    @staticmethod
-    def _finish(batch: _Batch) -> _Batch | None:
-        """Resolve finished (or cancelled) rows and drop them; None when no row is left."""
+    def _finish(self, batch: _Batch) -> _Batch | None:
+        """Resolve finished (or cancelled) rows and drop them; None when no row is left.
+
+        A finished row's KV (prompt + completion but the last token) goes to the prefix cache.
+        """
         keep = []
         for i, req in enumerate(batch.rows):
             if req.finish_reason is not None:
+                if self.prefix_cache.max_tokens:
+                    seq = tuple(req.prompt_ids + req.completion_ids[:-1])
+                    self.prefix_cache.insert(seq, batch.row_kv(i))
                 req.resolve()
             elif not req.future.done():
                 keep.append(i)
