@@ -13,6 +13,12 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
   0…0 1…1 and the later tokens' logprobs are those of the new weights; a bad update raises and
   leaves weight_version alone.
 - Requests that cannot be served raise ValueError (too long, empty, top_p < 1, bad ids).
+- Prefix caching (KV reuse) is invisible in the outputs: a request sharing a prefix with an
+  earlier one (or a group sharing a system prompt, sent together) reuses exactly the shared
+  tokens' KV and produces the cache-off engine's ids and logprobs (within 1e-4); a multi-turn
+  turn-2 prompt reuses turn 1's prompt + completion; a weight update empties the cache so later
+  logprobs are the new weights' teacher-forced ones (CASES.md C04); the cache stays within its
+  token bound, evicting the least recently used entry.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ import time
 import pytest
 import torch
 
-from forgerl.engines.local import LocalEngine, sample_logprobs, sampling_logprobs
+from forgerl.engines.local import (
+    LocalEngine,
+    PrefixCache,
+    common_prefix,
+    sample_logprobs,
+    sampling_logprobs,
+)
 from forgerl.types import GenerateOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -324,3 +336,171 @@ def test_cancelled_request_frees_its_slot(tiny_model):
 
     out = run(main())
     assert out.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+SYSTEM = [1, *range(100, 140)]  # a 41-token shared "system prompt"
+
+
+async def _serve(
+    engine: LocalEngine, jobs: list[tuple[list[int], SamplingParams]], together: bool
+) -> list[GenerateOutput]:
+    if together:
+        return list(await asyncio.gather(*[engine.generate(p, s) for p, s in jobs]))
+    return [await engine.generate(p, s) for p, s in jobs]
+
+
+def _outputs(model, jobs, together: bool, cache_tokens: int) -> tuple[list[GenerateOutput], dict]:
+    async def main() -> tuple[list[GenerateOutput], dict]:
+        engine = LocalEngine(model, max_model_len=256, prefix_cache_tokens=cache_tokens)
+        outs = await _serve(engine, jobs, together)
+        await engine.close()
+        return outs, dict(engine.stats)
+
+    return run(main())
+
+
+def _assert_same(outs: list[GenerateOutput], refs: list[GenerateOutput]) -> None:
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.completion_ids == ref.completion_ids
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_prefix_hit_matches_cache_off(tiny_model, together):
+    """Sequential: later requests reuse the first one's prompt KV. Together (a group sent at
+    once): the first row prefills the shared prompt, the other three reuse it."""
+    suffixes = [[50, 51, 52], [60, 61], [70, 71, 72, 73], [80]]
+    jobs = [
+        (SYSTEM + sfx, SamplingParams(0.8, max_tokens=12, seed=i) if i % 2 else GREEDY)
+        for i, sfx in enumerate(suffixes)
+    ]
+    outs, stats = _outputs(tiny_model, jobs, together, cache_tokens=4096)
+    refs, off = _outputs(tiny_model, jobs, together, cache_tokens=0)
+    _assert_same(outs, refs)
+    assert stats["prefix_hits"] == 3 and stats["prefix_hit_tokens"] == 3 * len(SYSTEM)
+    total = sum(len(p) for p, _ in jobs)
+    assert stats["prefill_tokens"] == total - 3 * len(SYSTEM)
+    assert off == {"prefill_tokens": total, "prefix_hits": 0, "prefix_hit_tokens": 0}
+    for (prompt, params), out in zip(jobs, outs, strict=True):
+        t = params.temperature or 1.0
+        ref = teacher_forced(tiny_model, prompt, out.completion_ids, t)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref, strict=True)) < 1e-4
+
+
+def test_multi_turn_reuses_prompt_and_completion(tiny_model):
+    turn1 = [*SYSTEM, 10, 11, 12]
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput, dict]:
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        first = await engine.generate(turn1, GREEDY)
+        before = dict(engine.stats)
+        turn2 = turn1 + first.completion_ids + [20, 21, 22]
+        second = await engine.generate(turn2, GREEDY)
+        await engine.close()
+        return first, second, {k: engine.stats[k] - before[k] for k in before}
+
+    first, second, delta = run(main())
+    # the finished turn-1 row cached prompt + completion but its last (never fed) token
+    assert delta["prefix_hit_tokens"] == len(turn1) + len(first.completion_ids) - 1
+    assert delta["prefill_tokens"] == 1 + 3
+    turn2 = turn1 + first.completion_ids + [20, 21, 22]
+    ref_ids, ref_lps = naive_greedy(tiny_model, turn2, GREEDY.max_tokens)
+    assert second.completion_ids == ref_ids
+    assert max(abs(a - b) for a, b in zip(second.logprobs, ref_lps, strict=True)) < 1e-4
+
+
+def test_weight_update_clears_prefix_cache(tiny_model):
+    new_model = copy.deepcopy(tiny_model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt = [*SYSTEM, 7, 8]
+    params = SamplingParams(temperature=0.7, max_tokens=20, seed=4)
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput, int, int, dict]:
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        old = await engine.generate(prompt, params)
+        cached = engine.prefix_cache.tokens
+        await engine.update_weights(new_model.state_dict(), 1)
+        emptied = engine.prefix_cache.tokens + len(engine.prefix_cache.entries)
+        new = await engine.generate(prompt, params)
+        await engine.close()
+        return old, new, cached, emptied, dict(engine.stats)
+
+    old, new, cached, emptied, stats = run(main())
+    assert cached == len(prompt) + len(old.completion_ids) - 1 and emptied == 0
+    assert stats["prefix_hits"] == 0  # the second request did not reuse stale KV
+    assert new.weight_versions == [1] * 20
+    ref = teacher_forced(new_model, prompt, new.completion_ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(new.logprobs, ref, strict=True)) < 1e-4
+    stale = teacher_forced(tiny_model, prompt, new.completion_ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(stale, ref, strict=True)) > 1e-2  # really new
+
+
+def _kv(ids: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fake one-layer KV (H = 1, L, D = 1) whose entries are the token ids."""
+    t = torch.tensor(ids, dtype=torch.float32).view(1, -1, 1)
+    return [(t, -t)]
+
+
+def test_prefix_cache_lru_bound():
+    assert common_prefix((1, 2, 3), (1, 2, 4, 5)) == 2 and common_prefix((1, 2), (1, 2, 3)) == 2
+    cache = PrefixCache(max_tokens=10)
+    for ids in [(1, 2, 3), (4, 5, 6, 7)]:
+        cache.insert(ids, _kv(ids))
+    n, kv = cache.lookup((1, 2, 3, 9))  # a hit marks (1, 2, 3) recently used
+    assert n == 3 and kv[0][0].flatten().tolist() == [1, 2, 3]
+    assert kv[0][1].flatten().tolist() == [-1, -2, -3]
+    assert cache.lookup((4, 5, 6, 7))[0] == 3  # capped: one token is left to prefill
+    assert cache.lookup((9, 9)) == (0, None)
+    cache.lookup((1, 2))
+    cache.insert((8, 9, 10, 11, 12), _kv((8, 9, 10, 11, 12)))  # 12 > 10: evict the LRU entry
+    assert list(cache.entries) == [(1, 2, 3), (8, 9, 10, 11, 12)] and cache.tokens == 8
+    cache.insert((1, 2, 3, 4), _kv((1, 2, 3, 4)))  # an extension replaces its prefix entry
+    assert list(cache.entries) == [(8, 9, 10, 11, 12), (1, 2, 3, 4)] and cache.tokens == 9
+    cache.insert((8, 9), _kv((8, 9)))  # covered by a longer entry: only touched
+    assert list(cache.entries) == [(1, 2, 3, 4), (8, 9, 10, 11, 12)] and cache.tokens == 9
+    cache.insert(tuple(range(11)), _kv(tuple(range(11))))  # larger than the bound: not kept
+    assert cache.tokens == 9
+
+
+def test_engine_prefix_cache_stays_within_bound(tiny_model):
+    prompts = [list(range(20 + 30 * i, 41 + 30 * i)) for i in range(3)]  # 21 disjoint tokens each
+
+    async def main() -> list[tuple[int, ...]]:
+        engine = LocalEngine(tiny_model, max_model_len=256, prefix_cache_tokens=50)
+        outs = [await engine.generate(p, SamplingParams(0.0, max_tokens=5)) for p in prompts]
+        keys = list(engine.prefix_cache.entries)
+        assert engine.prefix_cache.tokens == 50 and engine.stats["prefix_hits"] == 0
+        await engine.close()
+        return [tuple(p + o.completion_ids[:-1]) for p, o in zip(prompts, outs, strict=True)], keys
+
+    finished, keys = run(main())
+    assert keys == finished[1:]  # 25 tokens each: the oldest was evicted
+
+
+def test_group_prefill_waves(tiny_model):
+    """Newcomers sharing a long prefix: the first goes in this wave, its siblings wait for the
+    next one (and then hit the cache); unrelated rows and cache-off engines use one wave."""
+    from forgerl.engines.local import WAVE_MIN_SHARED, _Request
+
+    def req(ids: list[int]) -> _Request:
+        return _Request(ids, GREEDY, None, None, None)  # type: ignore[arg-type]
+
+    a, b, c = req([*SYSTEM, 5]), req([*SYSTEM, 6, 7]), req([1, 2, 3])
+    engine = LocalEngine(tiny_model, max_model_len=256)
+    off = LocalEngine(tiny_model, max_model_len=256, prefix_cache_tokens=0)
+    assert engine._next_wave([a, b, c]) == ([a, c], [b])
+    assert off._next_wave([a, b, c]) == ([a, b, c], [])
+    engine.prefix_cache.insert(tuple(SYSTEM), [])  # the shared part is cached: no wait
+    assert engine._next_wave([a, b, c]) == ([a, b, c], [])
+    engine.prefix_cache.clear()
+    x, y = req([*SYSTEM[: WAVE_MIN_SHARED - 1], 8]), req([*SYSTEM[: WAVE_MIN_SHARED - 1], 9])
+    assert engine._next_wave([x, y]) == ([x, y], [])  # too little shared to wait for
+    z, w = req([*SYSTEM[:WAVE_MIN_SHARED], 8]), req([*SYSTEM[:WAVE_MIN_SHARED], 9])
+    assert engine._next_wave([z, w]) == ([z], [w])
+    run(engine.close())
+    run(off.close())
