@@ -1,0 +1,86 @@
+"""The `forgerl` command as a user runs it: one-line errors with exit code 2 for bad input, and
+Ctrl-C (SIGINT) during a run stops it cleanly with no orphan agent processes; the run directory
+keeps what was recorded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FORGERL = [sys.executable, "-m", "forgerl"]
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*FORGERL, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    ("toml", "override", "expected"),
+    [
+        ("max_steps = 2\n[agent]\ncommand = ['x']\n", ["--trainer.lr", "-1"], "trainer.lr"),
+        ("max_steps = 2\n[agent]\ncommand = ['x']\n", ["--trainer.bogus", "1"], "trainer.bogus"),
+        ("max_steps = 'many'\n", [], "max_steps"),
+        ("[agent\n", [], "invalid TOML"),
+        ("[agent]\ncommand = []\n", [], "agent.command"),
+        ("[agent]\ncommand = ['x']\n", ["--trainer.lr"], "needs a value"),
+    ],
+)
+def test_bad_config_is_one_line_exit_2(tmp_path, toml, override, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    result = _run("train", str(path), *override)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forgerl: error:") and expected in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_config_and_plot_of_empty_dir(tmp_path):
+    result = _run("train", str(tmp_path / "nope.toml"))
+    assert result.returncode == 2 and "config file not found" in result.stderr
+    result = _run("plot", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_sigint_stops_cleanly_without_orphans(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # An agent that records its pid, spawns a grandchild, and hangs.
+    agent = tmp_path / "hang.py"
+    agent.write_text(
+        "import os, subprocess, sys, time, pathlib\n"
+        f"d = pathlib.Path({str(pids)!r})\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "(d / str(os.getpid())).write_text(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f"run_dir = {str(tmp_path / 'run')!r}\nmax_steps = 2\n"
+        "[model]\npath = 'tiny'\nmax_model_len = 512\n"
+        f"[agent]\ncommand = ['python', {str(agent)!r}]\n"
+        "[tasks]\neval_size = 0\n[rollout]\ngroup_size = 2\ntasks_per_step = 1\n"
+    )
+    proc = subprocess.Popen([*FORGERL, "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while len(list(pids.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(list(pids.iterdir())) >= 2, "agents did not start"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    time.sleep(0.5)
+    for f in pids.iterdir():
+        for pid in (int(f.name), int(f.read_text())):
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    assert (tmp_path / "run" / "pool.sqlite").exists()
