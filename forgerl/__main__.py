@@ -1,3 +1,5 @@
-from forgerl.cli import main
 import sys
+
+from forgerl.cli import main
+
 sys.exit(main())

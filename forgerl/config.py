@@ -63,7 +63,7 @@ class FffoConfig(_Section):
 
 
 class WindowedFifoConfig(_Section):
-    """Forge §3.1: any finished group among queue positions [i, i+W-1]; slides on head consumption."""
+    """Forge §3.1: any finished group in queue positions [i, i+W-1]; slides when the head goes."""
 
     type: Literal["windowed_fifo"] = "windowed_fifo"
     window: float = Field(4, gt=0)
@@ -195,7 +195,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
+            raise ConfigError(f"unexpected argument {arg!r}: overrides are --section.key VALUE")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args):

@@ -171,8 +171,9 @@ class Services:
         rewards = await asyncio.gather(*(
             self.rollout(-1 - i, 0, task, temperature=0.0) for i, task in enumerate(self.eval_tasks)
         ))
-        return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-                "eval_reward_mean": sum(rewards) / len(rewards), "eval_seconds": time.time() - start}
+        n = len(rewards)
+        return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / n,
+                "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start}
 
     def checkpoint(self) -> None:
         from forgerl.trainer.checkpoint import save_checkpoint
@@ -204,12 +205,13 @@ def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
     from forgerl.rewards.reasoning_gym import make_tasks
 
     t = config.tasks
-    held_out = make_tasks(t.dataset, t.eval_size, t.seed + 1_000_003, **t.params) if t.eval_size else []
+    held_out = make_tasks(t.dataset, t.eval_size, t.seed + 1_000_003, **t.params) \
+        if t.eval_size else []
     held = {task["question"] for task in held_out}
     train = [task for task in make_tasks(t.dataset, t.size, t.seed, **t.params)
              if task["question"] not in held]
     if not train:
-        raise ValueError(f"tasks: every training question is also a held-out one; raise tasks.size")
+        raise ValueError("tasks: every training question is also a held-out one; raise tasks.size")
     return train, held_out
 
 
@@ -245,7 +247,8 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
         scheduler_state = extra.get("scheduler")
         log.info("resumed from %s at step %d", ckpt, trainer.step)
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
-    engine = LocalEngine(copy.deepcopy(trainer.model).eval(), max_model_len=config.model.max_model_len,
+    engine = LocalEngine(copy.deepcopy(trainer.model).eval(),
+                         max_model_len=config.model.max_model_len,
                          max_batch_size=config.engine.max_batch_size)
     engine.weight_version = trainer.step
     gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,

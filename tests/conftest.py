@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a temporary SQLite file."""
+"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a SQLite path."""
 
 from __future__ import annotations
 

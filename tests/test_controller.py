@@ -136,10 +136,12 @@ async def test_command_agent_and_crashing_agent(tmp_path):
         s.admit()
         batch = await s.next_batch()
         group = s.pool.get_group(batch[0])
-        assert [t.status for t in group.trajectories] == ["finished"] * 4, group.trajectories[0].error
+        statuses = [t.status for t in group.trajectories]
+        assert statuses == ["finished"] * 4, group.trajectories[0].error
         assert all(t.completions for t in group.trajectories)
+    crashing = json.dumps([sys.executable, "-c", "raise SystemExit(3)"])
     crash = tiny_config(tmp_path / "crash", "--max_steps", "1", "--tasks.eval_size", "0",
-                        "--agent.command", json.dumps([sys.executable, "-c", "raise SystemExit(3)"]))
+                        "--agent.command", crashing)
     async with start_services(crash) as s:
         s.admit()
         batch = await s.next_batch()
