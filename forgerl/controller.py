@@ -52,6 +52,8 @@ class Services:
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
     reward_status: Counter[str] = field(default_factory=Counter)
+    rollout_seconds: list[float] = field(default_factory=list)
+    """Durations of every ended training rollout (admitted tasks), for the bias metrics."""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -85,11 +87,13 @@ class Services:
             task_index, rollout_index, temperature=temperature,
             max_tokens=self.config.rollout.max_tokens,
         )
-        status, answer, error = "failed", None, None
+        status, answer, error, start = "failed", None, None, time.time()
         try:
             status, answer, error = await self.run_agent(task, api_key)
         finally:
             self.gateway.sessions.close(api_key)
+            if task_index >= 0:
+                self.rollout_seconds.append(time.time() - start)
             if status == "finished":
                 reward = await self.score(task, answer)
                 self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
@@ -154,6 +158,10 @@ class Services:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving)."""
         groups = [self.pool.get_group(i) for i in task_indices]
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        trained = [t.ended_at - t.started_at for g in groups for t in g.trajectories
+                   if t.status == "finished"]
+        metrics |= _duration_stats("rollout_seconds_trained", trained)
+        metrics |= _duration_stats("rollout_seconds_admitted", self.rollout_seconds)
         self.scheduler.on_trained(task_indices, self.trainer.step)
         self.pool.commit_trained(task_indices, self.trainer.step,
                                  {"scheduler": self.scheduler.state()})
@@ -187,6 +195,15 @@ class Services:
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()}}
         self.logger.log(step, metrics | stats)
+
+
+def _duration_stats(name: str, seconds: list[float]) -> dict[str, float]:
+    """Mean and p90 (nearest rank) of durations in seconds; empty → {}."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": p90}
 
 
 def load_policy(path: str) -> tuple[Any, Any, str | None]:
@@ -282,7 +299,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0:
                 s.log(0, await s.evaluate())
-            start, no_signal, acc = time.time(), 0, "-"
+            start, no_signal, acc, tokens = time.time(), 0, "-", 0
             while s.trainer.step < config.max_steps:
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
@@ -297,13 +314,18 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
                     acc = f"{metrics.get('eval_accuracy', float('nan')):.3f}"
-                metrics |= {"train_seconds": metrics.pop("step_seconds"),
-                            "step_seconds": time.time() - start, "groups_without_signal": no_signal}
+                seconds, train_seconds = time.time() - start, metrics.pop("step_seconds")
+                generated = s.gateway.counters["completion_tokens"] - tokens
+                metrics |= {"train_seconds": train_seconds, "step_seconds": seconds,
+                            "trainer_idle_fraction": max(0.0, 1 - train_seconds / seconds),
+                            "rollout_tokens_per_second": generated / seconds,
+                            "groups_without_signal": no_signal}
                 s.log(step, metrics)
                 bar.update(completed=step, in_flight=len(s.rollouts) * config.rollout.group_size,
                            reward=f"{metrics['reward_mean']:.3f}", acc=acc,
                            sps=f"{metrics['step_seconds']:.1f}")
                 start, no_signal = time.time(), 0
+                tokens = s.gateway.counters["completion_tokens"]
     return Path(config.run_dir)
 
 

@@ -156,7 +156,8 @@ class Gateway:
 
     temperature / max_tokens: defaults when neither the session nor the request sets them.
     strict_model: refuse (404) model names other than `model_name`.
-    counters: requests, prefix_hits, prefix_misses, tool_parse_errors, engine_errors.
+    counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
+    engine_errors.
     """
 
     renderer: ChatMLRenderer
@@ -169,7 +170,8 @@ class Gateway:
     strict_model: bool = True
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
-            ("requests", "prefix_hits", "prefix_misses", "tool_parse_errors", "engine_errors"), 0
+            ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
+             "engine_errors"), 0
         )
     )
 
@@ -306,6 +308,7 @@ class Gateway:
         )
         try:
             self.pool.add_completion(session.trajectory_id, completion)
+            self.counters["completion_tokens"] += len(completion.completion_ids)
         except (KeyError, ValueError) as e:
             raise GatewayError(
                 409,
