@@ -123,14 +123,64 @@ class TasksConfig(_Section):
     """Evaluate before training and every this many optimizer steps."""
 
 
+class CispoLossConfig(_Section):
+    """CISPO (MiniMax-M1; Forge §4.1): sg(clip(r, 1-eps_low, 1+eps_high)) · Â · log π."""
+
+    type: Literal["cispo"] = "cispo"
+    eps_low: float = Field(1.0, ge=0, le=1)
+    """Lower clip as a delta from 1 (1.0 = clip(r, 0, ...))."""
+    eps_high: float = Field(0.28, ge=0)
+    """Upper clip as a delta from 1: the ratio is capped at 1 + eps_high."""
+
+    def build(self) -> Any:
+        from functools import partial
+
+        from forgerl.trainer.losses import cispo_loss
+
+        return partial(cispo_loss, eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+class PPOClipLossConfig(_Section):
+    """PPO-clip surrogate with the behavior policy as π_old (for comparison)."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
+    eps_low: float = Field(0.2, ge=0, le=1)
+    eps_high: float = Field(0.28, ge=0)
+
+    def build(self) -> Any:
+        from functools import partial
+
+        from forgerl.trainer.losses import ppo_clip_loss
+
+        return partial(ppo_clip_loss, eps_low=self.eps_low, eps_high=self.eps_high)
+
+
+class TISLossConfig(_Section):
+    """REINFORCE with truncated importance sampling: sg(min(r, cap)) · Â · log π."""
+
+    type: Literal["tis"] = "tis"
+    cap: float | None = Field(2.0, gt=0)
+    """Truncation of the behavior/policy ratio; None = untruncated IS."""
+
+    def build(self) -> Any:
+        from functools import partial
+
+        from forgerl.trainer.losses import tis_loss
+
+        return partial(tis_loss, tis_cap=self.cap)
+
+
+LossConfig = Annotated[
+    CispoLossConfig | PPOClipLossConfig | TISLossConfig, Field(discriminator="type")
+]
+
+
 class TrainerConfig(_Section):
     lr: float = Field(1e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
-    eps_low: float = Field(1.0, ge=0, le=1)
-    """CISPO lower clip as a delta from 1 (1.0 = clip(r, 0, ...))."""
-    eps_high: float = Field(0.28, ge=0)
-    """CISPO upper clip as a delta from 1: the ratio is capped at 1 + eps_high."""
+    loss: LossConfig = CispoLossConfig()
+    """The policy loss: cispo (default) | ppo_clip | tis; each logs ratio mean/max/clip_frac."""
     max_row_tokens: int = Field(4096, ge=16)
     """Token budget of one packed prefix-tree row (one forward/backward)."""
     merge_prefixes: bool = True
@@ -186,6 +236,18 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _fill_default_types(model: type[BaseModel], tree: dict[str, Any]) -> None:
+    """Give a union section written without `type` its default's type, so that
+    `--trainer.loss.eps_high 0.2` tunes the default loss instead of failing."""
+    for name, info in model.model_fields.items():
+        value, default = tree.get(name), info.default
+        if not isinstance(value, dict) or not isinstance(default, BaseModel):
+            continue
+        if "type" in type(default).model_fields and "type" not in value:
+            value["type"] = default.type
+        _fill_default_types(type(default), value)
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """`["--trainer.lr", "1e-6", "--max_steps=3"]` → `[("trainer.lr", 1e-6), ("max_steps", 3)]`.
 
@@ -225,6 +287,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         base = path.resolve().parent
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
+    _fill_default_types(Config, tree)
     agent = tree.get("agent")
     if isinstance(agent, dict) and "cwd" not in agent:
         agent["cwd"] = str(base)

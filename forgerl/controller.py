@@ -254,7 +254,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     model, tokenizer, system = load_policy(config.model.path)
     tc = config.trainer
     trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
-                      max_grad_norm=tc.max_grad_norm, eps_low=tc.eps_low, eps_high=tc.eps_high,
+                      max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
                       temperature=config.rollout.temperature, max_row_tokens=tc.max_row_tokens,
                       merge_prefixes=tc.merge_prefixes, normalize_std=tc.normalize_std)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")

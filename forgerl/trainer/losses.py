@@ -16,6 +16,8 @@ num_tokens (K), so callers can aggregate stats over rows weighted by num_tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -40,6 +42,11 @@ def _check(policy: Tensor, behavior: Tensor, advantages: Tensor, num_loss_tokens
         )
     if num_loss_tokens <= 0:
         raise ValueError(f"num_loss_tokens must be positive, got {num_loss_tokens}")
+
+
+LossFn = Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, dict[str, float]]]
+"""(policy_logprobs (K,), behavior_logprobs (K,), advantages (K,), num_loss_tokens) -> (loss,
+stats); the trainer's loss interface, built from the config's `trainer.loss` union."""
 
 
 def cispo_loss(

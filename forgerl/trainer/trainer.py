@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from forgerl.trainer.advantages import group_trajectory_advantages
-from forgerl.trainer.losses import cispo_loss
+from forgerl.trainer.losses import LossFn, cispo_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
 from forgerl.trainer.samples import trajectory_to_samples_with_stats
 from forgerl.types import Group, Sample
@@ -49,7 +49,8 @@ class Trainer:
     Args:
         model: a HF causal LM (fp32), put in train mode here.
         lr, weight_decay: AdamW settings. max_grad_norm: global L2 clip (≤ 0 disables).
-        eps_low, eps_high: CISPO clip bounds as deltas from 1 (`losses.cispo_loss`).
+        loss_fn: `(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens) -> (loss,
+            stats)`; default `losses.cispo_loss` with its default clip bounds.
         temperature: the rollout sampling temperature; policy logprobs use logits / T.
         max_row_tokens: capacity of one packed row (one forward+backward).
         merge_prefixes: share common prefixes across samples (False = plain packing).
@@ -63,8 +64,7 @@ class Trainer:
         lr: float = 1e-6,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
-        eps_low: float = 1.0,
-        eps_high: float = 0.28,
+        loss_fn: LossFn = cispo_loss,
         temperature: float = 1.0,
         max_row_tokens: int = 4096,
         merge_prefixes: bool = True,
@@ -76,7 +76,7 @@ class Trainer:
             [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
         )
         self.max_grad_norm = max_grad_norm
-        self.eps_low, self.eps_high = eps_low, eps_high
+        self.loss_fn = loss_fn
         self.temperature = temperature
         self.max_row_tokens = max_row_tokens
         self.merge_prefixes = merge_prefixes
@@ -180,13 +180,11 @@ class Trainer:
                 continue
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
             policy_logprobs = forward_logprobs(self.model, row, self.temperature)  # (K,)
-            loss, stats = cispo_loss(
+            loss, stats = self.loss_fn(
                 policy_logprobs,
                 batch.behavior_logprobs[flat].to(device),
                 batch.advantages[flat].to(device),
                 batch.num_loss_tokens,
-                eps_low=self.eps_low,
-                eps_high=self.eps_high,
             )
             loss.backward()
             total_loss += loss.item()

@@ -1,0 +1,53 @@
+"""The config tree: TOML + dotted overrides, typed unions with build(), one-line errors that name
+the field and both values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forgerl.config import ConfigError, load_config, parse_overrides
+from forgerl.trainer.losses import cispo_loss, tis_loss
+
+
+def test_overrides_parse_toml_values():
+    assert parse_overrides(["--trainer.lr", "1e-6", "--max_steps=3", "--agent.command", '["a"]',
+                            "--trainer.merge_prefixes", "false", "--run_dir", "runs/x"]) == [
+        ("trainer.lr", 1e-6), ("max_steps", 3), ("agent.command", ["a"]),
+        ("trainer.merge_prefixes", False), ("run_dir", "runs/x")]
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("max_steps = 7\n[agent]\ncommand = ['python', 'a.py']\n"
+                    "[scheduler]\npolicy = {type = 'windowed_fifo', window = 3}\n")
+    config = load_config(path, ["--scheduler.policy.window", "5", "--trainer.lr", "2e-6"])
+    assert config.max_steps == 7 and config.trainer.lr == 2e-6
+    assert config.scheduler.policy.type == "windowed_fifo" and config.scheduler.policy.window == 5
+    with pytest.raises(ConfigError, match=r"scheduler\.policy\.fffo\.window"):  # fffo has no window
+        load_config(path, ["--scheduler.policy.type", "fffo"])
+    assert config.agent.cwd == str(tmp_path)  # relative agent paths resolve next to the config
+
+
+def test_loss_union_builds_the_chosen_loss():
+    lp, blp, adv = torch.tensor([-1.0, -0.5]), torch.tensor([-1.5, -0.4]), torch.tensor([1.0, -1.0])
+    cispo = load_config(None, ["--trainer.loss.eps_high", "0.1"]).trainer.loss.build()
+    assert torch.equal(cispo(lp, blp, adv, 2)[0], cispo_loss(lp, blp, adv, 2, eps_high=0.1)[0])
+    tis = load_config(None, ["--trainer.loss", "{type = 'tis', cap = 1.5}"]).trainer.loss.build()
+    expected = tis_loss(lp, blp, adv, 2, tis_cap=1.5)[0]
+    assert torch.equal(tis(lp, blp, adv, 2)[0], expected)
+    # ratio exp(0.5) = 1.6487 is truncated to 1.5: loss = -(1.5*1*-1 + exp(-0.1)*-1*-0.5) / 2
+    assert expected.item() == pytest.approx(-(1.5 * -1.0 + torch.exp(torch.tensor(-0.1)).item()
+                                              * 0.5) / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--trainer.loss.type", "dpo"], "trainer.loss"),
+    (["--rollout.max_tokens", "4096"], "rollout.max_tokens (4096) must be < model.max_model_len"),
+    (["--scheduler.policy.window", "0"], "scheduler.policy.windowed_fifo.window"),
+    (["stray"], "unexpected argument"),
+])
+def test_errors_are_one_line_and_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
