@@ -11,15 +11,34 @@ bias = mean duration of the first M trained tasks / mean duration of the first M
 (1.00 = unbiased; < 1 = short tasks trained first).
 
 Run: `python benchmarks/scheduling.py` (a few seconds). `simulate` is reused by the C10 test.
+
+Part 2 (`--real`): the same policies on the real asynchronous loop (`forgerl.controller.run`):
+tiny model, gateway over HTTP, SQLite pool, CISPO trainer. The agent is a black-box-style async
+callable: one or two chat calls through the gateway with the official `openai` client, and "tool
+calls" that sleep for a heavy-tailed, seeded time per task (lognormal with median 0.3 s, or 90 %
+U(0.15, 0.45) s and 10 % of tasks 20x that). It answers right on a seeded half of the rollouts,
+so group advantages are non-zero. Every number comes from RUN_DIR/metrics.jsonl of the run,
+except bias*, which is the part-1 bias on the planned tool seconds of the tasks the pool shows
+trained vs the same number of tasks in admission order. `--real --quick`: about 2-3 minutes on
+2 busy cores; `--real`: more steps, both W values per workload.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import heapq
+import json
 import random
-from collections import deque
+import re
+import sqlite3
+import tempfile
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from forgerl.scheduler.policies import Fffo, Fifo, Policy, Scheduler, WindowedFifo
 
@@ -161,8 +180,8 @@ def run_table(
     return rows
 
 
-def main() -> None:
-    """Print the table for both workloads."""
+def print_simulation() -> None:
+    """Part 1: print the fake-clock table for both workloads."""
     rows = run_table("lognormal(0,1)", lognormal_durations(0))
     rows += run_table("10% x20 slow", mixed_durations(1))
     header = (f"{'workload':<15} {'policy':<22} {'groups/t':>8} {'vs fffo':>7} {'idle':>6} "
@@ -173,6 +192,206 @@ def main() -> None:
         print(f"{r['workload']:<15} {r['policy']:<22} {r['throughput']:>8.3f} "
               f"{r['vs_fffo']:>7.2f} {r['idle']:>6.1%} {r['lag_mean']:>8.2f} "
               f"{r['lag_max']:>7d} {r['bias']:>6.3f}")
+
+
+# ---- part 2: the real loop ------------------------------------------------------------------
+
+
+ToolSeconds = Callable[[str], float]
+"""question → planned tool seconds of one rollout of that task (before per-rollout jitter)."""
+
+
+def lognormal_tool_seconds(seed: int, median: float = 0.3, sigma: float = 1.0) -> ToolSeconds:
+    """Per-task tool time median * exp(N(0, sigma²)) seconds, fixed per question and seed."""
+    return lambda q: median * random.Random(f"{seed}|{q}").lognormvariate(0.0, sigma)
+
+
+def mixed_tool_seconds(
+    seed: int, low: float = 0.15, high: float = 0.45, slow_fraction: float = 0.1,
+    slowdown: float = 20.0,
+) -> ToolSeconds:
+    """Per-task tool time U(low, high) seconds; `slow_fraction` of tasks take `slowdown`x that."""
+
+    def seconds(q: str) -> float:
+        rng = random.Random(f"{seed}|{q}")
+        base = rng.uniform(low, high)
+        return base * (slowdown if rng.random() < slow_fraction else 1.0)
+
+    return seconds
+
+
+def chain_sum_answer(question: str) -> str:
+    """The exact answer of a reasoning-gym chain_sum question ("... problem: 4 - 1 =").
+
+    Raises ValueError if the text after the last ':' is not digits joined by + and -.
+    """
+    expr = question.rsplit(":", 1)[1].replace("=", "").replace(" ", "")
+    if not re.fullmatch(r"[-+]?\d+([-+]\d+)*", expr):
+        raise ValueError(f"not a chain_sum expression: {expr!r}")
+    return str(sum(int(term) for term in re.findall(r"[-+]?\d+", expr)))
+
+
+def make_tool_agent(tool_seconds: ToolSeconds, seed: int, correct: float = 0.5,
+                    max_tokens: int = 8):
+    """A black-box-style agent: chat → tool sleep (→ chat → tool sleep) → answer.
+
+    Per rollout (seeded by question and the n-th rollout of that question): two chat turns with
+    probability 1/2; total sleep = tool_seconds(question) * U(0.8, 1.2), split over the tool
+    calls; the right answer with probability `correct`, else "wrong".
+    """
+    from openai import AsyncOpenAI
+
+    seen: Counter[str] = Counter()
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        question = task["question"]
+        rng = random.Random(f"{seed}|{question}|{seen[question]}")
+        seen[question] += 1  # before any await: rollouts of a group count in start order
+        turns = 2 if rng.random() < 0.5 else 1
+        sleep = tool_seconds(question) * rng.uniform(0.8, 1.2) / turns
+        answer = chain_sum_answer(question) if rng.random() < correct else "wrong"
+        messages: list[dict[str, str]] = [{"role": "user", "content": question}]
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            for turn in range(turns):
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=max_tokens,  # type: ignore
+                )
+                await asyncio.sleep(sleep)  # the "tool call"
+                content = reply.choices[0].message.content or ""
+                messages += [{"role": "assistant", "content": content},
+                             {"role": "user", "content": f"tool result {turn}: ok"}]
+        return answer
+
+    return agent
+
+
+def real_config(run_dir: Path, policy: str, window: int | None, steps: int, lag_bound: int,
+                group_size: int, batch_size: int, seed: int):
+    """A tiny-model run config for one policy ("fifo" | "fffo" | "windowed_fifo" with window)."""
+    from forgerl.config import load_config
+
+    table = f'{{type = "{policy}"}}' if window is None else \
+        f'{{type = "{policy}", window = {window}}}'
+    return load_config(None, [
+        "--run_dir", str(run_dir), "--seed", str(seed), "--max_steps", str(steps),
+        "--model.path", "tiny", "--model.max_model_len", "512",
+        "--rollout.group_size", str(group_size), "--rollout.tasks_per_step", str(batch_size),
+        "--rollout.max_tokens", "8", "--rollout.timeout_s", "120",
+        "--tasks.params", "{min_terms = 2, max_terms = 2, max_digits = 1}",
+        "--tasks.size", "512", "--tasks.seed", str(seed), "--tasks.eval_size", "0",
+        "--trainer.lr", "1e-3", "--trainer.checkpoint_every", "1000000",
+        "--scheduler.policy", table, "--scheduler.max_off_policy_steps", str(lag_bound),
+    ])
+
+
+def true_bias(run_dir: Path, tool_seconds: ToolSeconds) -> float:
+    """Planned tool seconds: mean over the trained tasks / mean over as many tasks in admission
+    (index) order, from RUN_DIR/pool.sqlite (the part-1 bias on the real run)."""
+    db = sqlite3.connect(run_dir / "pool.sqlite")
+    try:
+        rows = db.execute("SELECT task_index, payload, status FROM tasks "
+                          "ORDER BY task_index").fetchall()
+    finally:
+        db.close()
+    questions = [json.loads(payload)["question"] for _, payload, _ in rows]
+    trained = [q for q, (_, _, status) in zip(questions, rows, strict=True) if status == "trained"]
+    if not trained:
+        return float("nan")
+    mean = lambda qs: sum(tool_seconds(q) for q in qs) / len(qs)  # noqa: E731
+    return mean(trained) / mean(questions[:len(trained)])
+
+
+def summarize_run(run_dir: Path, batch_size: int) -> dict[str, float]:
+    """Table columns from RUN_DIR/metrics.jsonl (forgerl.metrics.read_metrics) of one run.
+
+    s_per_step = mean step_seconds (wall clock); throughput = trained groups / Σ step_seconds;
+    idle = mean trainer_idle_fraction; lag = scheduler off-policy lag of trained groups (mean of
+    per-step means, max of maxima); dur_trained = mean of per-step rollout_seconds_trained_mean;
+    dur_admitted = the last step's rollout_seconds_admitted_mean (cumulative over ended rollouts).
+    """
+    from forgerl.metrics import read_metrics
+
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+    if not steps:
+        raise RuntimeError(f"{run_dir}: no training step in metrics.jsonl")
+    mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
+    wall = sum(r["step_seconds"] for r in steps)
+    trained = mean("rollout_seconds_trained_mean")
+    admitted = steps[-1]["rollout_seconds_admitted_mean"]
+    return {
+        "steps": len(steps), "s_per_step": wall / len(steps),
+        "throughput": len(steps) * batch_size / wall, "idle": mean("trainer_idle_fraction"),
+        "lag_mean": mean("scheduler_off_policy_lag_mean"),
+        "lag_max": max(r["scheduler_off_policy_lag_max"] for r in steps),
+        "dur_trained": trained, "dur_admitted": admitted, "bias": trained / admitted,
+    }
+
+
+def real_table(
+    name: str, tool_seconds: ToolSeconds, *, steps: int, windows: tuple[int, ...],
+    lag_bound: int, group_size: int = 4, batch_size: int = 2, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Run fffo, fifo and windowed_fifo(W) for each W on the real loop; one row per policy."""
+    from forgerl.controller import run
+
+    policies: list[tuple[str, str, int | None]] = [("fffo", "fffo", None), ("fifo", "fifo", None)]
+    policies += [(f"windowed W={w}", "windowed_fifo", w) for w in windows]
+    rows: list[dict[str, Any]] = []
+    for label, policy, window in policies:
+        with tempfile.TemporaryDirectory(prefix=f"forgerl-sched-{policy}-") as tmp:
+            run_dir = Path(tmp) / "run"
+            config = real_config(run_dir, policy, window, steps, lag_bound, group_size,
+                                 batch_size, seed)
+            start = time.time()
+            asyncio.run(run(config, agent=make_tool_agent(tool_seconds, seed), progress=False))
+            row = {"workload": name, "policy": label, "total_s": time.time() - start,
+                   **summarize_run(run_dir, batch_size),
+                   "bias_true": true_bias(run_dir, tool_seconds)}
+        rows.append(row)
+    base = rows[0]["throughput"]
+    for row in rows:
+        row["vs_fffo"] = row["throughput"] / base
+    return rows
+
+
+def print_real(rows: list[dict[str, Any]], lag_bound: int) -> None:
+    """Print the part-2 table (one line per workload x policy)."""
+    print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound}")
+    header = (f"{'workload':<16} {'policy':<14} {'s/step':>6} {'groups/s':>8} {'vs fffo':>7} "
+              f"{'idle':>6} {'lag mean':>8} {'lag max':>7} {'dur trn':>7} {'dur adm':>7} "
+              f"{'bias':>5} {'bias*':>5} {'run s':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['workload']:<16} {r['policy']:<14} {r['s_per_step']:>6.2f} "
+              f"{r['throughput']:>8.3f} {r['vs_fffo']:>7.2f} {r['idle']:>6.1%} "
+              f"{r['lag_mean']:>8.2f} {r['lag_max']:>7d} {r['dur_trained']:>7.2f} "
+              f"{r['dur_admitted']:>7.2f} {r['bias']:>5.2f} {r['bias_true']:>5.2f} "
+              f"{r['total_s']:>6.1f}")
+    print("s/step: wall clock per optimizer step; idle: mean trainer_idle_fraction; lag: "
+          "scheduler off-policy lag (steps);\ndur trn/adm: mean rollout seconds of trained / of "
+          "all ended admitted rollouts; bias = trn/adm;\nbias*: planned tool seconds of trained "
+          "tasks / of as many tasks in admission order (part-1 definition).")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Part 1 (default) or part 2 (`--real`, `--quick`)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--real", action="store_true", help="run the real loop (tiny model)")
+    parser.add_argument("--quick", action="store_true", help="with --real: about 2-3 minutes")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per policy")
+    parser.add_argument("--lag", type=int, default=3, help="max_off_policy_steps")
+    args = parser.parse_args(argv)
+    if not args.real:
+        print_simulation()
+        return
+    steps = args.steps or (6 if args.quick else 12)
+    workloads = [("10% x20 slow", mixed_tool_seconds(1))]
+    if not args.quick:
+        workloads.insert(0, ("lognormal med.3", lognormal_tool_seconds(0)))
+    rows = [row for name, fn in workloads
+            for row in real_table(name, fn, steps=steps, windows=(2, 4), lag_bound=args.lag)]
+    print_real(rows, args.lag)
 
 
 if __name__ == "__main__":
