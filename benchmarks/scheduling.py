@@ -232,11 +232,11 @@ def chain_sum_answer(question: str) -> str:
 
 
 def make_tool_agent(tool_seconds: ToolSeconds, seed: int, correct: float = 0.5,
-                    max_tokens: int = 8):
+                    two_turns: float = 0.25, max_tokens: int = 4):
     """A black-box-style agent: chat → tool sleep (→ chat → tool sleep) → answer.
 
     Per rollout (seeded by question and the n-th rollout of that question): two chat turns with
-    probability 1/2; total sleep = tool_seconds(question) * U(0.8, 1.2), split over the tool
+    probability `two_turns`; total sleep = tool_seconds(question) * U(0.8, 1.2), split over the tool
     calls; the right answer with probability `correct`, else "wrong".
     """
     from openai import AsyncOpenAI
@@ -247,7 +247,7 @@ def make_tool_agent(tool_seconds: ToolSeconds, seed: int, correct: float = 0.5,
         question = task["question"]
         rng = random.Random(f"{seed}|{question}|{seen[question]}")
         seen[question] += 1  # before any await: rollouts of a group count in start order
-        turns = 2 if rng.random() < 0.5 else 1
+        turns = 2 if rng.random() < two_turns else 1
         sleep = tool_seconds(question) * rng.uniform(0.8, 1.2) / turns
         answer = chain_sum_answer(question) if rng.random() < correct else "wrong"
         messages: list[dict[str, str]] = [{"role": "user", "content": question}]
@@ -266,7 +266,7 @@ def make_tool_agent(tool_seconds: ToolSeconds, seed: int, correct: float = 0.5,
 
 
 def real_config(run_dir: Path, policy: str, window: int | None, steps: int, lag_bound: int,
-                group_size: int, batch_size: int, seed: int):
+                group_size: int, batch_size: int, seed: int, max_tokens: int = 4):
     """A tiny-model run config for one policy ("fifo" | "fffo" | "windowed_fifo" with window)."""
     from forgerl.config import load_config
 
@@ -276,7 +276,7 @@ def real_config(run_dir: Path, policy: str, window: int | None, steps: int, lag_
         "--run_dir", str(run_dir), "--seed", str(seed), "--max_steps", str(steps),
         "--model.path", "tiny", "--model.max_model_len", "512",
         "--rollout.group_size", str(group_size), "--rollout.tasks_per_step", str(batch_size),
-        "--rollout.max_tokens", "8", "--rollout.timeout_s", "120",
+        "--rollout.max_tokens", str(max_tokens), "--rollout.timeout_s", "120",
         "--tasks.params", "{min_terms = 2, max_terms = 2, max_digits = 1}",
         "--tasks.size", "512", "--tasks.seed", str(seed), "--tasks.eval_size", "0",
         "--trainer.lr", "1e-3", "--trainer.checkpoint_every", "1000000",
@@ -356,7 +356,8 @@ def real_table(
 
 def print_real(rows: list[dict[str, Any]], lag_bound: int) -> None:
     """Print the part-2 table (one line per workload x policy)."""
-    print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound}")
+    print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound} "
+          f"(at most {(lag_bound + 1) * 2} groups in flight)")
     header = (f"{'workload':<16} {'policy':<14} {'s/step':>6} {'groups/s':>8} {'vs fffo':>7} "
               f"{'idle':>6} {'lag mean':>8} {'lag max':>7} {'dur trn':>7} {'dur adm':>7} "
               f"{'bias':>5} {'bias*':>5} {'run s':>6}")
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--real", action="store_true", help="run the real loop (tiny model)")
     parser.add_argument("--quick", action="store_true", help="with --real: about 2-3 minutes")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per policy")
-    parser.add_argument("--lag", type=int, default=3, help="max_off_policy_steps")
+    parser.add_argument("--lag", type=int, default=2, help="max_off_policy_steps")
     args = parser.parse_args(argv)
     if not args.real:
         print_simulation()
