@@ -93,6 +93,9 @@ class RolloutConfig(_Section):
     """Upper bound on tokens per completion (clamped to the context by the gateway)."""
     timeout_s: float = Field(600.0, gt=0)
     """Wall-clock seconds a rollout may run before its agent is killed and it is marked failed."""
+    on_timeout: Literal["finalize", "redispatch"] = "finalize"
+    """A timed-out rollout is failed and its group trained with the rollouts present
+    ("finalize"), or run once more ("redispatch")."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Seconds the reward function may take per rollout (in its own process); past that, or on
     an exception, the rollout gets reward 0 and is counted as a reward timeout / error."""

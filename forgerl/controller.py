@@ -82,25 +82,34 @@ class Services:
 
     async def rollout(self, task_index: int, rollout_index: int, task: dict,
                       temperature: float) -> float:
-        """Run one rollout, score it, and finish its trajectory in the pool; returns the reward."""
+        """Run one rollout, score it, and finish its trajectory in the pool; returns the reward.
+
+        A cancelled rollout (Ctrl-C, shutdown) is marked aborted and re-run on resume; a timed-out
+        one is failed (kept out of the loss) or, with `rollout.on_timeout = "redispatch"`,
+        aborted so that `rollout_group` runs it again.
+        """
         trajectory_id, api_key = self.gateway.open_session(
             task_index, rollout_index, temperature=temperature,
             max_tokens=self.config.rollout.max_tokens,
         )
-        status, answer, error, start = "failed", None, None, time.time()
+        start = time.time()
         try:
             status, answer, error = await self.run_agent(task, api_key)
+        except asyncio.CancelledError:
+            self.pool.finish_trajectory(trajectory_id, "aborted", error="cancelled")
+            raise
         finally:
             self.gateway.sessions.close(api_key)
-            if task_index >= 0:
-                self.rollout_seconds.append(time.time() - start)
-            if status == "finished":
-                reward = await self.score(task, answer)
-                self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
-            else:
-                reward = 0.0
-                self.pool.finish_trajectory(trajectory_id, "failed", error=(error or "")[-2000:])
-        return reward
+        if task_index >= 0:
+            self.rollout_seconds.append(time.time() - start)
+        if status == "finished":
+            reward = await self.score(task, answer)
+            self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
+            return reward
+        redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
+        self.pool.finish_trajectory(trajectory_id, "aborted" if redispatch else "failed",
+                                    error=(error or status)[-2000:])
+        return 0.0
 
     async def score(self, task: dict, answer: str | None) -> float:
         """reasoning-gym's scorer in a child process with a timeout (CASES.md C13)."""
@@ -117,13 +126,15 @@ class Services:
     async def rollout_group(self, task_index: int) -> None:
         """The G rollouts of one task, concurrently; then tell the scheduler the group is done.
 
-        After a resume only the rollouts without a finished/failed trajectory are run again.
+        After a resume only the rollouts without a finished/failed trajectory are run again;
+        with `on_timeout = "redispatch"` timed-out rollouts get one more attempt.
         """
         task = self.tasks[task_index % len(self.tasks)]
         self.pool.add_task(task_index, task)
         G, temperature = self.config.rollout.group_size, self.config.rollout.temperature
-        missing = self.pool.missing_rollouts(task_index, G)
-        await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in missing))
+        for _ in range(2 if self.config.rollout.on_timeout == "redispatch" else 1):
+            missing = self.pool.missing_rollouts(task_index, G)
+            await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in missing))
         self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
         versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]

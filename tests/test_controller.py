@@ -149,3 +149,33 @@ async def test_command_agent_and_crashing_agent(tmp_path):
         assert [t.status for t in group.trajectories] == ["failed"] * 4
         metrics = await s.train(batch)
         assert metrics["num_loss_tokens"] == 0 and s.trainer.step == 0
+
+
+@pytest.mark.parametrize("on_timeout", ["finalize", "redispatch"])
+@sync
+async def test_hung_agent_is_timed_out_and_group_goes_on(tmp_path, on_timeout):
+    """One rollout hangs forever: after rollout.timeout_s its group is finalised with the others
+    (finalize) or the rollout is run again (redispatch); the trainer never waits forever."""
+    calls = itertools.count()
+    inner = make_agent()
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        if next(calls) == 1:
+            await asyncio.sleep(3600)
+        return await inner(task, base_url, api_key)
+
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--rollout.tasks_per_step",
+                         "1", "--rollout.timeout_s", "3", "--rollout.on_timeout", on_timeout,
+                         "--scheduler.max_off_policy_steps", "0")  # one group at a time
+    async with start_services(config, agent) as s:
+        start = asyncio.get_running_loop().time()
+        s.admit()
+        batch = await s.next_batch()
+        assert asyncio.get_running_loop().time() - start < 60  # timeout 3 s + generation
+        statuses = sorted(t.status for t in s.pool.get_group(batch[0]).trajectories)
+        if on_timeout == "finalize":
+            assert statuses == ["failed", "finished", "finished", "finished"]
+        else:
+            assert statuses == ["aborted", "finished", "finished", "finished", "finished"]
+        metrics = await s.train(batch)
+        assert metrics["num_loss_tokens"] > 0 or metrics["groups_skipped"] == 1
