@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from forgerl.config import ConfigError, load_config
@@ -54,8 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
-        print("forgerl: interrupted; the run resumes from its last checkpoint", file=sys.stderr)
+        print("forgerl: interrupted" + (
+            "; re-run the same command to resume" if args.command == "train" else ""),
+            file=sys.stderr)
         return 130
+    except Exception as e:  # one line for the user; FORGERL_LOG=debug shows the traceback
+        if os.environ.get("FORGERL_LOG") == "debug":
+            raise
+        print(f"forgerl: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

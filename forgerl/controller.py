@@ -223,6 +223,9 @@ def load_policy(path: str) -> tuple[Any, Any, str | None]:
 
     if path == "tiny":
         return build_tiny_model(), build_byte_tokenizer(), None
+    if path != "smollm2" and not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny' or a local HF model "
+                          "folder (one with a config.json)")
     model, tokenizer = load_pretrained(path)
     return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None
 
@@ -257,12 +260,10 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from forgerl.trainer.trainer import Trainer
 
-    if agent is None and config.agent is None:
-        raise ConfigError("agent.command: required (no agent callable was given)")
+    model, tokenizer, system = load_policy(config.model.path)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
-    model, tokenizer, system = load_policy(config.model.path)
     tc = config.trainer
     trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
                       max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
@@ -306,6 +307,8 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     """
     from forgerl.metrics import ProgressBar
 
+    if agent is None and config.agent is None:
+        raise ConfigError("agent.command: required (no agent callable was given)")
     async with start_services(config, agent) as s:
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0:

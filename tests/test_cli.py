@@ -29,6 +29,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         ("[agent\n", [], "invalid TOML"),
         ("[agent]\ncommand = []\n", [], "agent.command"),
         ("[agent]\ncommand = ['x']\n", ["--trainer.lr"], "needs a value"),
+        ("[agent]\ncommand = ['x']\n[model]\npath = '/nonexistent'\n", [], "model.path"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, override, expected):

@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine
@@ -117,7 +118,9 @@ class ChatRequest(_Loose):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    n: int = Field(1, ge=1, le=1)
+    """One choice per call: an agent that wants G samples runs G sessions (one trajectory each)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -130,7 +133,7 @@ class SessionRequest(_Loose):
 
 
 class RewardRequest(_Loose):
-    reward: float
+    reward: float = Field(allow_inf_nan=False, strict=True)
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -290,7 +293,8 @@ class Gateway:
         )
         declared = {t["function"]["name"] for t in tools} if tools else None
         parsed = parse_tool_calls(text, declared) if tools else ParsedReply(content=text)
-        self.counters["tool_parse_errors"] += len(parsed.errors)
+        if out.finish_reason != "length":  # a truncated call is not a parse error (C09)
+            self.counters["tool_parse_errors"] += len(parsed.errors)
         finish = (
             "tool_calls" if parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
         )
@@ -412,6 +416,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, e: GatewayError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return GatewayError(e.status_code, str(e.detail), code).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

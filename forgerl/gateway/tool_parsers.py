@@ -15,7 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# A block body never contains another opening tag: an unclosed block must not swallow the next
+# valid one (C05).
+BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -73,9 +75,8 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
         else:
             calls.append(call)
         pos = m.end()
-    tail = text[pos:]
-    if "<tool_call>" in tail:
+    kept.append(text[pos:])
+    for _ in range(sum(seg.count("<tool_call>") for seg in kept) - len(errors)):
         errors.append("unclosed <tool_call> (reply truncated?)")
-    kept.append(tail)
     content = "".join(kept).strip() if calls else "".join(kept)
     return ParsedReply(content=content or (None if calls else ""), tool_calls=calls, errors=errors)

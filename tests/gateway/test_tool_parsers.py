@@ -66,3 +66,13 @@ def test_unclosed_block_stays_text():
     assert r.tool_calls == [] and r.content == text and "unclosed" in r.errors[0]
     plain = parse_tool_calls("  just text ", {"lookup"})
     assert (plain.content, plain.tool_calls, plain.errors) == ("  just text ", [], [])
+def test_unclosed_block_does_not_swallow_the_next_valid_call():
+    """C05's invariant: the valid call survives an unclosed block before it (kept as text)."""
+    text = (
+        '<tool_call>\n{"name": "lookup", "arguments": {"id": 7}}\n'
+        '<tool_call>\n{"name": "lookup", "arguments": {"id": 8}}\n</tool_call>'
+    )
+    parsed = parse_tool_calls(text, {"lookup"})
+    assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [{"id": 8}]
+    assert parsed.content is not None and '{"id": 7}' in parsed.content
+    assert parsed.errors == ["unclosed <tool_call> (reply truncated?)"]

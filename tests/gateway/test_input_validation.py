@@ -1,10 +1,9 @@
-"""QA defects in the gateway's input checking, found by abuse over real HTTP.
+"""Gateway input checking over real HTTP (found by abuse testing).
 
-Pins: a reward report must be a finite number (a NaN is stored as NULL and an Infinity as inf
-in the pool, and the trainer's `group_advantages` later refuses non-finite rewards), so
-`{"reward": NaN}` / `Infinity` / `1e400` must get a 400 and leave the trajectory running;
-a request `seed` outside the 64-bit range must be a 400, not a 500 from the rollout engine.
-Both currently fail: the gateway answers 200 (reward) and 500 (seed).
+Pins: a reward report must be a finite JSON number (NaN / Infinity / 1e400 / "1.0" get a 400
+and the trajectory stays running: the trainer refuses non-finite rewards later); a `seed`
+outside the 64-bit range is a 400 naming `seed`, not an engine 500; `n` other than 1 is a 400
+(one trajectory per session); unknown routes and methods answer OpenAI-shaped JSON errors.
 """
 
 from __future__ import annotations
@@ -38,7 +37,9 @@ async def _with_gateway(tmp_path, body):
         pool.close()
 
 
-@pytest.mark.parametrize("raw", [b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": 1e400}'])
+@pytest.mark.parametrize(
+    "raw", [b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": 1e400}', b'{"reward": "1"}']
+)
 def test_non_finite_reward_is_refused(tmp_path, raw):
     async def body(client):
         session = (await client.post("/sessions", json={})).json()
@@ -53,7 +54,6 @@ def test_non_finite_reward_is_refused(tmp_path, raw):
     row = sqlite3.connect(tmp_path / "pool.sqlite").execute(
         "SELECT status, reward FROM trajectories WHERE id=?", (sid,)
     ).fetchone()
-    # Observed: 200 {"status": "finished", "reward": null}; pool row ('finished', None or inf).
     assert r.status_code == 400, r.text
     assert "error" in r.json()
     assert row == ("running", None)
@@ -70,7 +70,22 @@ def test_out_of_range_seed_is_a_400_not_a_500(tmp_path):
         )
 
     r = asyncio.run(_with_gateway(tmp_path, body))
-    # Observed: 500 {"error": {"message": "engine error: ValueError: Overflow when unpacking
-    # long long", "type": "server_error", ...}}.
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "seed"
+
+
+def test_n_other_than_one_and_unknown_routes_are_openai_errors(tmp_path):
+    async def body(client):
+        session = (await client.post("/sessions", json={})).json()
+        auth = {"Authorization": f"Bearer {session['api_key']}"}
+        n2 = await client.post("/chat/completions", headers=auth, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2})
+        missing = await client.post("/responses", headers=auth, json={})
+        wrong_method = await client.get("/chat/completions", headers=auth)
+        return n2, missing, wrong_method
+
+    n2, missing, wrong_method = asyncio.run(_with_gateway(tmp_path, body))
+    assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
