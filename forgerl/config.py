@@ -80,6 +80,9 @@ class SchedulerConfig(_Section):
     max_off_policy_steps: int = Field(1, ge=0, le=1000)
     """Admission control: a task is admitted only while its samples' off-policy lag stays within
     this many optimizer steps. 0 = synchronous (no generation overlaps training)."""
+    max_in_flight: int | None = Field(None, ge=1)
+    """Most admitted, untrained groups (the rollout buffer); default
+    (max_off_policy_steps + 1) * tasks_per_step."""
 
 
 class RolloutConfig(_Section):

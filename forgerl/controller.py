@@ -52,8 +52,10 @@ class Services:
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
     reward_status: Counter[str] = field(default_factory=Counter)
-    rollout_seconds: list[float] = field(default_factory=list)
-    """Durations of every ended training rollout (admitted tasks), for the bias metrics."""
+    rollout_seconds: dict[int, list[float]] = field(default_factory=dict)
+    """Task index → durations of its ended training rollouts (for the duration-bias metrics)."""
+    group_started: dict[int, float] = field(default_factory=dict)
+    trained_tasks: list[int] = field(default_factory=list)
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -101,7 +103,7 @@ class Services:
         finally:
             self.gateway.sessions.close(api_key)
         if task_index >= 0:
-            self.rollout_seconds.append(time.time() - start)
+            self.rollout_seconds.setdefault(task_index, []).append(time.time() - start)
         if status == "finished":
             reward = await self.score(task, answer)
             self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
@@ -131,6 +133,7 @@ class Services:
         """
         task = self.tasks[task_index % len(self.tasks)]
         self.pool.add_task(task_index, task)
+        self.group_started.setdefault(task_index, time.time())
         G, temperature = self.config.rollout.group_size, self.config.rollout.temperature
         for _ in range(2 if self.config.rollout.on_timeout == "redispatch" else 1):
             missing = self.pool.missing_rollouts(task_index, G)
@@ -169,14 +172,29 @@ class Services:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving)."""
         groups = [self.pool.get_group(i) for i in task_indices]
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
-        trained = [t.ended_at - t.started_at for g in groups for t in g.trajectories
-                   if t.status == "finished"]
-        metrics |= _duration_stats("rollout_seconds_trained", trained)
-        metrics |= _duration_stats("rollout_seconds_admitted", self.rollout_seconds)
+        self.trained_tasks += task_indices
+        metrics |= self.duration_bias()
         self.scheduler.on_trained(task_indices, self.trainer.step)
         self.pool.commit_trained(task_indices, self.trainer.step,
                                  {"scheduler": self.scheduler.state()})
         return metrics
+
+    def duration_bias(self) -> dict[str, float]:
+        """Rollout seconds of every task trained so far vs the same number of tasks in admission
+        order, where a rollout still running counts with its elapsed time (a lower bound): a
+        policy that trains quick tasks first shows trained << admitted."""
+        now, G = time.time(), self.config.rollout.group_size
+
+        def seconds(i: int) -> list[float]:
+            ended = self.rollout_seconds.get(i, [])
+            running = G - len(ended) if i in self.rollouts else 0
+            return ended + [now - self.group_started[i]] * running
+
+        trained = [d for i in self.trained_tasks for d in self.rollout_seconds.get(i, [])]
+        first = sorted(self.group_started)[: len(self.trained_tasks)]
+        admitted = [d for i in first for d in seconds(i)]
+        return (_duration_stats("rollout_seconds_trained", trained)
+                | _duration_stats("rollout_seconds_admitted", admitted))
 
     async def sync_weights(self) -> None:
         """Push the trainer's weights to the engine as weight_version = trainer.step."""

@@ -179,3 +179,26 @@ async def test_hung_agent_is_timed_out_and_group_goes_on(tmp_path, on_timeout):
             assert statuses == ["aborted", "finished", "finished", "finished", "finished"]
         metrics = await s.train(batch)
         assert metrics["num_loss_tokens"] > 0 or metrics["groups_skipped"] == 1
+
+
+def test_duration_bias_compares_trained_with_admission_order(tmp_path):
+    """Quick-first training shows up: tasks 0 and 2 (1 s, 2 s) were trained while task 1 (5 s
+    per rollout) was admitted before task 2; a still-running rollout counts with its elapsed
+    time."""
+    from forgerl.controller import Services
+
+    config = tiny_config(tmp_path, "--rollout.group_size", "2")
+    s = Services(config, tmp_path, *([None] * 8), agent=None, logger=None)
+    now = __import__("time").time()
+    s.group_started = {0: now - 10, 1: now - 10, 2: now - 10, 3: now - 7}
+    s.rollout_seconds = {0: [1.0, 1.0], 1: [5.0, 5.0], 2: [2.0, 2.0], 3: [4.0]}
+    s.trained_tasks = [0, 2]
+    stats = s.duration_bias()
+    assert stats["rollout_seconds_trained_mean"] == pytest.approx(1.5)
+    assert stats["rollout_seconds_admitted_mean"] == pytest.approx(3.0)
+    s.trained_tasks = [0, 2, 1, 3]
+    s.rollouts = {3: None}  # task 3 has one rollout still running for 7 s
+    stats = s.duration_bias()
+    assert stats["rollout_seconds_admitted_mean"] == pytest.approx((2 + 10 + 4 + 4 + 7) / 8,
+                                                                   abs=0.05)
+    assert stats["rollout_seconds_trained_p90"] == 5.0

@@ -183,7 +183,8 @@ class Scheduler:
         else:
             policy = WindowedFifo(resolve_window(policy_config.window, k))
         if state is None:
-            return cls(policy, k, config.max_off_policy_steps, group_size=rollout.group_size)
+            return cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
+                       group_size=rollout.group_size)
         scheduler = cls.from_state(state)
         if pool is not None:
             scheduler.resume(pool)
