@@ -129,7 +129,18 @@ class TasksConfig(_Section):
     """Evaluate before training and every this many optimizer steps."""
 
 
-class CispoLossConfig(_Section):
+class _LossSection(_Section):
+    def build(self) -> Any:
+        """The loss function `forgerl.trainer.losses.<type>_loss` with this section's values."""
+        from functools import partial
+
+        from forgerl.trainer import losses
+
+        fn = getattr(losses, f"{self.type}_loss")  # `type` is a Literal of this class
+        return partial(fn, **self.model_dump(exclude={"type"}))
+
+
+class CispoLossConfig(_LossSection):
     """CISPO (MiniMax-M1; Forge §4.1): sg(clip(r, 1-eps_low, 1+eps_high)) · Â · log π."""
 
     type: Literal["cispo"] = "cispo"
@@ -138,46 +149,25 @@ class CispoLossConfig(_Section):
     eps_high: float = Field(0.28, ge=0)
     """Upper clip as a delta from 1: the ratio is capped at 1 + eps_high."""
 
-    def build(self) -> Any:
-        from functools import partial
 
-        from forgerl.trainer.losses import cispo_loss
-
-        return partial(cispo_loss, eps_low=self.eps_low, eps_high=self.eps_high)
-
-
-class PPOClipLossConfig(_Section):
+class PpoClipLossConfig(_LossSection):
     """PPO-clip surrogate with the behavior policy as π_old (for comparison)."""
 
     type: Literal["ppo_clip"] = "ppo_clip"
     eps_low: float = Field(0.2, ge=0, le=1)
     eps_high: float = Field(0.28, ge=0)
 
-    def build(self) -> Any:
-        from functools import partial
 
-        from forgerl.trainer.losses import ppo_clip_loss
-
-        return partial(ppo_clip_loss, eps_low=self.eps_low, eps_high=self.eps_high)
-
-
-class TISLossConfig(_Section):
-    """REINFORCE with truncated importance sampling: sg(min(r, cap)) · Â · log π."""
+class TisLossConfig(_LossSection):
+    """REINFORCE with truncated importance sampling: sg(min(r, tis_cap)) · Â · log π."""
 
     type: Literal["tis"] = "tis"
-    cap: float | None = Field(2.0, gt=0)
-    """Truncation of the behavior/policy ratio; None = untruncated IS."""
-
-    def build(self) -> Any:
-        from functools import partial
-
-        from forgerl.trainer.losses import tis_loss
-
-        return partial(tis_loss, tis_cap=self.cap)
+    tis_cap: float | None = Field(2.0, gt=0)
+    """Truncation of the policy/behavior ratio; None = untruncated IS."""
 
 
 LossConfig = Annotated[
-    CispoLossConfig | PPOClipLossConfig | TISLossConfig, Field(discriminator="type")
+    CispoLossConfig | PpoClipLossConfig | TisLossConfig, Field(discriminator="type")
 ]
 
 

@@ -7,7 +7,6 @@ import torch
 
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 
-
 # One intra-op thread per test process: the suite runs as 2 xdist workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels many times slower.
 torch.set_num_threads(1)

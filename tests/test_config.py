@@ -33,7 +33,8 @@ def test_loss_union_builds_the_chosen_loss():
     lp, blp, adv = torch.tensor([-1.0, -0.5]), torch.tensor([-1.5, -0.4]), torch.tensor([1.0, -1.0])
     cispo = load_config(None, ["--trainer.loss.eps_high", "0.1"]).trainer.loss.build()
     assert torch.equal(cispo(lp, blp, adv, 2)[0], cispo_loss(lp, blp, adv, 2, eps_high=0.1)[0])
-    tis = load_config(None, ["--trainer.loss", "{type = 'tis', cap = 1.5}"]).trainer.loss.build()
+    tis_config = load_config(None, ["--trainer.loss", "{type = 'tis', tis_cap = 1.5}"])
+    tis = tis_config.trainer.loss.build()
     expected = tis_loss(lp, blp, adv, 2, tis_cap=1.5)[0]
     assert torch.equal(tis(lp, blp, adv, 2)[0], expected)
     # ratio exp(0.5) = 1.6487 is truncated to 1.5: loss = -(1.5*1*-1 + exp(-0.1)*-1*-0.5) / 2
