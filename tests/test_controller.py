@@ -202,3 +202,39 @@ def test_duration_bias_compares_trained_with_admission_order(tmp_path):
     assert stats["rollout_seconds_admitted_mean"] == pytest.approx((2 + 10 + 4 + 4 + 7) / 8,
                                                                    abs=0.05)
     assert stats["rollout_seconds_trained_p90"] == 5.0
+
+
+@pytest.mark.smollm2
+@sync
+async def test_packaged_smollm2_one_step_end_to_end(tmp_path):
+    """The real packaged model through the whole loop: gateway (SmolLM2 ChatML renderer), local
+    engine, pool, one CISPO step, weight sync; the recorded ids decode to what the agent saw."""
+    seen: list[str] = []
+    inner = make_agent()
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": task["question"]}], max_tokens=6
+        )
+        seen.append(reply.choices[0].message.content or "")
+        return await inner(task, base_url, api_key)
+
+    config = tiny_config(tmp_path / "run", "--model.path", "smollm2", "--model.max_model_len",
+                         "512", "--tasks.eval_size", "0", "--rollout.group_size", "2",
+                         "--rollout.tasks_per_step", "1", "--scheduler.max_off_policy_steps", "0",
+                         "--trainer.lr", "1e-5")
+    async with start_services(config, agent) as s:
+        s.admit()
+        batch = await s.next_batch()
+        before = _params(s.trainer.model)
+        metrics = await s.train(batch)
+        await s.sync_weights()
+        assert metrics["num_loss_tokens"] > 0 and s.engine.weight_version == 1
+        after = _params(s.trainer.model)
+        assert sum(not torch.equal(before[k], after[k]) for k in before) == len(before)
+        renderer = s.gateway.renderer
+        first_turns = [t.completions[0] for t in s.pool.get_group(batch[0]).trajectories]
+        texts = [renderer.decode([i for i in c.completion_ids if i != renderer.end_of_turn_id])
+                 for c in first_turns]
+        assert len(seen) == 2 and all(any(x in t for t in texts) for x in seen)
