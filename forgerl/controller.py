@@ -23,9 +23,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forgerl.config import Config, ConfigError
+
+if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
+    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.engines.local import LocalEngine
+    from forgerl.gateway.app import Gateway, GatewayServer
+    from forgerl.metrics import MetricsLogger
+    from forgerl.scheduler.policies import Scheduler
+    from forgerl.trainer.trainer import Trainer
 
 log = logging.getLogger("forgerl")
 # What SmolLM2's own chat template inserts when a conversation has no system message.
@@ -39,16 +47,16 @@ class Services:
 
     config: Config
     run_dir: Path
-    trainer: Any
-    engine: Any
-    pool: Any
-    gateway: Any
-    server: Any
-    scheduler: Any
+    trainer: Trainer
+    engine: LocalEngine
+    pool: SQLitePool
+    gateway: Gateway
+    server: GatewayServer
+    scheduler: Scheduler
     tasks: list[dict]
     eval_tasks: list[dict]
     agent: Agent | None
-    logger: Any
+    logger: MetricsLogger
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
     reward_status: Counter[str] = field(default_factory=Counter)
@@ -70,7 +78,7 @@ class Services:
                 self.agent, task, self.server.base_url, api_key, cfg.rollout.timeout_s
             )
         else:
-            assert cfg.agent is not None  # checked in start_services
+            assert cfg.agent is not None  # checked in run()
             command = list(cfg.agent.command)
             if command[0] in ("python", "python3"):
                 command[0] = sys.executable
