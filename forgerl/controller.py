@@ -301,6 +301,12 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
         trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
         scheduler_state = extra.get("scheduler")
         log.info("resumed from %s at step %d", ckpt, trainer.step)
+    # The pool holds the scheduler state of the last consumed batch; it is the one to resume from
+    # when it matches the restored weights (e.g. batches without learning signal consumed after
+    # the checkpoint, or before any checkpoint). Otherwise the checkpoint's state is used and the
+    # groups trained after it go back to the queue (Scheduler.resume).
+    if (latest := pool.get_meta("scheduler")) is not None and latest["version"] == trainer.step:
+        scheduler_state = latest
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine = LocalEngine(copy.deepcopy(trainer.model).eval(),
                          max_model_len=config.model.max_model_len,
@@ -346,6 +352,9 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 metrics = await s.train(batch)              # advantages → prefix tree → CISPO
                 if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
                     no_signal += len(batch)
+                    if no_signal % 50 < len(batch):
+                        log.warning("%d groups in a row had no learning signal (equal rewards or "
+                                    "no model calls)", no_signal)
                     continue
                 await s.sync_weights()                      # engine runs weight_version = step
                 step = s.trainer.step

@@ -85,3 +85,49 @@ def test_sigint_stops_cleanly_without_orphans(tmp_path):
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     assert (tmp_path / "run" / "pool.sqlite").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_trains_each_group_once(tmp_path):
+    """SIGKILL the whole run after its first checkpoint, re-run the same command: training
+    continues from the checkpoint to max_steps and no task is trained twice (CASES.md C12)."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(  # one model call, then right half of the time: group rewards vary
+        "import json, os, random\n"
+        "from openai import OpenAI\n"
+        "q = json.loads(os.environ['FORGERL_TASK'])['question']\n"
+        "OpenAI().chat.completions.create(model='policy', max_tokens=4,\n"
+        "                                 messages=[{'role': 'user', 'content': q}])\n"
+        "expr = q.rsplit(':', 1)[1].replace('=', '')\n"
+        "print(eval(expr) if random.random() < 0.5 else 'no idea')\n"
+    )
+    run_dir = tmp_path / "run"
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f"run_dir = {str(run_dir)!r}\nmax_steps = 4\n"
+        "[model]\npath = 'tiny'\nmax_model_len = 512\n"
+        f"[agent]\ncommand = ['python', {str(agent)!r}]\n"
+        "[tasks]\neval_size = 0\nparams = {min_terms = 2, max_terms = 2, max_digits = 1}\n"
+        "[rollout]\ngroup_size = 4\ntasks_per_step = 1\n"
+        "[trainer]\ncheckpoint_every = 1\n"
+    )
+    proc = subprocess.Popen([*FORGERL, "train", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ckpts = run_dir / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(ckpts.glob("step_*/trainer_state.json")):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    result = _run("train", str(config))
+    assert result.returncode == 0, result.stderr
+    import sqlite3
+
+    db = sqlite3.connect(run_dir / "pool.sqlite")
+    trained = db.execute("SELECT trained_step FROM tasks WHERE status='trained'")
+    steps = sorted(s for (s,) in trained)
+    # One group per step; a step without learning signal consumes its group at the same step.
+    assert steps[-1] == 4 and len(set(steps)) == 4
+    records = [r for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r]
+    assert records
