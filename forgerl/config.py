@@ -34,6 +34,8 @@ class LocalEngineConfig(_Section):
     type: Literal["local"] = "local"
     max_batch_size: int = Field(16, ge=1, le=4096)
     """Most sequences decoded together (continuous batching)."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """KV prefix-cache capacity in tokens (LRU; 0 disables). SmolLM2 fp32: 46 KB per token."""
 
 
 class GatewayConfig(_Section):

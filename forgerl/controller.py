@@ -230,6 +230,7 @@ class Services:
         stats = {"rollouts_in_flight": len(self.rollouts),
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
+                 **{f"engine_{k}": v for k, v in self.engine.stats.items()},
                  **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()}}
         self.logger.log(step, metrics | stats)
 
@@ -310,7 +311,8 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine = LocalEngine(copy.deepcopy(trainer.model).eval(),
                          max_model_len=config.model.max_model_len,
-                         max_batch_size=config.engine.max_batch_size)
+                         max_batch_size=config.engine.max_batch_size,
+                         prefix_cache_tokens=config.engine.prefix_cache_tokens)
     engine.weight_version = trainer.step
     gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
