@@ -205,5 +205,5 @@ def test_callable_agent_paths():
     ok, failed, timed_out, dispatched = asyncio.run(main())
     assert (ok.answer, ok.status, ok.returncode) == ("5", "finished", None)
     assert failed.status == "failed" and "KeyError: 'no such tool'" in failed.stderr_tail
-    assert timed_out.status == "timeout" and 0.2 <= timed_out.seconds < 1.0
+    assert timed_out.status == "timeout" and 0.2 <= timed_out.seconds < 3.0
     assert dispatched == AgentResult("5", "finished", None, "", dispatched.seconds)

@@ -54,7 +54,7 @@ def test_c13_hanging_and_failing_verifier(tmp_path):
     start = time.monotonic()
     results = score_with_timeout(verifier, items, timeout_s=1.0, fallback=-1.0)
     elapsed = time.monotonic() - start
-    assert 1.0 <= elapsed < 2.5  # 1 s timeout + forks (~0.1 s each) on 2 busy cores
+    assert 1.0 <= elapsed < 4.0  # 1 s timeout + forks (~0.1 s each); far from "forever"
     expected = [ScoreResult(i / 8, "ok") for i in range(8)]
     expected[3] = ScoreResult(-1.0, "timeout", "no reward in 1.0 s")
     expected[5] = ScoreResult(-1.0, "error", "ValueError: malformed answer")
