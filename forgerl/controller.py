@@ -231,7 +231,9 @@ class Services:
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"engine_{k}": v for k, v in self.engine.stats.items()},
-                 **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()}}
+                 **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()},
+                 "off_policy_lag_histogram": {str(lag): n for lag, n
+                                              in sorted(self.scheduler.lag_counts.items())}}
         self.logger.log(step, metrics | stats)
 
 

@@ -38,8 +38,8 @@ def _solve(question: str) -> str:
 
 def make_agent():
     """A white-box agent: one chat call through the gateway, then a right answer on every other
-    episode, so group rewards vary and advantages are non-zero."""
-    counter = itertools.count()
+    episode of the same question, so every group's rewards vary and advantages are non-zero."""
+    counters: dict[str, itertools.count] = {}
 
     async def agent(task: dict, base_url: str, api_key: str) -> str:
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -47,6 +47,7 @@ def make_agent():
             model="policy", messages=[{"role": "user", "content": task["question"]}], max_tokens=8
         )
         assert reply.choices[0].message.role == "assistant"
+        counter = counters.setdefault(task["question"], itertools.count())
         return _solve(task["question"]) if next(counter) % 2 == 0 else "wrong"
 
     return agent
@@ -109,6 +110,8 @@ async def test_run_writes_metrics_resumes_and_plots(tmp_path):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 1, 2]
     assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    histogram = records[-1]["off_policy_lag_histogram"]  # trained groups per off-policy lag
+    assert sum(histogram.values()) >= 4 and set(histogram) <= {"0", "1"}
     assert json.loads((run_dir / "config.json").read_text())["max_steps"] == 2
     assert list((run_dir / "tb").iterdir())
     # Resume to step 3: starts from the step-2 checkpoint, never trains a group twice.
