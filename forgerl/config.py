@@ -207,6 +207,17 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.trainer.max_row_tokens < self.model.max_model_len:
+            raise ValueError(
+                f"trainer.max_row_tokens ({self.trainer.max_row_tokens}) must be >= "
+                f"model.max_model_len ({self.model.max_model_len}): one sample can be that long"
+            )
+        in_flight = self.scheduler.max_in_flight
+        if in_flight is not None and in_flight < self.rollout.tasks_per_step:
+            raise ValueError(
+                f"scheduler.max_in_flight ({in_flight}) must be >= "
+                f"rollout.tasks_per_step ({self.rollout.tasks_per_step})"
+            )
         if self.rollout.max_tokens >= self.model.max_model_len:
             raise ValueError(
                 f"rollout.max_tokens ({self.rollout.max_tokens}) must be < "

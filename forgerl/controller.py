@@ -145,7 +145,12 @@ class Services:
         G, temperature = self.config.rollout.group_size, self.config.rollout.temperature
         for _ in range(2 if self.config.rollout.on_timeout == "redispatch" else 1):
             missing = self.pool.missing_rollouts(task_index, G)
-            await asyncio.gather(*(self.rollout(task_index, g, task, temperature) for g in missing))
+            results = await asyncio.gather(
+                *(self.rollout(task_index, g, task, temperature) for g in missing),
+                return_exceptions=True)  # one crashed rollout must not orphan its siblings
+            for result in results:
+                if isinstance(result, Exception):
+                    log.error("a rollout of task %d crashed: %r", task_index, result)
         self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
         versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
@@ -220,13 +225,17 @@ class Services:
         return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / n,
                 "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start}
 
-    def checkpoint(self) -> None:
+    async def checkpoint(self) -> None:
+        """Save model, optimizer and scheduler state under RUN_DIR/checkpoints, in a thread so
+        the gateway keeps serving (no training runs meanwhile)."""
         from forgerl.trainer.checkpoint import save_checkpoint
 
-        save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer,
-                        self.trainer.step, {"scheduler": self.scheduler.state()})
+        await asyncio.to_thread(save_checkpoint, self.run_dir, self.trainer.model,
+                                self.trainer.optimizer, self.trainer.step,
+                                {"scheduler": self.scheduler.state()})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters."""
         stats = {"rollouts_in_flight": len(self.rollouts),
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
@@ -278,8 +287,6 @@ def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
 @contextlib.asynccontextmanager
 async def start_services(config: Config, agent: Agent | None = None) -> AsyncIterator[Services]:
     """Build and start every service; resume from RUN_DIR/checkpoint when one exists."""
-    import copy
-
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.engines.local import LocalEngine
     from forgerl.gateway.app import Gateway
@@ -289,6 +296,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from forgerl.trainer.trainer import Trainer
 
+    tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
     model, tokenizer, system = load_policy(config.model.path)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -311,7 +319,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     if (latest := pool.get_meta("scheduler")) is not None and latest["version"] == trainer.step:
         scheduler_state = latest
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
-    engine = LocalEngine(copy.deepcopy(trainer.model).eval(),
+    engine = LocalEngine(trainer.model,  # the engine keeps its own copy of the weights
                          max_model_len=config.model.max_model_len,
                          max_batch_size=config.engine.max_batch_size,
                          prefix_cache_tokens=config.engine.prefix_cache_tokens)
@@ -320,7 +328,6 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens)
     server = await gateway.serve(config.gateway.host, config.gateway.port)
-    tasks, eval_tasks = make_task_sets(config)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
                         eval_tasks, agent, MetricsLogger(run_dir))
     try:
@@ -363,7 +370,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 await s.sync_weights()                      # engine runs weight_version = step
                 step = s.trainer.step
                 if step % config.trainer.checkpoint_every == 0 or step == config.max_steps:
-                    s.checkpoint()
+                    await s.checkpoint()
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
                     acc = f"{metrics.get('eval_accuracy', float('nan')):.3f}"

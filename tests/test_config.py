@@ -47,6 +47,8 @@ def test_loss_union_builds_the_chosen_loss():
     (["--rollout.max_tokens", "4096"], "rollout.max_tokens (4096) must be < model.max_model_len"),
     (["--scheduler.policy.window", "0"], "scheduler.policy.windowed_fifo.window"),
     (["stray"], "unexpected argument"),
+    (["--trainer.max_row_tokens", "1024"], "trainer.max_row_tokens (1024) must be >= model"),
+    (["--scheduler.max_in_flight", "1"], "scheduler.max_in_flight (1) must be >= rollout"),
 ])
 def test_errors_are_one_line_and_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as info:
