@@ -171,6 +171,9 @@ class Gateway:
     temperature: float = 1.0
     max_tokens: int = 256
     strict_model: bool = True
+    external: set[str] = field(default_factory=set)
+    """Trajectory ids opened over HTTP (POST /v1/sessions): only these take rewards over HTTP;
+    the controller scores its own rollouts."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
@@ -453,11 +456,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         trajectory_id, api_key = gateway.open_session(
             body.task_index, body.rollout_index, body.temperature, body.max_tokens
         )
+        gateway.external.add(trajectory_id)
         return {"session_id": trajectory_id, "api_key": api_key}
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
         body = parse_body(await request.body(), RewardRequest)
+        if session_id not in gateway.external and gateway.sessions.find(session_id) is not None:
+            raise GatewayError(403, f"session {session_id!r} is a training rollout; the "
+                               "controller scores it", "permission_denied", "session_id")
         try:
             gateway.finish_session(session_id, body.reward)
         except ValueError as e:

@@ -22,12 +22,14 @@ from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 
 
-async def _with_gateway(tmp_path, body):
+async def _with_gateway(tmp_path, body, gateway_ref: list | None = None):
     torch.set_num_threads(1)
     engine = LocalEngine(build_tiny_model(), max_model_len=256, max_batch_size=2)
     pool = SQLitePool(tmp_path / "pool.sqlite")
     gateway = Gateway(ChatMLRenderer(build_byte_tokenizer()), engine, pool, "tiny", max_tokens=2)
     server = await gateway.serve()
+    if gateway_ref is not None:
+        gateway_ref.append(gateway)
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             return await body(client)
@@ -89,3 +91,20 @@ def test_n_other_than_one_and_unknown_routes_are_openai_errors(tmp_path):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_controller_rollouts_take_no_reward_over_http(tmp_path):
+    """Only sessions opened with POST /v1/sessions are rewarded over HTTP; a rollout the
+    controller opened (and will score itself) answers 403 and stays running."""
+    async def body(client):
+        trajectory_id, _ = gateway_ref[0].open_session(task_index=3, rollout_index=1)
+        r = await client.post(f"/sessions/{trajectory_id}/reward", json={"reward": 1.0})
+        return trajectory_id, r
+
+    gateway_ref: list = []
+    sid, r = asyncio.run(_with_gateway(tmp_path, body, gateway_ref))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    row = sqlite3.connect(tmp_path / "pool.sqlite").execute(
+        "SELECT status, reward FROM trajectories WHERE id=?", (sid,)
+    ).fetchone()
+    assert row == ("running", None)
