@@ -55,7 +55,8 @@ class Services:
     scheduler: Scheduler
     tasks: list[dict]
     eval_tasks: list[dict]
-    agent: Agent | None
+    agent: Agent | list[str] | None
+    """The callable passed to `run`, else the configured command ("python" = this interpreter)."""
     logger: MetricsLogger
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -69,24 +70,18 @@ class Services:
 
     async def run_agent(self, task: dict, api_key: str) -> tuple[str, str | None, str | None]:
         """One agent episode against the gateway: (status, answer, error)."""
-        from forgerl.agents.runner import run_callable_agent, run_command_agent
+        from forgerl.agents.runner import run_agent
 
         cfg = self.config
+        assert self.agent is not None  # checked in run()
+        cwd, env = None, None
+        if cfg.agent is not None:  # a command agent: its directory and turn limit
+            cwd = cfg.agent.cwd
+            env = {"FORGERL_MAX_TURNS": str(cfg.agent.max_turns),
+                   "OPENAI_MODEL": cfg.gateway.model_name}
         task = {"question": task["question"]}  # the agent never sees the reference answer
-        if self.agent is not None:
-            result = await run_callable_agent(
-                self.agent, task, self.server.base_url, api_key, cfg.rollout.timeout_s
-            )
-        else:
-            assert cfg.agent is not None  # checked in run()
-            command = list(cfg.agent.command)
-            if command[0] in ("python", "python3"):
-                command[0] = sys.executable
-            result = await run_command_agent(
-                command, task, self.server.base_url, api_key, cfg.rollout.timeout_s,
-                cwd=cfg.agent.cwd, env={"FORGERL_MAX_TURNS": str(cfg.agent.max_turns),
-                                        "OPENAI_MODEL": cfg.gateway.model_name},
-            )
+        result = await run_agent(self.agent, task, self.server.base_url, api_key,
+                                 cfg.rollout.timeout_s, cwd=cwd, env=env)
         error = None if result.status == "finished" else (result.stderr_tail or result.status)
         return result.status, result.answer, error
 
@@ -328,6 +323,9 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens)
     server = await gateway.serve(config.gateway.host, config.gateway.port)
+    if agent is None and config.agent is not None:
+        command = list(config.agent.command)
+        agent = [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
                         eval_tasks, agent, MetricsLogger(run_dir))
     try:

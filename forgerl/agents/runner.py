@@ -66,11 +66,18 @@ def agent_env(task: dict, base_url: str, api_key: str) -> dict[str, str]:
 
 
 async def run_agent(
-    agent: list[str] | AgentFn, task: dict, base_url: str, api_key: str, timeout_s: float
+    agent: list[str] | AgentFn,
+    task: dict,
+    base_url: str,
+    api_key: str,
+    timeout_s: float,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> AgentResult:
-    """Run a command agent (list of argv strings) or an async callable agent; see below."""
+    """Run a command agent (list of argv strings; `cwd`, `env` apply) or an async callable
+    agent; see `run_command_agent` and `run_callable_agent`."""
     if isinstance(agent, list):
-        return await run_command_agent(agent, task, base_url, api_key, timeout_s)
+        return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env)
     return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
 
 

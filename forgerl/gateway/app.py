@@ -326,11 +326,7 @@ class Gateway:
             self.counters["prefix_hits"] += 1
         elif session.turns:
             self.counters["prefix_misses"] += 1
-        assistant = {
-            "role": "assistant",
-            "content": parsed.content,
-            **({"tool_calls": parsed.tool_calls} if parsed.tool_calls else {}),
-        }
+        assistant = _message(parsed)
         session.record(
             Turn(messages, tools, plan.prompt_ids, list(ids), assistant, plan.parent),
             plan.extends_previous,

@@ -109,10 +109,8 @@ def tis_loss(
     J = 1/N · Σ_t sg(w_t) · Â_t · log π_θ(o_t) with w_t = min(r_t, tis_cap) (TIS: Yao et al.
     2025, "Your efficient RL framework secretly brings you off-policy RL training"), or w_t = r_t
     when tis_cap is None (plain IS, unbounded variance). It equals `cispo_loss` with
-    eps_low = 1, eps_high = tis_cap - 1; kept as the named baseline for comparisons.
+    eps_low = 1, eps_high = tis_cap - 1, and is computed by it; kept as the named baseline.
     """
-    _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs - behavior_logprobs).detach()  # (K,)
-    weight = ratio if tis_cap is None else ratio.clamp(max=tis_cap)
-    loss = -(weight * advantages.detach() * policy_logprobs).sum() / num_loss_tokens
-    return loss, _ratio_stats(ratio, weight != ratio)
+    eps_high = float("inf") if tis_cap is None else tis_cap - 1.0
+    return cispo_loss(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens,
+                      eps_low=1.0, eps_high=eps_high)
