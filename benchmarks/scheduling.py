@@ -180,18 +180,24 @@ def run_table(
     return rows
 
 
+def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    """Print `rows` under a header and a rule; columns are (title, row key, format spec), where
+    the spec starts with its alignment and width (e.g. ">8.3f", "<15")."""
+    header = " ".join(f"{title:{re.match(r'[<>][0-9]+', spec)[0]}}" for title, _, spec in columns)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(" ".join(f"{r[key]:{spec}}" for _, key, spec in columns))
+
+
 def print_simulation() -> None:
     """Part 1: print the fake-clock table for both workloads."""
     rows = run_table("lognormal(0,1)", lognormal_durations(0))
     rows += run_table("10% x20 slow", mixed_durations(1))
-    header = (f"{'workload':<15} {'policy':<22} {'groups/t':>8} {'vs fffo':>7} {'idle':>6} "
-              f"{'lag mean':>8} {'lag max':>7} {'bias':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['workload']:<15} {r['policy']:<22} {r['throughput']:>8.3f} "
-              f"{r['vs_fffo']:>7.2f} {r['idle']:>6.1%} {r['lag_mean']:>8.2f} "
-              f"{r['lag_max']:>7d} {r['bias']:>6.3f}")
+    print_table(rows, [("workload", "workload", "<15"), ("policy", "policy", "<22"),
+                       ("groups/t", "throughput", ">8.3f"), ("vs fffo", "vs_fffo", ">7.2f"),
+                       ("idle", "idle", ">6.1%"), ("lag mean", "lag_mean", ">8.2f"),
+                       ("lag max", "lag_max", ">7d"), ("bias", "bias", ">6.3f")])
 
 
 # ---- part 2: the real loop ------------------------------------------------------------------
@@ -358,17 +364,13 @@ def print_real(rows: list[dict[str, Any]], lag_bound: int) -> None:
     """Print the part-2 table (one line per workload x policy)."""
     print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound} "
           f"(at most {(lag_bound + 1) * 2} groups in flight)")
-    header = (f"{'workload':<16} {'policy':<14} {'s/step':>6} {'groups/s':>8} {'vs fffo':>7} "
-              f"{'idle':>6} {'lag mean':>8} {'lag max':>7} {'dur trn':>7} {'dur adm':>7} "
-              f"{'bias':>5} {'bias*':>5} {'run s':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['workload']:<16} {r['policy']:<14} {r['s_per_step']:>6.2f} "
-              f"{r['throughput']:>8.3f} {r['vs_fffo']:>7.2f} {r['idle']:>6.1%} "
-              f"{r['lag_mean']:>8.2f} {r['lag_max']:>7d} {r['dur_trained']:>7.2f} "
-              f"{r['dur_admitted']:>7.2f} {r['bias']:>5.2f} {r['bias_true']:>5.2f} "
-              f"{r['total_s']:>6.1f}")
+    print_table(rows, [("workload", "workload", "<16"), ("policy", "policy", "<14"),
+                       ("s/step", "s_per_step", ">6.2f"), ("groups/s", "throughput", ">8.3f"),
+                       ("vs fffo", "vs_fffo", ">7.2f"), ("idle", "idle", ">6.1%"),
+                       ("lag mean", "lag_mean", ">8.2f"), ("lag max", "lag_max", ">7d"),
+                       ("dur trn", "dur_trained", ">7.2f"), ("dur adm", "dur_admitted", ">7.2f"),
+                       ("bias", "bias", ">5.2f"), ("bias*", "bias_true", ">5.2f"),
+                       ("run s", "total_s", ">6.1f")])
     print("s/step: wall clock per optimizer step; idle: mean trainer_idle_fraction; lag: "
           "scheduler off-policy lag (steps);\ndur trn/adm: mean rollout seconds of trained / of "
           "all ended admitted rollouts; bias = trn/adm;\nbias*: planned tool seconds of trained "

@@ -203,12 +203,18 @@ def test_stop_id_and_lengths(tiny_model):
     assert (one.completion_ids, one.finish_reason) == ([ref_ids[0]], "length")
 
 
-def test_weight_update_mid_generation(tiny_model):
-    new_model = copy.deepcopy(tiny_model)
-    torch.manual_seed(1)
+def perturbed(model, seed: int):
+    """A copy of `model` with every parameter moved by 0.05 * N(0, 1) noise (seeded)."""
+    new_model = copy.deepcopy(model)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in new_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return new_model
+
+
+def test_weight_update_mid_generation(tiny_model):
+    new_model = perturbed(tiny_model, seed=1)
     new_state = new_model.state_dict()
     snapshot = {name: v.clone() for name, v in tiny_model.state_dict().items()}
     prompt = [1, 50, 51, 52]
@@ -412,11 +418,7 @@ def test_multi_turn_reuses_prompt_and_completion(tiny_model):
 
 
 def test_weight_update_clears_prefix_cache(tiny_model):
-    new_model = copy.deepcopy(tiny_model)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new_model = perturbed(tiny_model, seed=2)
     prompt = [*SYSTEM, 7, 8]
     params = SamplingParams(temperature=0.7, max_tokens=20, seed=4)
 

@@ -73,6 +73,17 @@ def test_c01_sampled_ids_are_reused_not_reencoded(serve):
     assert all(len(c.completion_ids) == len(c.logprobs) for c in traj.completions)
 
 
+def scripted_session(serve, tokenizer, texts: list[str]):
+    """A served gateway whose engine answers `texts` in order, and one open session on it:
+    (renderer, served gateway, trajectory id, openai client for the session)."""
+    from forgerl.gateway.renderer import ChatMLRenderer
+
+    renderer = ChatMLRenderer(tokenizer)
+    srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)
+    tid, key = srv.session()
+    return renderer, srv, tid, srv.client(key)
+
+
 def tool_call_text(name: str, args: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
@@ -88,18 +99,8 @@ WEATHER = {
 
 
 def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
-    from forgerl.gateway.renderer import ChatMLRenderer
-
-    renderer = ChatMLRenderer(tokenizer)
-    engine = ScriptedEngine(
-        [
-            reply(renderer, tool_call_text("get_weather", {"city": "Paris"})),
-            reply(renderer, "It is sunny."),
-        ]
-    )
-    srv = serve(engine, tokenizer)
-    tid, key = srv.session()
-    client = srv.client(key)
+    texts = [tool_call_text("get_weather", {"city": "Paris"}), "It is sunny."]
+    renderer, srv, tid, client = scripted_session(serve, tokenizer, texts)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     r1 = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER])
     call = r1.choices[0].message.tool_calls[0]
@@ -122,31 +123,19 @@ def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
 
 
 def test_c02_context_rewrite_is_counted_and_rendered_fresh(serve, tokenizer):
-    from forgerl.gateway.renderer import ChatMLRenderer
-
-    renderer = ChatMLRenderer(tokenizer)
-    engine = ScriptedEngine([reply(renderer, "Paris"), reply(renderer, "Madrid")])
-    srv = serve(engine, tokenizer)
-    tid, key = srv.session()
-    client = srv.client(key)
+    renderer, srv, tid, client = scripted_session(serve, tokenizer, ["Paris", "Madrid"])
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "France?"}])
     rewritten = [{"role": "user", "content": "(summary) Spain?"}]
     client.chat.completions.create(model="tiny", messages=rewritten)
     second = srv.pool.get_trajectory(tid).completions[1]
     assert second.prompt_ids == renderer.render(rewritten)
     assert not second.extends_previous
-    assert srv.gateway.sessions.get(key).prefix_misses == 1
+    assert srv.gateway.sessions.get(client.api_key).prefix_misses == 1
     assert srv.gateway.counters["prefix_misses"] == 1
 
 
 def test_c03_later_turn_ends_with_generation_header(serve, tokenizer):
-    from forgerl.gateway.renderer import ChatMLRenderer
-
-    renderer = ChatMLRenderer(tokenizer)
-    engine = ScriptedEngine([reply(renderer, "Paris"), reply(renderer, "Madrid")])
-    srv = serve(engine, tokenizer)
-    tid, key = srv.session()
-    client = srv.client(key)
+    _renderer, srv, tid, client = scripted_session(serve, tokenizer, ["Paris", "Madrid"])
     m = [{"role": "user", "content": "capital of France?"}]
     client.chat.completions.create(model="tiny", messages=m)
     m += [
@@ -163,13 +152,7 @@ def test_c03_later_turn_ends_with_generation_header(serve, tokenizer):
 
 
 def test_truncated_reply_is_closed_before_next_turn(serve, tokenizer):
-    from forgerl.gateway.renderer import ChatMLRenderer
-
-    renderer = ChatMLRenderer(tokenizer)
-    engine = ScriptedEngine([reply(renderer, "abcdefgh"), reply(renderer, "ok")])
-    srv = serve(engine, tokenizer)
-    tid, key = srv.session()
-    client = srv.client(key)
+    renderer, srv, tid, client = scripted_session(serve, tokenizer, ["abcdefgh", "ok"])
     m = [{"role": "user", "content": "letters"}]
     r1 = client.chat.completions.create(model="tiny", messages=m, max_tokens=4)
     assert r1.choices[0].finish_reason == "length" and r1.choices[0].message.content == "abcd"
