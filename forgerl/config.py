@@ -23,6 +23,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    """[model]: which policy to load and its context length."""
+
     path: str = "smollm2"
     """"smollm2" = the packaged SmolLM2-135M-Instruct (cached once as safetensors); "tiny" = a
     random 2-layer Llama with a byte tokenizer (tests, benchmarks); else a local HF model folder."""
@@ -31,6 +33,8 @@ class ModelConfig(_Section):
 
 
 class LocalEngineConfig(_Section):
+    """[engine]: the in-process transformers rollout engine (CPU/GPU)."""
+
     type: Literal["local"] = "local"
     max_batch_size: int = Field(16, ge=1, le=4096)
     """Most sequences decoded together (continuous batching)."""
@@ -39,6 +43,8 @@ class LocalEngineConfig(_Section):
 
 
 class GatewayConfig(_Section):
+    """[gateway]: where the OpenAI-compatible gateway listens."""
+
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     """0 picks a free port."""
@@ -47,6 +53,8 @@ class GatewayConfig(_Section):
 
 
 class SQLitePoolConfig(_Section):
+    """[datapool]: the durable SQLite data pool (WAL)."""
+
     type: Literal["sqlite"] = "sqlite"
     path: str | None = None
     """SQLite file; default RUN_DIR/pool.sqlite."""
@@ -78,6 +86,8 @@ SchedulerPolicyConfig = Annotated[
 
 
 class SchedulerConfig(_Section):
+    """[scheduler]: the policy that picks finished groups, and admission control."""
+
     policy: SchedulerPolicyConfig = WindowedFifoConfig()
     max_off_policy_steps: int = Field(1, ge=0, le=1000)
     """Admission control: a task is admitted only while its samples' off-policy lag stays within
@@ -88,6 +98,8 @@ class SchedulerConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """[rollout]: group size, sampling, per-rollout and reward timeouts."""
+
     group_size: int = Field(8, ge=1, le=1024)
     """G: rollouts per task; the group is the advantage baseline."""
     tasks_per_step: int = Field(2, ge=1, le=4096)
@@ -107,6 +119,8 @@ class RolloutConfig(_Section):
 
 
 class AgentConfig(_Section):
+    """[agent]: the black-box agent command run once per rollout."""
+
     command: list[str] = Field(min_length=1)
     """The black-box agent: a program run once per rollout with OPENAI_BASE_URL, OPENAI_API_KEY,
     FORGERL_TASK (JSON) in its environment; its last stdout line is the answer. A leading
@@ -118,6 +132,8 @@ class AgentConfig(_Section):
 
 
 class TasksConfig(_Section):
+    """[tasks]: reasoning-gym tasks for training and held-out evaluation."""
+
     dataset: str = "chain_sum"
     """A reasoning-gym dataset name (generated offline)."""
     params: dict[str, Any] = Field(default_factory=dict)
@@ -174,6 +190,8 @@ LossConfig = Annotated[
 
 
 class TrainerConfig(_Section):
+    """[trainer]: optimizer, loss and prefix-tree packing."""
+
     lr: float = Field(1e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -190,6 +208,9 @@ class TrainerConfig(_Section):
 
 
 class Config(_Section):
+    """A whole run; sections as above. Raises pydantic ValidationError on bad values
+    (`load_config` turns it into a one-line ConfigError)."""
+
     run_dir: str = "runs/default"
     """Metrics, resolved config, pool and checkpoints; re-running with it resumes."""
     max_steps: int = Field(10, ge=0, le=10_000_000)

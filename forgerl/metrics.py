@@ -24,6 +24,7 @@ class MetricsLogger:
         self._tb = SummaryWriter(str(run_dir / "tb"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one record for optimizer step `step`; numeric values also go to TensorBoard."""
         record = {"step": step, "time": time.time()}
         for key, value in metrics.items():
             if isinstance(value, float) and not math.isfinite(value):
@@ -36,6 +37,7 @@ class MetricsLogger:
         self._tb.flush()
 
     def close(self) -> None:
+        """Flush and close the JSONL file and the TensorBoard writer."""
         self._file.close()
         self._tb.close()
 
@@ -73,5 +75,6 @@ class ProgressBar:
         self._progress.stop()
 
     def update(self, **fields: Any) -> None:
+        """Set `completed` (steps done) and any of in_flight, reward, acc, sps."""
         completed = fields.pop("completed", None)
         self._progress.update(self._task, completed=completed, **fields)

@@ -61,6 +61,7 @@ class GatewayError(Exception):
         )
 
     def response(self) -> JSONResponse:
+        """The OpenAI-shaped JSON error body with this error's HTTP status."""
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return JSONResponse({"error": body}, status_code=self.status)
 
@@ -73,22 +74,30 @@ class _Loose(BaseModel):
 
 
 class ContentPart(_Loose):
+    """One part of a list-valued `content`; only `text` parts are rendered."""
+
     type: str
     text: str | None = None
 
 
 class FunctionCall(_Loose):
+    """A tool call's function: name and arguments (a JSON string or an object)."""
+
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCall(_Loose):
+    """An assistant message's tool call (OpenAI shape)."""
+
     id: str | None = None
     type: str = "function"
     function: FunctionCall
 
 
 class ChatMessage(_Loose):
+    """One chat message; `tool_calls` on assistant turns, `tool_call_id` on tool turns."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -96,21 +105,31 @@ class ChatMessage(_Loose):
 
 
 class FunctionDecl(_Loose):
+    """A declared tool: name, description, JSON-schema parameters."""
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
 class ToolDecl(_Loose):
+    """`{"type": "function", "function": {...}}` in the request's `tools`."""
+
     type: Literal["function"] = "function"
     function: FunctionDecl
 
 
 class StreamOptions(_Loose):
+    """`stream_options`: `include_usage` adds a final usage chunk."""
+
     include_usage: bool = False
 
 
 class ChatRequest(_Loose):
+    """POST /v1/chat/completions body. The session's temperature / max_tokens override
+    the request's; `max_completion_tokens` wins over `max_tokens`; max tokens are clamped to
+    the context left after the prompt."""
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDecl] | None = None
@@ -126,6 +145,8 @@ class ChatRequest(_Loose):
 
 
 class SessionRequest(_Loose):
+    """POST /v1/sessions body (an external agent's rollout)."""
+
     task_index: int = -1
     rollout_index: int = Field(0, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -133,6 +154,8 @@ class SessionRequest(_Loose):
 
 
 class RewardRequest(_Loose):
+    """POST /v1/sessions/{id}/reward body: a finite JSON number (any range)."""
+
     reward: float = Field(allow_inf_nan=False, strict=True)
 
 
@@ -214,6 +237,8 @@ class Gateway:
         return session
 
     def check_model(self, model: str) -> None:
+        """Raises GatewayError 404 `model_not_found` for a model other than `model_name` (when
+        `strict_model`)."""
         if self.strict_model and model != self.model_name:
             raise GatewayError(
                 404,
@@ -430,6 +455,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
         session = gateway.authenticate(request.headers.get("authorization"))
         req = parse_body(await request.body(), ChatRequest)
         completion, parsed = await gateway.complete(session, req)
@@ -443,11 +469,13 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The one served model."""
         card = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "forgerl"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, str]:
+        """Open a session for an external agent: {session_id, api_key}."""
         body = parse_body(await request.body(), SessionRequest)
         trajectory_id, api_key = gateway.open_session(
             body.task_index, body.rollout_index, body.temperature, body.max_tokens
@@ -457,6 +485,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
+        """Finish an externally opened session's trajectory with its reward."""
         body = parse_body(await request.body(), RewardRequest)
         if session_id not in gateway.external and gateway.sessions.find(session_id) is not None:
             raise GatewayError(403, f"session {session_id!r} is a training rollout; the "
