@@ -139,7 +139,9 @@ def test_sigkill_mid_run_then_resume_trains_each_group_once(tmp_path):
     db = sqlite3.connect(run_dir / "pool.sqlite")
     trained = db.execute("SELECT trained_step FROM tasks WHERE status='trained'")
     steps = sorted(s for (s,) in trained)
-    # One group per step; a step without learning signal consumes its group at the same step.
-    assert steps[-1] == 4 and len(set(steps)) == 4
+    # One group per step; a batch without learning signal is consumed at the current step (0 if
+    # it came before the first update), so steps may repeat, but every step 1..4 trained a group
+    # and the pool refuses to mark a task trained twice.
+    assert steps[-1] == 4 and {1, 2, 3, 4} <= set(steps)
     records = [r for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r]
     assert records
