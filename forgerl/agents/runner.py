@@ -101,16 +101,21 @@ async def run_command_agent(
     """
     start = time.monotonic()
     full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
+    spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        env=full_env,
+        start_new_session=True,
+    ))
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=cwd,
-            env=full_env,
-            start_new_session=True,
-        )
+        proc = await asyncio.shield(spawn)  # a cancel mid-spawn must not lose the process
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            await _terminate_group(await spawn, grace_s)
+        raise
     except OSError as exc:
         return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0)
 
