@@ -93,7 +93,8 @@ class SchedulerConfig(_Section):
     """Admission control: a task is admitted only while its samples' off-policy lag stays within
     this many optimizer steps. 0 = synchronous (no generation overlaps training)."""
     max_in_flight: int | None = Field(None, ge=1)
-    """Most admitted, untrained groups (the rollout buffer); default
+    """Most groups generating at once (G agent processes each); finished groups wait for the
+    trainer outside this cap, bounded by max_off_policy_steps. Default
     (max_off_policy_steps + 1) * tasks_per_step."""
 
 
@@ -232,12 +233,6 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.max_row_tokens ({self.trainer.max_row_tokens}) must be >= "
                 f"model.max_model_len ({self.model.max_model_len}): one sample can be that long"
-            )
-        in_flight = self.scheduler.max_in_flight
-        if in_flight is not None and in_flight < self.rollout.tasks_per_step:
-            raise ValueError(
-                f"scheduler.max_in_flight ({in_flight}) must be >= "
-                f"rollout.tasks_per_step ({self.rollout.tasks_per_step})"
             )
         if self.rollout.max_tokens >= self.model.max_model_len:
             raise ValueError(

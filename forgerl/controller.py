@@ -65,6 +65,8 @@ class Services:
     """Task index → durations of its ended training rollouts (for the duration-bias metrics)."""
     group_started: dict[int, float] = field(default_factory=dict)
     trained_tasks: list[int] = field(default_factory=list)
+    closing: bool = False
+    """Set at shutdown: no new rollouts are admitted while the running ones are cancelled."""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -151,10 +153,15 @@ class Services:
         versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
         self.scheduler.on_group_finished(task_index, min(versions, default=self.trainer.step))
         self.group_done.set()
+        self.admit()  # its generation slot is free (`scheduler.max_in_flight`)
 
     def admit(self) -> None:
-        """Start the rollouts of every task the scheduler admits now (lag bound, window)."""
-        for task_index in self.scheduler.admit(self.trainer.step):
+        """Start the rollouts of every task the scheduler admits now (concurrency cap, lag
+        bound), stamped with the engine's weight_version: between a step and its weight sync the
+        engine still serves the previous version."""
+        if self.closing:
+            return
+        for task_index in self.scheduler.admit(self.engine.weight_version):
             task = asyncio.create_task(self.rollout_group(task_index))
             self.rollouts[task_index] = task
             task.add_done_callback(lambda t, i=task_index: self._rollout_done(i, t))
@@ -165,6 +172,7 @@ class Services:
             log.error("rollout group %d crashed: %r", task_index, task.exception())
             self.scheduler.on_group_finished(task_index, self.trainer.step)
             self.group_done.set()
+            self.admit()
 
     async def next_batch(self) -> list[int]:
         """Wait until the scheduler's policy releases `tasks_per_step` finished groups."""
@@ -331,6 +339,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     try:
         yield services
     finally:
+        services.closing = True
         for task in list(services.rollouts.values()):
             task.cancel()
         await asyncio.gather(*services.rollouts.values(), return_exceptions=True)

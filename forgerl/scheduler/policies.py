@@ -18,7 +18,13 @@ trains k of them, so u is trained at version ≤ t + ⌊C_u / k⌋. A task is ad
 t + ⌊C_u / k⌋ - v_u ≤ L holds for every admitted task u, the new one included. A step lowers every
 C_u by k and raises t by 1, so the invariant, and with it lag ≤ L, holds for every trained group;
 finished work is never discarded, admission pauses instead (CASES.md C10). L = 0 admits one
-step's k tasks at a time: synchronous training.
+step's k tasks at a time: synchronous training. The invariant, at the newest task, also caps the
+admitted, untrained tasks at (L + 1) k.
+
+Concurrency (`max_in_flight`) caps the groups still generating, like AReaL's
+max_concurrent_rollouts: a finished group waiting to be trained (outside the window, or behind a
+busy trainer) frees its slot at once and waits in the data pool. Only L bounds that backlog, so a
+straggler at the head of a windowed FIFO idles the trainer, not the rollout engines.
 
 `Scheduler` drives the queue (`forgerl.scheduler.queue.GenerationQueue`) with one policy; it is
 pure, and `state()` / `from_state()` persist it (JSON) for resume (CASES.md C12).
@@ -139,8 +145,8 @@ class Scheduler:
         policy: Fifo(), Fffo() or WindowedFifo(W).
         batch_size: k, groups per optimizer step (fixed: the lag bound counts steps of k).
         max_off_policy_steps: L, or None for no admission bound.
-        max_in_flight: cap on admitted, untrained groups (generating + finished and waiting to
-            be trained): the rollout buffer; default (L + 1) * k (2k when L is None).
+        max_in_flight: cap on groups still generating (admitted, not finished); finished groups
+            wait for the trainer outside this cap. Default (L + 1) * k (2k when L is None).
         group_size: G (for `on_rollout_ended`). num_tasks: total indices (None: unbounded).
         version: the trainer's weight_version at start.
     """
@@ -195,11 +201,12 @@ class Scheduler:
     def admit(self, now_version: int) -> list[int]:
         """Task indices to dispatch now at engine weight_version `now_version` (ascending).
 
-        Stops at the buffer cap `max_in_flight`, the end of the stream, or the lag bound.
+        Stops at `max_in_flight` generating groups, the end of the stream, or the lag bound.
+        Call it again whenever a group finishes or a step is trained.
         """
         out: list[int] = []
         q = self.queue
-        while len(q.admitted) < self.max_in_flight:
+        while len(q.admitted) - len(q.finished) < self.max_in_flight:
             candidate = q.next_to_dispatch()
             if candidate is None:
                 break
