@@ -185,7 +185,7 @@ def run_table(
                 "bias": duration_bias(res, duration, min(bias_m, len(res.trained))),
             })
     rows = []
-    for label, policy, lag in configs:
+    for label, _, lag in configs:
         per_seed = runs[label]
         base = runs[f"fffo L={lag}" if lag else "fffo"]  # sync: vs unbounded FFFO
         mean = lambda key: sum(r[key] for r in per_seed) / seeds  # noqa: E731,B023
@@ -293,7 +293,7 @@ def make_tool_agent(tool_seconds: ToolSeconds, seed: int, correct: float = 0.5,
 
 
 def real_config(run_dir: Path, policy: str, window: int | None, steps: int, lag_bound: int,
-                group_size: int, batch_size: int, seed: int, max_tokens: int = 4):
+                in_flight: int, group_size: int, batch_size: int, seed: int, max_tokens: int = 4):
     """A tiny-model run config for one policy ("fifo" | "fffo" | "windowed_fifo" with window)."""
     from forgerl.config import load_config
 
@@ -308,6 +308,7 @@ def real_config(run_dir: Path, policy: str, window: int | None, steps: int, lag_
         "--tasks.size", "512", "--tasks.seed", str(seed), "--tasks.eval_size", "0",
         "--trainer.lr", "1e-3", "--trainer.checkpoint_every", "1000000",
         "--scheduler.policy", table, "--scheduler.max_off_policy_steps", str(lag_bound),
+        "--scheduler.max_in_flight", str(in_flight),
     ])
 
 
@@ -333,8 +334,9 @@ def summarize_run(run_dir: Path, batch_size: int) -> dict[str, float]:
 
     s_per_step = mean step_seconds (wall clock); throughput = trained groups / Σ step_seconds;
     idle = mean trainer_idle_fraction; lag = scheduler off-policy lag of trained groups (mean of
-    per-step means, max of maxima); dur_trained = mean of per-step rollout_seconds_trained_mean;
-    dur_admitted = the last step's rollout_seconds_admitted_mean (cumulative over ended rollouts).
+    per-step means, max of maxima); dur_trained / dur_admitted = the last step's
+    rollout_seconds_trained_mean / rollout_seconds_admitted_mean (both cumulative: every trained
+    task vs as many tasks in admission order, running rollouts at their elapsed time).
     """
     from forgerl.metrics import read_metrics
 
@@ -343,7 +345,7 @@ def summarize_run(run_dir: Path, batch_size: int) -> dict[str, float]:
         raise RuntimeError(f"{run_dir}: no training step in metrics.jsonl")
     mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
     wall = sum(r["step_seconds"] for r in steps)
-    trained = mean("rollout_seconds_trained_mean")
+    trained = steps[-1]["rollout_seconds_trained_mean"]
     admitted = steps[-1]["rollout_seconds_admitted_mean"]
     return {
         "steps": len(steps), "s_per_step": wall / len(steps),
@@ -356,7 +358,7 @@ def summarize_run(run_dir: Path, batch_size: int) -> dict[str, float]:
 
 def real_table(
     name: str, tool_seconds: ToolSeconds, *, steps: int, windows: tuple[int, ...],
-    lag_bound: int, group_size: int = 4, batch_size: int = 2, seed: int = 0,
+    lag_bound: int, in_flight: int, group_size: int = 4, batch_size: int = 2, seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Run fffo, fifo and windowed_fifo(W) for each W on the real loop; one row per policy."""
     from forgerl.controller import run
@@ -367,8 +369,8 @@ def real_table(
     for label, policy, window in policies:
         with tempfile.TemporaryDirectory(prefix=f"forgerl-sched-{policy}-") as tmp:
             run_dir = Path(tmp) / "run"
-            config = real_config(run_dir, policy, window, steps, lag_bound, group_size,
-                                 batch_size, seed)
+            config = real_config(run_dir, policy, window, steps, lag_bound, in_flight,
+                                 group_size, batch_size, seed)
             start = time.time()
             asyncio.run(run(config, agent=make_tool_agent(tool_seconds, seed), progress=False))
             row = {"workload": name, "policy": label, "total_s": time.time() - start,
@@ -381,10 +383,11 @@ def real_table(
     return rows
 
 
-def print_real(rows: list[dict[str, Any]], lag_bound: int) -> None:
+def print_real(rows: list[dict[str, Any]], lag_bound: int, in_flight: int,
+               tool_scale: float) -> None:
     """Print the part-2 table (one line per workload x policy)."""
-    print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound} "
-          f"(at most {(lag_bound + 1) * 2} groups in flight)")
+    print(f"real loop: tiny model, G=4, k=2 groups/step, max_off_policy_steps={lag_bound}, "
+          f"max_in_flight={in_flight} groups generating, tool seconds x{tool_scale:g}")
     print_table(rows, [("workload", "workload", "<16"), ("policy", "policy", "<14"),
                        ("s/step", "s_per_step", ">6.2f"), ("groups/s", "throughput", ">8.3f"),
                        ("vs fffo", "vs_fffo", ">7.2f"), ("idle", "idle", ">6.1%"),
@@ -393,29 +396,33 @@ def print_real(rows: list[dict[str, Any]], lag_bound: int) -> None:
                        ("bias", "bias", ">5.2f"), ("bias*", "bias_true", ">5.2f"),
                        ("run s", "total_s", ">6.1f")])
     print("s/step: wall clock per optimizer step; idle: mean trainer_idle_fraction; lag: "
-          "scheduler off-policy lag (steps);\ndur trn/adm: mean rollout seconds of trained / of "
-          "all ended admitted rollouts; bias = trn/adm;\nbias*: planned tool seconds of trained "
-          "tasks / of as many tasks in admission order (part-1 definition).")
+          "scheduler off-policy lag (steps);\ndur trn/adm: mean rollout seconds of the trained "
+          "tasks / of as many in admission order; bias = trn/adm;\nbias*: planned tool "
+          "seconds of trained tasks / of as many tasks in admission order (part-1 definition).")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Part 1 (default) or part 2 (`--real`, `--quick`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--real", action="store_true", help="run the real loop (tiny model)")
-    parser.add_argument("--quick", action="store_true", help="with --real: about 2-3 minutes")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per policy")
-    parser.add_argument("--lag", type=int, default=2, help="max_off_policy_steps")
+    parser.add_argument("--quick", action="store_true", help="with --real: the 10%% x20 mix only")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per policy")
+    parser.add_argument("--lag", type=int, default=4, help="max_off_policy_steps")
+    parser.add_argument("--in-flight", type=int, default=4, help="max_in_flight (groups)")
+    parser.add_argument("--tool-scale", type=float, default=10.0,
+                        help="multiplies every planned tool time (1: median 0.3 s)")
     args = parser.parse_args(argv)
     if not args.real:
         print_simulation()
         return
-    steps = args.steps or (6 if args.quick else 12)
+    scale = args.tool_scale
     workloads = [("10% x20 slow", mixed_tool_seconds(1))]
     if not args.quick:
-        workloads.insert(0, ("lognormal med.3", lognormal_tool_seconds(0)))
+        workloads.insert(0, ("lognormal", lognormal_tool_seconds(0)))
     rows = [row for name, fn in workloads
-            for row in real_table(name, fn, steps=steps, windows=(2, 4), lag_bound=args.lag)]
-    print_real(rows, args.lag)
+            for row in real_table(name, lambda q, fn=fn: scale * fn(q), steps=args.steps,
+                                  windows=(2, 4), lag_bound=args.lag, in_flight=args.in_flight)]
+    print_real(rows, args.lag, args.in_flight, scale)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ blobs, so floats round-trip bit-exactly and a 4k-token turn costs 32 KiB, not ~8
 Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajectory created) →
 "finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
 (`mark_trained`). Extra methods beyond `DataPool`, for the scheduler and for resume (CASES.md C12):
-`finish_group`, `task_indices`, `finished_group_task_indices`, `missing_rollouts`, `reset_task`,
+`finish_group`, `task_indices`, `finished_group_task_indices`, `missing_rollouts`,
 `reset_in_flight`, `commit_trained`, `revert_trained_after`, `stats`.
 """
 
@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     seq INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS trajectories_by_task ON trajectories (task_index, rollout_index, seq);
+CREATE INDEX IF NOT EXISTS trajectories_by_seq ON trajectories (seq);  -- MAX(seq) in O(log n)
 CREATE TABLE IF NOT EXISTS completions (
     trajectory_id TEXT NOT NULL,
     turn INTEGER NOT NULL,
@@ -257,7 +258,7 @@ class SQLitePool:
     def get_group(self, task_index: int) -> Group:
         """All trajectories of one task, ordered by rollout_index (then creation order).
 
-        After `reset_task`, aborted attempts stay in the group next to their re-runs (same
+        After `reset_in_flight`, aborted attempts stay in the group next to their re-runs (same
         rollout_index); the trainer trains only status "finished".
         """
         with self._lock:
@@ -330,22 +331,9 @@ class SQLitePool:
         done = {r[0] for r in rows}
         return [g for g in range(group_size) if g not in done]
 
-    def reset_task(self, task_index: int) -> list[str]:
-        """Abort the task's running trajectories and send it back to "queued" for a re-run.
-
-        Finished rollouts are kept (re-run only `missing_rollouts`). Returns the aborted ids.
-        Raises KeyError for an unknown task and ValueError for a trained or finished one.
-        """
-        with self._tx() as db:
-            status = self._task_status(db, task_index)
-            if status in ("trained", "finished"):
-                raise ValueError(f"task {task_index} is {status}; only in-flight tasks reset")
-            aborted = self._abort_running(db, task_index, "aborted on resume")
-            db.execute("UPDATE tasks SET status='queued' WHERE task_index=?", (task_index,))
-        return aborted
-
     def reset_in_flight(self) -> list[int]:
-        """`reset_task` every "running" task and abort orphan running trajectories (resume).
+        """Abort every running trajectory and send "running" tasks back to "queued" (resume;
+        finished rollouts are kept, `missing_rollouts` re-runs the rest).
 
         Returns the reset task indices, ascending.
         """

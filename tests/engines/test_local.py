@@ -34,7 +34,7 @@ from forgerl.engines.local import (
     LocalEngine,
     PrefixCache,
     common_prefix,
-    sample_logprobs,
+    sample_tokens,
     sampling_logprobs,
 )
 from forgerl.types import GenerateOutput, SamplingParams
@@ -81,6 +81,12 @@ async def _alone(model, prompt: list[int], params: SamplingParams) -> GenerateOu
         return await engine.generate(prompt, params)
     finally:
         await engine.close()
+
+
+def sample_logprobs(logits, temperature, generator=None):
+    """One row through the engine's sampler: logits (V,) → (token id, logprob)."""
+    tokens, logprobs = sample_tokens(logits.unsqueeze(0), [temperature], [generator])
+    return int(tokens[0]), float(logprobs[0])
 
 
 def test_c04_sampling_logprobs_helper():
@@ -506,3 +512,35 @@ def test_group_prefill_waves(tiny_model):
     assert engine._next_wave([z, w]) == ([z], [w])
     run(engine.close())
     run(off.close())
+
+
+def test_failed_prefill_fails_the_newcomers_only(tiny_model):
+    """A newcomer whose prefill raises fails alone; the row already decoding runs to the end."""
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput]:
+        engine = LocalEngine(tiny_model, max_model_len=512)
+        prefill, calls = engine._prefill, []
+
+        def flaky(rows):
+            calls.append(len(rows))
+            if len(calls) == 2:  # the second prefill: the newcomer joining a running batch
+                calls.append(engine._batch is not None and len(engine._batch.rows))
+                raise RuntimeError("prefill boom")
+            return prefill(rows)
+
+        engine._prefill = flaky
+        long = asyncio.create_task(engine.generate([7, 8], SamplingParams(0.0, max_tokens=200)))
+        while engine._batch is None:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="prefill boom"):
+            await engine.generate([1, 2, 3], GREEDY)
+        again = await engine.generate([1, 2, 3], GREEDY)
+        out = await long
+        await engine.close()
+        assert calls[:3] == [1, 1, 1]  # the failed prefill ran while one row was decoding
+        return out, again
+
+    out, again = run(main())
+    assert out.finish_reason == "length"
+    assert out.completion_ids == naive_greedy(tiny_model, [7, 8], 200)[0]
+    assert again.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]

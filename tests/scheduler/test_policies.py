@@ -153,13 +153,13 @@ def test_policy_invariants(policy, k, lag, in_flight, events):
         assert trained == list(range(len(trained)))
     # Drain: with every group finished, everything admitted is trained (nothing discarded).
     for _ in range(400):
-        new = sched.admit(sched.version)
-        for i in new:
+        for i in sched.admit(sched.version):
             admitted_at[i] = sched.version
-        for i in sched.queue.in_flight():
+        running = sched.queue.in_flight()
+        for i in running:
             sched.on_group_finished(i, admitted_at[i])
         if (batch := sched.next_batch()) is None:
-            if new:
+            if running:
                 continue  # max_in_flight < k: a step's groups take several admission rounds
             break
         sched.on_trained(batch, sched.version + 1)
@@ -203,3 +203,26 @@ def test_c10_fffo_for_contrast_is_biased():
     res = simulate(sched, c10_duration, slots=16, train_time=1.0, steps=20)
     first = res.trained[:8]
     assert 7 not in first  # FFFO trains quick tasks from later epochs before slow task 7
+
+
+def test_resume_keeps_the_queue_and_takes_settings_from_the_config(caplog):
+    from forgerl.config import FffoConfig, RolloutConfig, SchedulerConfig
+
+    old = Scheduler.build(SchedulerConfig(), RolloutConfig(tasks_per_step=2))  # W=4, L=1
+    assert old.admit(0) == [0, 1, 2, 3]
+    old.on_group_finished(1, 0)
+    old.on_group_finished(0, 0)
+    old.on_trained(old.next_batch(), 1)
+    state = json.loads(json.dumps(old.state()))
+    new = Scheduler.build(SchedulerConfig(policy=FffoConfig(), max_off_policy_steps=3),
+                          RolloutConfig(tasks_per_step=3), state=state)
+    assert (new.policy, new.batch_size, new.max_off_policy_steps) == (Fffo(), 3, 3)
+    assert new.max_in_flight == 12 and new.version == 1
+    assert new.queue.head == 2 and sorted(new.queue.admitted) == [2, 3]
+    assert "batch_size" in caplog.text and "(2, 3)" in caplog.text
+    for i in (2, 3):
+        new.on_group_finished(i, 0)
+    assert new.next_batch() is None  # k = 3 now
+    new.admit(1)
+    new.on_group_finished(4, 1)
+    assert new.next_batch() == [2, 3, 4]

@@ -162,8 +162,8 @@ def test_train_step_changes_every_parameter_and_reports_metrics():
     assert m["num_samples"] == 6.0
     assert (m["prefix_extensions"], m["prefix_branches"]) == (1.0, 1.0)
     # loss tokens by version: v0: a1 3, b 2, f 2 = 7 ; v1: a2 3, c 4+2, e 3 = 12
-    assert m["off_policy_lag_mean"] == pytest.approx((7 * 2 + 12 * 1) / 19)
-    assert m["off_policy_lag_max"] == 2.0
+    assert m["token_off_policy_lag_mean"] == pytest.approx((7 * 2 + 12 * 1) / 19)
+    assert m["token_off_policy_lag_max"] == 2.0
     # rewards of all scored trajectories: 1, 0, .5 | 1, 0 | 1, 1
     assert m["reward_mean"] == pytest.approx(4.5 / 7)
     # |Â| over loss tokens: a 6x0.5, b 2x0.5, c 6x0, e 3x0.6, f 2x0.6
