@@ -18,11 +18,12 @@ Part 2 (`--real`): the same policies on the real asynchronous loop (`forgerl.con
 tiny model, gateway over HTTP, SQLite pool, CISPO trainer. The agent is a black-box-style async
 callable: one or two chat calls through the gateway with the official `openai` client, and "tool
 calls" that sleep for a heavy-tailed, seeded time per task (lognormal with median 0.3 s, or 90 %
-U(0.15, 0.45) s and 10 % of tasks 20x that). It answers right on a seeded half of the rollouts,
-so group advantages are non-zero. Every number comes from RUN_DIR/metrics.jsonl of the run,
-except bias*, which is the part-1 bias on the planned tool seconds of the tasks the pool shows
-trained vs the same number of tasks in admission order. `--real --quick`: about 2-3 minutes on
-2 busy cores; `--real`: more steps, both W values per workload.
+U(0.15, 0.45) s and 10 % of tasks 20x that; times `--tool-scale`, default 10, so that tool time
+dominates the engine's latency). It answers right on a seeded half of the rollouts, so group
+advantages are non-zero. Every number comes from RUN_DIR/metrics.jsonl of the run, except
+bias*, which is the part-1 bias on the planned tool seconds of the tasks the pool shows trained
+vs the same number of tasks in admission order. `--real`: both workloads, about 15 minutes;
+`--quick`: the 10 % x20 workload only.
 """
 
 from __future__ import annotations

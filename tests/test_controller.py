@@ -185,6 +185,40 @@ async def test_hung_agent_is_timed_out_and_group_goes_on(tmp_path, on_timeout):
         assert metrics["num_loss_tokens"] > 0 or metrics["groups_skipped"] == 1
 
 
+@sync
+async def test_a_finished_group_frees_its_slot_even_while_a_step_trains(tmp_path):
+    """max_in_flight = 1 < k = 2: groups generate one at a time, and the group after a
+    finished one is admitted at once, during a training step too (not at the next step)."""
+    import time
+
+    config = tiny_config(tmp_path / "run", "--scheduler.max_in_flight", "1",
+                         "--scheduler.max_off_policy_steps", "2")
+    generating: list[int] = []
+    inner = make_agent()
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        generating.append(len(s.rollouts))
+        return await inner(task, base_url, api_key)
+
+    async with start_services(config, agent) as s:
+        s.admit()
+        assert list(s.rollouts) == [0]
+        assert await s.next_batch() == [0, 1]
+        train_step, admitted_during_step = s.trainer.train_step, []
+
+        def slow_step(groups):  # in the trainer thread: wait for task 3 to be admitted
+            deadline = time.monotonic() + 30
+            while 3 not in s.scheduler.queue.admitted and time.monotonic() < deadline:
+                time.sleep(0.02)
+            admitted_during_step.append(3 in s.scheduler.queue.admitted)
+            return train_step(groups)
+
+        s.trainer.train_step = slow_step
+        await s.train([0, 1])
+        assert admitted_during_step == [True]
+        assert set(generating) == {1}  # never two groups at once
+
+
 def test_duration_bias_compares_trained_with_admission_order(tmp_path):
     """Quick-first training shows up: tasks 0 and 2 (1 s, 2 s) were trained while task 1 (5 s
     per rollout) was admitted before task 2; a still-running rollout counts with its elapsed
