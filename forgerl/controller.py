@@ -151,7 +151,8 @@ class Services:
         self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
         versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
-        self.scheduler.on_group_finished(task_index, min(versions, default=self.trainer.step))
+        self.scheduler.on_group_finished(task_index,
+                                         min(versions, default=self.engine.weight_version))
         self.group_done.set()
         self.admit()  # its generation slot is free (`scheduler.max_in_flight`)
 
@@ -170,7 +171,7 @@ class Services:
         self.rollouts.pop(task_index, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("rollout group %d crashed: %r", task_index, task.exception())
-            self.scheduler.on_group_finished(task_index, self.trainer.step)
+            self.scheduler.on_group_finished(task_index, self.engine.weight_version)
             self.group_done.set()
             self.admit()
 

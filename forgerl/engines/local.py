@@ -411,7 +411,11 @@ class LocalEngine:
             block = self._batch is None and not self._waiting
             running = self._drain_inbox(block)
             if running and (self._batch is not None or self._waiting):
-                self._step()
+                try:
+                    self._step()
+                except Exception as exc:  # never let the worker die with callers waiting
+                    rows, self._batch = (self._batch.rows if self._batch else []), None
+                    _fail(rows, exc)
         for req in (self._batch.rows if self._batch else []) + list(self._waiting):
             req.resolve("abort")
         self._batch, self._waiting = None, deque()
@@ -482,8 +486,14 @@ class LocalEngine:
             return
         if self._batch is None:
             self._batch = fresh
-        elif fresh is not None:
+            return
+        if fresh is None:  # every newcomer finished at its first token
+            return
+        try:
             self._batch.merge(fresh)
+        except Exception as exc:  # e.g. out of memory: the running batch may be half-merged
+            rows, self._batch = self._batch.rows + fresh.rows, None
+            _fail(rows, exc)
 
     def _decode(self, batch: _Batch) -> _Batch:
         """Feed each row's pending token through the cache; sample the next one."""

@@ -172,6 +172,8 @@ class Scheduler:
         """Off-policy lag (steps) → number of trained groups with it."""
         self.last_lags: dict[int, int] = {}
         """Task index → off-policy lag, for the last trained batch."""
+        self.kept_versions: dict[int, int] = {}
+        """Re-queued task index → oldest weight_version of its kept rollouts (`resume`)."""
 
     @classmethod
     def build(
@@ -180,8 +182,9 @@ class Scheduler:
         """From `config.SchedulerConfig` + `RolloutConfig`; with `state`, resume against `pool`.
 
         Resume keeps the queue, version and lag counts of `state`, and takes policy, window,
-        k, L and max_in_flight from the config (a warning names the ones that changed; the lag
-        bound holds again once the tasks admitted under the old settings are trained). Then it
+        k, L and max_in_flight from the config (a warning names the ones that changed; tasks
+        admitted under the old settings may exceed a lowered bound, and `admit` keeps the run
+        live even when the bound would admit nothing). Then it
         un-trains groups the pool trained after that state was saved (`revert_trained_after`),
         resets the pool's in-flight tasks and re-queues them.
         """
@@ -216,7 +219,11 @@ class Scheduler:
         """Task indices to dispatch now at engine weight_version `now_version` (ascending).
 
         Stops at `max_in_flight` generating groups, the end of the stream, or the lag bound.
-        Call it again whenever a group finishes or a step is trained.
+        Call it again whenever a group finishes or a step is trained. A re-run task (resume)
+        is stamped no newer than the oldest token of the rollouts it keeps. Liveness: when
+        nothing is generating and no batch can form, the next task is admitted even beyond the
+        lag bound, with a warning; in a run whose settings never changed the bound always
+        admits it, so this only happens after a resume with a new k, L or policy.
         """
         out: list[int] = []
         q = self.queue
@@ -224,12 +231,17 @@ class Scheduler:
             candidate = q.next_to_dispatch()
             if candidate is None:
                 break
+            version = min(now_version, self.kept_versions.get(candidate, now_version))
             if self.max_off_policy_steps is not None and not admissible(
-                q.admitted, candidate, now_version, self.version, self.batch_size,
+                q.admitted, candidate, version, self.version, self.batch_size,
                 self.policy.window, self.max_off_policy_steps,
             ):
-                break
-            out.append(q.dispatch(now_version))
+                if out or len(q.admitted) > len(q.finished) or self.next_batch() is not None:
+                    break
+                log.warning("task %d admitted beyond max_off_policy_steps: nothing else can "
+                            "run (scheduler settings changed on resume?)", candidate)
+            self.kept_versions.pop(candidate, None)
+            out.append(q.dispatch(version))
         return out
 
     def on_rollout_ended(self, task_index: int, oldest_version: int) -> bool:
@@ -312,4 +324,8 @@ class Scheduler:
         for i in sorted(requeued):
             if i in self.queue.admitted and i not in self.queue.finished:
                 self.queue.requeue(i)
+            kept = [v for t in pool.get_group(i).trajectories if t.status == "finished"
+                    for c in t.completions for v in c.weight_versions]
+            if kept:
+                self.kept_versions[i] = min(kept)
         return sorted(requeued)

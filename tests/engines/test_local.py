@@ -544,3 +544,30 @@ def test_failed_prefill_fails_the_newcomers_only(tiny_model):
     assert out.finish_reason == "length"
     assert out.completion_ids == naive_greedy(tiny_model, [7, 8], 200)[0]
     assert again.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]
+
+
+def test_failed_merge_fails_both_batches_and_the_engine_serves_on(tiny_model, monkeypatch):
+    """A merge that raises (e.g. out of memory for the padded KV caches) fails the running row
+    and the newcomer, and the worker thread lives on."""
+    from forgerl.engines import local
+
+    def broken_merge(self, other):
+        raise MemoryError("merge boom")
+
+    async def main() -> GenerateOutput:
+        engine = LocalEngine(tiny_model, max_model_len=512, prefix_cache_tokens=0)
+        monkeypatch.setattr(local._Batch, "merge", broken_merge)
+        long = asyncio.create_task(engine.generate([7, 8], SamplingParams(0.0, max_tokens=200)))
+        while engine._batch is None:
+            await asyncio.sleep(0.001)
+        with pytest.raises(MemoryError, match="merge boom"):
+            await asyncio.wait_for(engine.generate([1, 2, 3], GREEDY), timeout=10)
+        with pytest.raises(MemoryError, match="merge boom"):
+            await asyncio.wait_for(long, timeout=10)
+        monkeypatch.undo()
+        out = await asyncio.wait_for(engine.generate([1, 2, 3], GREEDY), timeout=10)
+        await engine.close()
+        return out
+
+    out = run(main())
+    assert out.completion_ids == naive_greedy(tiny_model, [1, 2, 3], GREEDY.max_tokens)[0]

@@ -105,3 +105,23 @@ def test_resume_after_sigkill(db_path, k, first, after):
     if k == 4:
         assert [pool.get_task(i)["item"] for i in after[1]] == [0, 1, 2, 3]  # epoch 2
     pool.close()
+
+
+def test_rerun_task_is_stamped_no_newer_than_its_kept_rollouts(db_path):
+    """A re-run task keeps its finished rollouts: its dispatch version (what the lag bound
+    counts from) is their oldest token's version, not the version at the re-run."""
+    from forgerl.scheduler.policies import Fffo
+
+    pool = SQLitePool(db_path)
+    sched = Scheduler(Fffo(), batch_size=1, max_off_policy_steps=5, max_in_flight=1)
+    assert sched.admit(0) == [0]
+    pool.add_task(0, {"item": 0})
+    kept = pool.create_trajectory(0, 0)
+    pool.add_completion(kept, completion(0, 1))  # tokens of weight_version 1
+    pool.finish_trajectory(kept, "finished", reward=1.0)
+    pool.add_completion(pool.create_trajectory(0, 1), completion(0, 2))  # killed mid-rollout
+    sched.version = 3  # the restored weights
+    assert sched.resume(pool) == [0] and sched.kept_versions == {0: 1}
+    assert sched.admit(3) == [0] and sched.queue.admitted == {0: 1}
+    assert sched.kept_versions == {}
+    pool.close()
