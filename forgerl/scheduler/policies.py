@@ -184,9 +184,9 @@ class Scheduler:
         Resume keeps the queue, version and lag counts of `state`, and takes policy, window,
         k, L and max_in_flight from the config (a warning names the ones that changed; tasks
         admitted under the old settings may exceed a lowered bound, and `admit` keeps the run
-        live even when the bound would admit nothing). Then it
-        un-trains groups the pool trained after that state was saved (`revert_trained_after`),
-        resets the pool's in-flight tasks and re-queues them.
+        live even when the bound would admit nothing). Then it un-trains groups the pool trained
+        after that state was saved (`revert_trained_after`), resets the pool's in-flight tasks
+        and re-queues them.
         """
         k = rollout.tasks_per_step
         policy_config = config.policy
