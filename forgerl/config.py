@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: TOML `true` is not the number 1, and 2.5 is not an int (ints still fill floats)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelConfig(_Section):
