@@ -67,6 +67,8 @@ class Services:
     trained_tasks: list[int] = field(default_factory=list)
     closing: bool = False
     """Set at shutdown: no new rollouts are admitted while the running ones are cancelled."""
+    failed_streak: int = 0
+    last_rollout_error: str = ""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -186,8 +188,19 @@ class Services:
     # ---- training ---------------------------------------------------------------------------
 
     async def train(self, task_indices: list[int]) -> dict[str, float]:
-        """One optimizer step on the chosen groups (in a thread: the gateway keeps serving)."""
+        """One optimizer step on the chosen groups (in a thread: the gateway keeps serving).
+
+        Counts `failed_streak`: groups in a row in which no rollout finished (e.g. every
+        agent call rejected), with the last such rollout's error in `last_rollout_error`.
+        """
         groups = [self.pool.get_group(i) for i in task_indices]
+        for group in groups:
+            if any(t.status == "finished" for t in group.trajectories):
+                self.failed_streak = 0
+                continue
+            self.failed_streak += 1
+            errors = [t.error for t in group.trajectories if t.error]
+            self.last_rollout_error = errors[-1] if errors else self.last_rollout_error
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
         self.trained_tasks += task_indices
         metrics |= self.duration_bias()
@@ -354,7 +367,10 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     """Train until `config.max_steps` optimizer steps; returns the run directory.
 
     Each step: admit rollouts → take finished groups (scheduler policy) → train (CISPO over the
-    prefix tree) → sync weights to the engine → checkpoint / evaluate / log.
+    prefix tree) → sync weights to the engine → checkpoint / evaluate / log. Raises
+    RuntimeError, naming the last agent error, once no rollout finished in max(16, 4k) groups
+    in a row (a systematic failure, e.g. prompts longer than max_model_len): what was trained
+    and checkpointed stays.
     """
     from forgerl.metrics import ProgressBar
 
@@ -369,6 +385,10 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
                 metrics = await s.train(batch)              # advantages → prefix tree → CISPO
+                if s.failed_streak >= max(16, 4 * config.rollout.tasks_per_step):
+                    lines = [x for x in s.last_rollout_error.splitlines() if x.strip()]
+                    raise RuntimeError(f"every rollout of the last {s.failed_streak} groups "
+                                       f"failed; last error: {lines[-1] if lines else '?'}")
                 if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
                     no_signal += len(batch)
                     if no_signal % 50 < len(batch):
@@ -381,7 +401,8 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                     await s.checkpoint()
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
-                    acc = f"{metrics.get('eval_accuracy', float('nan')):.3f}"
+                    if "eval_accuracy" in metrics:
+                        acc = f"{metrics['eval_accuracy']:.3f}"
                 seconds, train_seconds = time.time() - start, metrics.pop("step_seconds")
                 generated = s.gateway.counters["completion_tokens"] - tokens
                 metrics |= {"train_seconds": train_seconds, "step_seconds": seconds,

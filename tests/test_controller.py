@@ -276,3 +276,21 @@ async def test_packaged_smollm2_one_step_end_to_end(tmp_path):
         texts = [renderer.decode([i for i in c.completion_ids if i != renderer.end_of_turn_id])
                  for c in first_turns]
         assert len(seen) == 2 and all(any(x in t for t in texts) for x in seen)
+
+
+@sync
+async def test_a_run_whose_every_rollout_fails_stops_with_the_agent_error(tmp_path):
+    """A systematic failure (here the agent always raises) ends the run with one message that
+    names the agent's error, instead of consuming the task stream without a step."""
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        raise ValueError("prompt has 841 tokens; max_model_len is 512")
+
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0")
+    with pytest.raises(RuntimeError, match=r"every rollout of the last 16 groups failed; last "
+                                           r"error: ValueError: prompt has 841 tokens"):
+        await run(config, agent=agent, progress=False)
+    db = sqlite3.connect(tmp_path / "run" / "pool.sqlite")
+    statuses = dict(db.execute("SELECT status, COUNT(*) FROM trajectories GROUP BY status"))
+    assert statuses["failed"] >= 16 * 4  # every failure is recorded, none dropped
+    assert set(statuses) <= {"failed", "aborted"}  # aborted: cancelled at the stop
