@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_run(args.run_dir, args.out))
             return 0
         config = load_config(args.config, rest)
+        from transformers.utils import logging as hf_logging
+
         from forgerl.controller import run, serve_gateway
+
+        hf_logging.disable_progress_bar()  # the run draws its own; no per-checkpoint bars
 
         asyncio.run(run(config) if args.command == "train" else serve_gateway(config))
         return 0

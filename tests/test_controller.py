@@ -286,11 +286,18 @@ async def test_a_run_whose_every_rollout_fails_stops_with_the_agent_error(tmp_pa
     async def agent(task: dict, base_url: str, api_key: str) -> str:
         raise ValueError("prompt has 841 tokens; max_model_len is 512")
 
-    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0")
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0",
+                         "--scheduler.max_off_policy_steps", "8")  # many groups buffered
     with pytest.raises(RuntimeError, match=r"every rollout of the last 16 groups failed; last "
-                                           r"error: ValueError: prompt has 841 tokens"):
+                                           r"error: agent failed: ValueError: prompt has 841 "):
         await run(config, agent=agent, progress=False)
     db = sqlite3.connect(tmp_path / "run" / "pool.sqlite")
     statuses = dict(db.execute("SELECT status, COUNT(*) FROM trajectories GROUP BY status"))
     assert statuses["failed"] >= 16 * 4  # every failure is recorded, none dropped
     assert set(statuses) <= {"failed", "aborted"}  # aborted: cancelled at the stop
+    db.close()
+    # Fixed agent, same run directory: the failed groups left in the buffer are trained first
+    # (nothing to learn from them) and do not count against the resumed run.
+    await run(tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--max_steps", "1",
+                          "--scheduler.max_off_policy_steps", "8"),
+              agent=make_agent(), progress=False)

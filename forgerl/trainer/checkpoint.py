@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -44,13 +43,7 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    model.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     (tmp / STATE_FILE).write_text(state)
     if final.exists():
