@@ -325,4 +325,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         shown = err["loc"] and "input" in err and err["type"] != "missing"
         value = f" (got {err['input']!r})" if shown else ""
         more = f" [+{len(e.errors()) - 1} more]" if len(e.errors()) > 1 else ""
+        if err["type"] == "string_type":  # e.g. --gateway.model_name 123 was read as TOML
+            more += """; quote it to pass text: '"..."'"""
         raise ConfigError(f"{where}: {err['msg']}{value}{more}") from None

@@ -49,6 +49,8 @@ def test_loss_union_builds_the_chosen_loss():
     (["stray"], "unexpected argument"),
     (["--trainer.max_row_tokens", "1024"], "trainer.max_row_tokens (1024) must be >= model"),
     (["--scheduler.max_in_flight", "0"], "scheduler.max_in_flight"),
+    (["--gateway.model_name", "123"], "gateway.model_name: Input should be a valid string (got "
+                                      "123); quote it to pass text: '\"...\"'"),
     (["--scheduler.max_in_flight", "true"], "scheduler.max_in_flight: Input should be a valid "
                                             "integer (got True)"),  # strict: no bool as 1
 ])
