@@ -71,6 +71,14 @@ def teacher_forced(model, prompt: list[int], completion: list[int], t: float) ->
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
+async def start_decoding(engine: LocalEngine, prompt: list[int], max_tokens: int) -> asyncio.Task:
+    """A greedy generation as a task, returned once the engine is decoding it."""
+    task = asyncio.create_task(engine.generate(prompt, SamplingParams(0.0, max_tokens=max_tokens)))
+    while engine._batch is None:
+        await asyncio.sleep(0.001)
+    return task
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -338,9 +346,7 @@ def test_cancelled_request_frees_its_slot(tiny_model):
 
     async def main() -> GenerateOutput:
         engine = LocalEngine(tiny_model, max_model_len=4096, max_batch_size=1)
-        long = asyncio.create_task(engine.generate([4, 5], SamplingParams(0.0, max_tokens=4000)))
-        while engine._batch is None:
-            await asyncio.sleep(0.001)
+        long = await start_decoding(engine, [4, 5], 4000)
         long.cancel()
         out = await asyncio.wait_for(engine.generate([1, 2, 3], GREEDY), timeout=5)
         await engine.close()
@@ -529,9 +535,7 @@ def test_failed_prefill_fails_the_newcomers_only(tiny_model):
             return prefill(rows)
 
         engine._prefill = flaky
-        long = asyncio.create_task(engine.generate([7, 8], SamplingParams(0.0, max_tokens=200)))
-        while engine._batch is None:
-            await asyncio.sleep(0.001)
+        long = await start_decoding(engine, [7, 8], 200)
         with pytest.raises(RuntimeError, match="prefill boom"):
             await engine.generate([1, 2, 3], GREEDY)
         again = await engine.generate([1, 2, 3], GREEDY)
@@ -557,9 +561,7 @@ def test_failed_merge_fails_both_batches_and_the_engine_serves_on(tiny_model, mo
     async def main() -> GenerateOutput:
         engine = LocalEngine(tiny_model, max_model_len=512, prefix_cache_tokens=0)
         monkeypatch.setattr(local._Batch, "merge", broken_merge)
-        long = asyncio.create_task(engine.generate([7, 8], SamplingParams(0.0, max_tokens=200)))
-        while engine._batch is None:
-            await asyncio.sleep(0.001)
+        long = await start_decoding(engine, [7, 8], 200)
         with pytest.raises(MemoryError, match="merge boom"):
             await asyncio.wait_for(engine.generate([1, 2, 3], GREEDY), timeout=10)
         with pytest.raises(MemoryError, match="merge boom"):
