@@ -216,6 +216,16 @@ class Services:
                                  {"scheduler": self.scheduler.state()})
         return metrics
 
+    def check_failure_streak(self) -> None:
+        """Raise RuntimeError, naming the last agent error (its status line and last line),
+        once no rollout finished in max(16, 4k) groups in a row (`train` counts them)."""
+        if self.failed_streak < max(16, 4 * self.config.rollout.tasks_per_step):
+            return
+        lines = [x for x in self.last_rollout_error.splitlines() if x.strip()] or ["?"]
+        last = lines[0] + (f": {lines[-1]}" if len(lines) > 1 else "")
+        raise RuntimeError(f"every rollout of the last {self.failed_streak} groups failed; "
+                           f"last error: {last}")
+
     def duration_bias(self) -> dict[str, float]:
         """Rollout seconds of every task trained so far vs the same number of tasks in admission
         order, where a rollout still running counts with its elapsed time (a lower bound): a
@@ -392,11 +402,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
                 metrics = await s.train(batch)              # advantages → prefix tree → CISPO
-                if s.failed_streak >= max(16, 4 * config.rollout.tasks_per_step):
-                    lines = [x for x in s.last_rollout_error.splitlines() if x.strip()] or ["?"]
-                    last = lines[0] + (f": {lines[-1]}" if len(lines) > 1 else "")
-                    raise RuntimeError(f"every rollout of the last {s.failed_streak} groups "
-                                       f"failed; last error: {last}")
+                s.check_failure_streak()                    # a systematic failure ends the run
                 if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
                     no_signal += len(batch)
                     if no_signal % 50 < len(batch):

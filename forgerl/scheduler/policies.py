@@ -203,8 +203,8 @@ class Scheduler:
             return scheduler
         restored = cls.from_state(state)
         settings = ("policy", "window", "batch_size", "max_off_policy_steps", "max_in_flight")
-        now, then = scheduler.state(), restored.state()
-        if changed := {key: (then[key], now[key]) for key in settings if then[key] != now[key]}:
+        now = scheduler.state()
+        if changed := {key: (state[key], now[key]) for key in settings if state[key] != now[key]}:
             log.warning("resuming with new scheduler settings (checkpoint → config): %s", changed)
         scheduler.queue, scheduler.version = restored.queue, restored.version
         scheduler.queue.group_size = rollout.group_size
