@@ -5,6 +5,10 @@
     forgerl plot RUN_DIR                               write RUN_DIR/curves.png
 
 Bad input gives a one-line error and exit code 2. Heavy imports (torch) happen after parsing.
+SIGINT, SIGTERM and SIGHUP stop a run the same way, whatever dispositions or signal mask the
+process inherited (e.g. SIGINT ignored under `nohup`): the first cancels the run (no new
+rollouts, agents' process groups killed, engine closed, exit 128 + signal number with one
+line); a second exits at once, and the run's reaper kills the agents.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from forgerl.config import ConfigError, load_config
 
@@ -29,13 +36,59 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(Exception):
+    """The run was stopped by a signal (`signum`) and has shut down cleanly."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def until_signal(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await `coro`; the first of STOP_SIGNALS cancels it and raises Stopped once it has shut
+    down; a second one exits the process at once (`os._exit(128 + signum)`).
+
+    Python-level handlers (not the event loop's) so that they also fire while the loop is busy
+    in synchronous code such as model loading.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if received:
+            os._exit(128 + signum)
+        received.append(signum)
+        loop.call_soon_threadsafe(task.cancel)
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if received:
+            raise Stopped(received[0]) from None
+        raise
+    else:
+        if received:  # it finished while shutting down
+            raise Stopped(received[0])
+        return result
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _fail(message: str) -> int:
     print(f"forgerl: error: {message}", file=sys.stderr)
     return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (0 ok, 2 bad input, 130 interrupted)."""
+    """Entry point; returns the process exit code (0 ok, 1 error, 2 bad input, 128 + N stopped
+    by signal N: 130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
     args, rest = _parser().parse_known_args(argv)
     try:
         if args.command == "plot":
@@ -52,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # the run draws its own; no per-checkpoint bars
 
-        asyncio.run(run(config) if args.command == "train" else serve_gateway(config))
+        asyncio.run(until_signal(run(config) if args.command == "train"
+                                 else serve_gateway(config)))
         return 0
+    except Stopped as e:
+        print(f"forgerl: stopped by {e}" + (
+            "; re-run the same command to resume" if args.command == "train" else ""),
+            file=sys.stderr)
+        return 128 + e.signum
     except ConfigError as e:
         return _fail(str(e))
     except (FileNotFoundError, ValueError) as e:

@@ -207,6 +207,9 @@ class TrainerConfig(_Section):
     """Divide group-centred rewards by the group std (ddof=1, floor 1e-6)."""
     checkpoint_every: int = Field(5, ge=1)
     """Save a resumable checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(1, ge=1)
+    """How many of the newest checkpoints to keep (each: weights + AdamW state, 1.6 GB for
+    SmolLM2-135M fp32)."""
 
 
 class Config(_Section):
@@ -216,7 +219,11 @@ class Config(_Section):
     run_dir: str = "runs/default"
     """Metrics, resolved config, pool and checkpoints; re-running with it resumes."""
     max_steps: int = Field(10, ge=0, le=10_000_000)
+    """Optimizer steps of the whole run; re-running with a larger value continues it."""
     seed: int = 0
+    """Seeds torch and every rollout's sampling (per request, from seed, task and rollout index
+    and turn): see README "Reproducibility" for what batching leaves nondeterministic. Task
+    order is fixed by tasks.seed."""
     model: ModelConfig = ModelConfig()
     engine: LocalEngineConfig = LocalEngineConfig()
     gateway: GatewayConfig = GatewayConfig()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import sys
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.config import Config, ConfigError
 
 if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
+    from forgerl.agents.reaper import Reaper
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.engines.local import LocalEngine
     from forgerl.gateway.app import Gateway, GatewayServer
@@ -58,6 +60,8 @@ class Services:
     agent: Agent | list[str] | None
     """The callable passed to `run`, else the configured command ("python" = this interpreter)."""
     logger: MetricsLogger
+    reaper: Reaper | None = None
+    """Kills the command agents' processes when this process ends, however it ends."""
     rollouts: dict[int, asyncio.Task] = field(default_factory=dict)
     group_done: asyncio.Event = field(default_factory=asyncio.Event)
     reward_status: Counter[str] = field(default_factory=Counter)
@@ -65,6 +69,8 @@ class Services:
     """Task index → durations of its ended training rollouts (for the duration-bias metrics)."""
     group_started: dict[int, float] = field(default_factory=dict)
     trained_tasks: list[int] = field(default_factory=list)
+    skipped_tasks: list[int] = field(default_factory=list)
+    """Tasks consumed without learning signal since the last logged step."""
     closing: bool = False
     """Set at shutdown: no new rollouts are admitted while the running ones are cancelled."""
     failed_streak: int = 0
@@ -75,20 +81,24 @@ class Services:
 
     # ---- rollouts ---------------------------------------------------------------------------
 
-    async def run_agent(self, task: dict, api_key: str) -> tuple[str, str | None, str | None]:
-        """One agent episode against the gateway: (status, answer, error)."""
+    async def run_agent(self, task: dict, api_key: str,
+                        log_name: str) -> tuple[str, str | None, str | None]:
+        """One agent episode against the gateway: (status, answer, error). A command agent's
+        stderr is appended to RUN_DIR/agent_logs/`log_name`.log."""
         from forgerl.agents.runner import run_agent
 
         cfg = self.config
         assert self.agent is not None  # checked in run()
-        cwd, env = None, None
-        if cfg.agent is not None:  # a command agent: its directory and turn limit
-            cwd = cfg.agent.cwd
-            env = {"FORGERL_MAX_TURNS": str(cfg.agent.max_turns),
-                   "OPENAI_MODEL": cfg.gateway.model_name}
+        cwd, env, log_path = None, None, None
+        if isinstance(self.agent, list):  # a command agent: directory, turn limit, reaper tag
+            cwd = cfg.agent.cwd if cfg.agent is not None else None
+            env = {"FORGERL_MAX_TURNS": str(cfg.agent.max_turns if cfg.agent else 1),
+                   "OPENAI_MODEL": cfg.gateway.model_name,
+                   **(self.reaper.env() if self.reaper else {})}
+            log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(self.agent, task, self.server.base_url, api_key,
-                                 cfg.rollout.timeout_s, cwd=cwd, env=env)
+                                 cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path)
         if result.status == "finished":
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"
@@ -107,10 +117,13 @@ class Services:
         trajectory_id, api_key = self.gateway.open_session(
             task_index, rollout_index, temperature=temperature,
             max_tokens=self.config.rollout.max_tokens,
+            seed=rollout_seed(self.config.seed, task_index, rollout_index),
         )
         start = time.time()
+        name = (f"task{task_index:06d}_r{rollout_index}" if task_index >= 0
+                else f"eval{-1 - task_index:04d}")
         try:
-            status, answer, error = await self.run_agent(task, api_key)
+            status, answer, error = await self.run_agent(task, api_key, name)
         except asyncio.CancelledError:
             self.pool.finish_trajectory(trajectory_id, "aborted", error="cancelled")
             raise
@@ -215,8 +228,12 @@ class Services:
         self.trained_tasks += task_indices
         metrics |= self.duration_bias()
         self.scheduler.on_trained(task_indices, self.trainer.step)
-        self.pool.commit_trained(task_indices, self.trainer.step,
-                                 {"scheduler": self.scheduler.state()})
+        self.pool.mark_trained(task_indices, self.trainer.step)
+        if metrics["num_loss_tokens"] == 0:
+            self.skipped_tasks += task_indices
+        else:
+            metrics |= {"trained_tasks": task_indices, "tasks_without_signal": self.skipped_tasks}
+            self.skipped_tasks = []
         return metrics
 
     def check_failure_streak(self) -> None:
@@ -264,12 +281,14 @@ class Services:
 
     async def checkpoint(self) -> None:
         """Save model, optimizer and scheduler state under RUN_DIR/checkpoints, in a thread so
-        the gateway keeps serving (no training runs meanwhile)."""
+        the gateway keeps serving (no training runs meanwhile). It is the run's durable state:
+        a resume reconciles the pool's trained marks and the metrics log with it."""
         from forgerl.trainer.checkpoint import save_checkpoint
 
         await asyncio.to_thread(save_checkpoint, self.run_dir, self.trainer.model,
                                 self.trainer.optimizer, self.trainer.step,
-                                {"scheduler": self.scheduler.state()})
+                                {"scheduler": self.scheduler.state()},
+                                self.config.trainer.keep_checkpoints)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters."""
@@ -290,6 +309,13 @@ def _duration_stats(name: str, seconds: list[float]) -> dict[str, float]:
     ordered = sorted(seconds)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
     return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": p90}
+
+
+def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
+    """The sampling seed of one rollout's session, in [0, 2**63): a hash of the run's `seed`,
+    the task's queue index and the rollout's index, so a re-run rollout replays its seeds."""
+    digest = hashlib.blake2b(f"{seed}/{task_index}/{rollout_index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def load_policy(path: str) -> tuple[Any, Any, str | None]:
@@ -324,6 +350,9 @@ def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
 @contextlib.asynccontextmanager
 async def start_services(config: Config, agent: Agent | None = None) -> AsyncIterator[Services]:
     """Build and start every service; resume from RUN_DIR/checkpoint when one exists."""
+    import torch
+
+    from forgerl.agents.reaper import Reaper
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.engines.local import LocalEngine
     from forgerl.gateway.app import Gateway
@@ -334,6 +363,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     from forgerl.trainer.trainer import Trainer
 
     tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
+    torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -349,12 +379,9 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
         trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
         scheduler_state = extra.get("scheduler")
         log.info("resumed from %s at step %d", ckpt, trainer.step)
-    # The pool holds the scheduler state of the last consumed batch; it is the one to resume from
-    # when it matches the restored weights (e.g. batches without learning signal consumed after
-    # the checkpoint, or before any checkpoint). Otherwise the checkpoint's state is used and the
-    # groups trained after it go back to the queue (Scheduler.resume).
-    if (latest := pool.get_meta("scheduler")) is not None and latest["version"] == trainer.step:
-        scheduler_state = latest
+    # The checkpoint (or, before the first one, a fresh start) is the run's state: the pool and
+    # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
+    # of weights newer than it are run again, records of later steps are dropped.
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine = LocalEngine(trainer.model,  # the engine keeps its own copy of the weights
                          max_model_len=config.model.max_model_len,
@@ -369,7 +396,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
         command = list(config.agent.command)
         agent = [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
-                        eval_tasks, agent, MetricsLogger(run_dir))
+                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), Reaper())
     try:
         yield services
     finally:
@@ -379,6 +406,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
         await asyncio.gather(*services.rollouts.values(), return_exceptions=True)
         await server.stop()
         await engine.close()
+        services.reaper.close()
         services.logger.close()
         pool.close()
 
@@ -387,20 +415,26 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     """Train until `config.max_steps` optimizer steps; returns the run directory.
 
     Each step: admit rollouts → take finished groups (scheduler policy) → train (CISPO over the
-    prefix tree) → sync weights to the engine → checkpoint / evaluate / log. Raises
-    RuntimeError, naming the last agent error, once no rollout finished in max(16, 4k) groups
-    in a row (a systematic failure, e.g. prompts longer than max_model_len): what was trained
-    and checkpointed stays.
+    prefix tree) → sync weights to the engine → evaluate / log → checkpoint. A run already at
+    `max_steps` says so in one line and returns without work. Raises RuntimeError, naming the
+    last agent error, once no rollout finished in max(16, 4k) groups in a row (a systematic
+    failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
     from forgerl.metrics import ProgressBar
+    from forgerl.trainer.checkpoint import checkpoint_step
 
     if agent is None and config.agent is None:
         raise ConfigError("agent.command: required (no agent callable was given)")
+    if (done := checkpoint_step(config.run_dir)) >= config.max_steps and done > 0:
+        print(f"forgerl: {config.run_dir} is finished: step {done} of max_steps "
+              f"{config.max_steps}; nothing to do (raise --max_steps to continue)")
+        return Path(config.run_dir)
+    began = time.time()
     async with start_services(config, agent) as s:
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
-            if s.trainer.step == 0:
+            if s.trainer.step == 0 and not s.logger.logged(0):
                 s.log(0, await s.evaluate())
-            start, no_signal, acc, tokens = time.time(), 0, "-", 0
+            start, no_signal, acc, tokens, step_seconds = time.time(), 0, "-", 0, []
             while s.trainer.step < config.max_steps:
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
@@ -414,8 +448,6 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                     continue
                 await s.sync_weights()                      # engine runs weight_version = step
                 step = s.trainer.step
-                if step % config.trainer.checkpoint_every == 0 or step == config.max_steps:
-                    await s.checkpoint()
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
                     if "eval_accuracy" in metrics:
@@ -426,13 +458,31 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                             "trainer_idle_fraction": max(0.0, 1 - train_seconds / seconds),
                             "rollout_tokens_per_second": generated / seconds,
                             "groups_without_signal": no_signal}
-                s.log(step, metrics)
+                s.log(step, metrics)                        # before the checkpoint: see resume
+                if step % config.trainer.checkpoint_every == 0 or step == config.max_steps:
+                    await s.checkpoint()
+                step_seconds.append(seconds)
                 bar.update(completed=step, in_flight=len(s.rollouts) * config.rollout.group_size,
                            reward=f"{metrics['reward_mean']:.3f}", acc=acc,
-                           sps=f"{metrics['step_seconds']:.1f}")
+                           sps=f"{sum(step_seconds) / len(step_seconds):.1f}")
                 start, no_signal = time.time(), 0
                 tokens = s.gateway.counters["completion_tokens"]
+        print(summary(s.logger.records, s.trainer.step, time.time() - began), flush=True)
     return Path(config.run_dir)
+
+
+def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
+    """The one-line end-of-run report: steps, wall time of this process, held-out accuracy
+    first → last (from the metrics records) and this process's peak RSS (GiB, `ru_maxrss`)."""
+    import resource
+
+    accuracy = [r["eval_accuracy"] for r in records if r.get("eval_accuracy") is not None]
+    held_out = (f"held-out accuracy {accuracy[0]:.3f} → {accuracy[-1]:.3f}" if accuracy
+                else "no held-out evaluation")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    minutes, secs = divmod(int(seconds), 60)
+    return (f"forgerl: done: {steps} steps; {minutes} min {secs:02d} s; {held_out}; "
+            f"peak RSS {rss:.1f} GiB")
 
 
 async def serve_gateway(config: Config) -> None:

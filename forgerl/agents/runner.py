@@ -23,7 +23,8 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import BinaryIO, Literal
 
 AgentStatus = Literal["finished", "failed", "timeout"]
 AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
@@ -73,11 +74,13 @@ async def run_agent(
     timeout_s: float,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
+    log_path: Path | None = None,
 ) -> AgentResult:
-    """Run a command agent (list of argv strings; `cwd`, `env` apply) or an async callable
-    agent; see `run_command_agent` and `run_callable_agent`."""
+    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path` apply) or an async
+    callable agent; see `run_command_agent` and `run_callable_agent`."""
     if isinstance(agent, list):
-        return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env)
+        return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env,
+                                       log_path=log_path)
     return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
 
 
@@ -90,22 +93,41 @@ async def run_command_agent(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     grace_s: float = 2.0,
+    log_path: Path | None = None,
 ) -> AgentResult:
     """Run `command` as one agent episode and return its answer and status.
 
     The process inherits this environment plus `env` plus `agent_env(...)`, reads the task JSON
-    on stdin, and starts a new session (its own process group). At `timeout_s` seconds, or when
-    the calling task is cancelled, the group gets SIGTERM, then SIGKILL `grace_s` seconds later;
+    on stdin, and starts a new session (its own process group). Its stderr is appended to
+    `log_path` when given (the file keeps all of it; the result keeps the tail), else piped.
+    At `timeout_s` seconds, or when the calling task is cancelled, the group gets SIGTERM,
+    then SIGKILL `grace_s` seconds later;
     a finished agent's leftover children get SIGKILL too. Cancellation re-raises
     `asyncio.CancelledError` after the group is dead. Never raises for agent faults.
     """
     start = time.monotonic()
     full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
+    log = None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("ab")
+    try:
+        return await _run_command(command, task, full_env, timeout_s, cwd, grace_s, log, start)
+    finally:
+        if log is not None:
+            log.close()
+
+
+async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
+                       timeout_s: float, cwd: str | None, grace_s: float,
+                       log: BinaryIO | None, start: float) -> AgentResult:
+    """`run_command_agent` once its stderr destination is open (`log`, or a pipe if None)."""
+    log_start = os.fstat(log.fileno()).st_size if log is not None else 0
     spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=log or asyncio.subprocess.PIPE,
         cwd=cwd,
         env=full_env,
         start_new_session=True,
@@ -143,6 +165,10 @@ async def run_command_agent(
     _, pending = await asyncio.wait(readers, timeout=grace_s)
     for reader in pending:
         reader.cancel()
+    if log is not None:  # the episode's part of the log file
+        with open(log.name, "rb") as f:
+            f.seek(max(log_start, os.fstat(f.fileno()).st_size - STDERR_KEEP))
+            err_buf += f.read()
     out, err = (b.decode("utf-8", errors="replace") for b in (out_buf, err_buf))
     if status == "finished" and proc.returncode != 0:
         status = "failed"

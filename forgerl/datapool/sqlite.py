@@ -19,7 +19,7 @@ Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajec
 "finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
 (`mark_trained`). Extra methods beyond `DataPool`, for the scheduler and for resume (CASES.md C12):
 `finish_group`, `task_indices`, `finished_group_task_indices`, `missing_rollouts`,
-`reset_in_flight`, `commit_trained`, `revert_trained_after`, `stats`.
+`reset_in_flight`, `commit_trained`, `untrain`, `discard`, `stats`.
 """
 
 from __future__ import annotations
@@ -356,19 +356,33 @@ class SQLitePool:
             for key, value in meta.items():
                 db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
 
-    def revert_trained_after(self, step: int) -> list[int]:
-        """Un-train tasks with trained_step > `step` (back to "finished"); returns them.
+    def untrain(self, task_indices: list[int]) -> None:
+        """Send trained tasks back to "finished" (trained_step cleared); others are unchanged.
 
-        For a resume from a model checkpoint older than the pool: those groups never reached
-        the restored weights, so they must be trained again (not lost, not twice).
+        For a resume from a checkpoint older than the pool: groups consumed after that
+        checkpoint never reached the restored weights, so they are trained again (not lost,
+        not twice).
         """
         with self._tx() as db:
-            tasks = [r[0] for r in db.execute(
-                "SELECT task_index FROM tasks WHERE status='trained' AND trained_step>?"
-                " ORDER BY task_index", (step,))]
-            db.execute("UPDATE tasks SET status='finished', trained_step=NULL"
-                       " WHERE status='trained' AND trained_step>?", (step,))
-        return tasks
+            db.executemany("UPDATE tasks SET status='finished', trained_step=NULL"
+                           " WHERE task_index=? AND status='trained'",
+                           [(i,) for i in task_indices])
+
+    def discard(self, trajectory_ids: list[str], error: str) -> None:
+        """Mark ended (finished or failed) trajectories "aborted" with `error`, so that
+        `missing_rollouts` runs them again, and send their finished, untrained tasks back to
+        "queued". For rollouts sampled from weights that a crash lost (newer than the restored
+        checkpoint). Unknown or running ids are ignored."""
+        with self._tx() as db:
+            for tid in trajectory_ids:
+                row = db.execute("SELECT task_index FROM trajectories WHERE id=? AND status IN"
+                                 " ('finished', 'failed')", (tid,)).fetchone()
+                if row is None:
+                    continue
+                db.execute("UPDATE trajectories SET status='aborted', error=? WHERE id=?",
+                           (error, tid))
+                db.execute("UPDATE tasks SET status='queued' WHERE task_index=?"
+                           " AND status='finished'", (row[0],))
 
     def stats(self) -> dict[str, int]:
         """Counts: `tasks_<status>`, `trajectories_<status>` (every status, 0 if none), and

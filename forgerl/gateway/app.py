@@ -210,12 +210,17 @@ class Gateway:
         rollout_index: int = 0,
         temperature: float | None = None,
         max_tokens: int | None = None,
+        seed: int | None = None,
     ) -> tuple[str, str]:
-        """Create a running trajectory and a session for it; returns (trajectory_id, api_key)."""
+        """Create a running trajectory and a session for it; returns (trajectory_id, api_key).
+
+        `seed`: the session's sampling seed (see `Session.seed`); None = unseeded.
+        """
         trajectory_id = self.pool.create_trajectory(
             task_index=task_index, rollout_index=rollout_index
         )
-        return trajectory_id, self.sessions.create(trajectory_id, temperature, max_tokens)
+        return trajectory_id, self.sessions.create(trajectory_id, temperature, max_tokens,
+                                                   seed=seed)
 
     def finish_session(self, trajectory_id: str, reward: float | None) -> None:
         """Mark the trajectory finished with `reward` and close its session.
@@ -290,7 +295,8 @@ class Gateway:
             top_p=top_p,
             max_tokens=min(wanted, room),
             stop_token_ids=(self.renderer.end_of_turn_id,),
-            seed=req.seed,
+            seed=req.seed if req.seed is not None or session.seed is None
+            else (session.seed + len(session.turns)) % 2**63,
         )
 
     async def complete(self, session: Session, req: ChatRequest) -> tuple[Completion, ParsedReply]:

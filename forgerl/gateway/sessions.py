@@ -73,6 +73,8 @@ class Session:
     """One agent rollout: its trajectory, sampling overrides and turn tree.
 
     temperature / max_tokens: when set, override the request's values.
+    seed: when set, a request without its own seed samples with `seed + turns so far` (mod
+        2**63): the same session replays the same per-turn seeds (reproducible rollouts).
     training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
     prefix_misses: requests on a session with turns that matched no recorded turn.
     """
@@ -82,6 +84,7 @@ class Session:
     temperature: float | None = None
     max_tokens: int | None = None
     training: bool = True
+    seed: int | None = None
     turns: list[Turn] = field(default_factory=list)
     prefix_misses: int = 0
 
@@ -131,10 +134,12 @@ class SessionStore:
         temperature: float | None = None,
         max_tokens: int | None = None,
         training: bool = True,
+        seed: int | None = None,
     ) -> str:
         """Open a session for a trajectory; returns its new API key."""
         api_key = f"sk-forgerl-{secrets.token_hex(16)}"
-        self._by_key[api_key] = Session(api_key, trajectory_id, temperature, max_tokens, training)
+        self._by_key[api_key] = Session(api_key, trajectory_id, temperature, max_tokens, training,
+                                        seed)
         return api_key
 
     def get(self, api_key: str) -> Session | None:

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from forgerl.scheduler.queue import GenerationQueue
 
 log = logging.getLogger(__name__)
+_ENDED_OK = ("finished", "failed")  # trajectory statuses a resume keeps
 
 
 class Policy(Protocol):
@@ -184,9 +185,9 @@ class Scheduler:
         Resume keeps the queue, version and lag counts of `state`, and takes policy, window,
         k, L and max_in_flight from the config (a warning names the ones that changed; tasks
         admitted under the old settings may exceed a lowered bound, and `admit` keeps the run
-        live even when the bound would admit nothing). Then it un-trains groups the pool trained
-        after that state was saved (`revert_trained_after`), resets the pool's in-flight tasks
-        and re-queues them.
+        live even when the bound would admit nothing). With a `pool`, the pool is then
+        reconciled with the state (`resume`), also when `state` is None (a run stopped before
+        its first checkpoint restarts from a fresh scheduler).
         """
         k = rollout.tasks_per_step
         policy_config = config.policy
@@ -200,6 +201,8 @@ class Scheduler:
         scheduler = cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
                         group_size=rollout.group_size)
         if state is None:
+            if pool is not None:
+                scheduler.resume(pool)
             return scheduler
         restored = cls.from_state(state)
         settings = ("policy", "window", "batch_size", "max_off_policy_steps", "max_in_flight")
@@ -310,22 +313,34 @@ class Scheduler:
         return scheduler
 
     def resume(self, pool: Any) -> list[int]:
-        """Reconcile with the pool after a crash (CASES.md C12); returns the re-queued indices.
+        """Reconcile the pool with this (restored) state after a crash (CASES.md C12); returns
+        the re-queued indices.
 
-        pool: a `SQLitePool`. Groups the pool marked trained after this state was saved
-        (trained_step > version) go back to "finished": the restored weights never saw them.
-        Every task that was in flight (the pool's "running" tasks and this state's unfinished
-        admitted ones) has its running trajectories aborted and is dispatched again, first.
-        Finished-but-untrained groups stay finished and are trained next.
+        pool: a `SQLitePool`. Afterwards the pool agrees with the state: groups the pool marked
+        trained but this state does not (consumed after it was saved) go back to "finished";
+        ended rollouts with a token sampled by weights newer than `version` (lost with the
+        crash) are discarded and run again; every task that was in flight (the pool's "running"
+        tasks and this state's unfinished admitted ones) has its running trajectories aborted
+        and is dispatched again, first. Finished-but-untrained groups stay finished and are
+        trained next; a task whose kept rollouts are older than the engine is stamped with
+        their oldest version when it is (re-)admitted.
         """
-        pool.revert_trained_after(self.version)
-        requeued = set(pool.reset_in_flight())
-        requeued |= set(self.queue.in_flight())
+        pool.untrain([i for i in pool.task_indices("trained") if not self.queue.is_trained(i)])
+        requeued = set(pool.reset_in_flight()) | set(self.queue.in_flight())
+        for i in set(pool.task_indices()) - set(pool.task_indices("trained")):
+            ended = [t for t in pool.get_group(i).trajectories if t.status in _ENDED_OK]
+            stale = {t.id for t in ended
+                     if any(v > self.version for c in t.completions for v in c.weight_versions)}
+            if stale and i in self.queue.finished:  # a state saved by this loop never has it
+                raise ValueError(f"task {i} is finished at version {self.version} but has newer "
+                                 "tokens: the data pool belongs to another run")
+            pool.discard(sorted(stale), "sampled by weights newer than the restored version "
+                                        f"{self.version} (lost in a crash)")
+            kept = [v for t in ended if t.id not in stale and t.status == "finished"
+                    for c in t.completions for v in c.weight_versions]
+            if kept and i not in self.queue.finished:
+                self.kept_versions[i] = min(kept)
         for i in sorted(requeued):
             if i in self.queue.admitted and i not in self.queue.finished:
                 self.queue.requeue(i)
-            kept = [v for t in pool.get_group(i).trajectories if t.status == "finished"
-                    for c in t.completions for v in c.weight_versions]
-            if kept:
-                self.kept_versions[i] = min(kept)
         return sorted(requeued)

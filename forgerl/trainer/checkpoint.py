@@ -30,13 +30,18 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     extra: dict[str, Any],
+    keep: int = 1,
 ) -> Path:
     """Write checkpoint `step` under `run_dir/checkpoints/` and return its folder.
 
     `model` must offer `save_pretrained` (HF). `extra` must be JSON-serialisable (TypeError
-    otherwise, raised before anything is written). Older checkpoints are deleted after the new
-    one is in place; rewriting an existing step replaces it.
+    otherwise, raised before anything is written). Once the new one is in place, all but the
+    `keep` newest checkpoints (by step) are deleted; rewriting an existing step replaces it.
+    Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
+    0.54 GB + 1.08 GB).
     """
+    if keep < 1:
+        raise ValueError(f"keep ({keep}) must be >= 1")
     state = json.dumps({"step": step, "extra": extra})
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -49,9 +54,9 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    for old in root.glob(f"{_PREFIX}*"):
-        if old != final:
-            shutil.rmtree(old)
+    done = sorted(root.glob(f"{_PREFIX}*"), key=lambda p: int(p.name[len(_PREFIX):]))
+    for old in [p for p in done if p != final][: max(0, len(done) - keep)]:
+        shutil.rmtree(old)
     return final
 
 
@@ -60,6 +65,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
     done = [p for p in root.glob(f"{_PREFIX}*") if (p / STATE_FILE).is_file()]
     return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
+
+
+def checkpoint_step(run_dir: str | Path) -> int:
+    """The step of the newest complete checkpoint under `run_dir` (0 if none), read from its
+    trainer_state.json without loading weights."""
+    ckpt = latest_checkpoint(run_dir)
+    return 0 if ckpt is None else int(json.loads((ckpt / STATE_FILE).read_text())["step"])
 
 
 def load_checkpoint(

@@ -150,8 +150,15 @@ def test_reset_commit_and_revert(db_path):
         pool.commit_trained([0, 2], step=5, meta={"scheduler": {"v": 6}})
     assert pool.get_meta("scheduler") == {"v": 5}
     assert pool.task_indices("trained") == [2]
-    assert pool.revert_trained_after(3) == [2]
-    assert pool.finished_group_task_indices() == [2]
+    pool.untrain([2, 0])  # 0 is not trained: unchanged
+    assert pool.finished_group_task_indices() == [2] and pool.task_indices("queued") == [0, 1]
+    pool.discard([done, partial, "nope"], "lost weights")  # partial is aborted already
+    assert pool.get_trajectory(done).status == "aborted"
+    assert pool.get_trajectory(done).error == "lost weights"
+    assert pool.missing_rollouts(1, group_size=3) == [0, 1, 2]
+    pool.finish_group(1)
+    pool.discard([pool.get_group(2).trajectories[0].id], "lost weights")
+    assert pool.task_indices("queued") == [0, 2]  # a finished group goes back to the queue
     pool.close()
 
 
