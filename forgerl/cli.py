@@ -81,6 +81,10 @@ async def until_signal(coro: Coroutine[Any, Any, Any]) -> Any:
             signal.signal(sig, handler)
 
 
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def _fail(message: str) -> int:
     print(f"forgerl: error: {message}", file=sys.stderr)
     return 2
@@ -90,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 ok, 1 error, 2 bad input, 128 + N stopped
     by signal N: 130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
     args, rest = _parser().parse_known_args(argv)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
+        if args.command != "plot":  # until the run's own handlers take over (`until_signal`)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, _raise_stopped)
         if args.command == "plot":
             if rest:
                 return _fail(f"unexpected arguments: {' '.join(rest)}")
@@ -128,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forgerl: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
