@@ -70,3 +70,33 @@ def test_three_turn_tool_conversation(serve, tokenizer, tiny_model):
         assert srv.gateway.sessions.get(key).prefix_misses == 0
     finally:
         asyncio.run_coroutine_threadsafe(engine.engine.close(), srv.loop).result(30)
+
+
+def test_seeded_sessions_replay_their_samples(serve, tokenizer, tiny_model):
+    """A session opened with a seed samples each turn with seed + turn: two sessions with the
+    same seed record the same ids and logprobs for a 2-turn conversation at temperature 1.5
+    (requests sent one at a time, so each decodes alone: batching is the stated limit of
+    reproducibility); another seed gives other samples."""
+    engine = local.LocalEngine(tiny_model, max_model_len=512, prefix_cache_tokens=0)
+    srv = serve(engine, tokenizer)
+
+    def conversation(seed: int) -> list:
+        tid, key = srv.session(seed=seed, temperature=1.5)
+        client = srv.client(key)
+        messages = [{"role": "user", "content": "Count to three."}]
+        for _ in range(2):
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+            messages += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Again."}]
+        return [(c.completion_ids, c.logprobs, c.sampling.seed)
+                for c in srv.pool.get_trajectory(tid).completions]
+
+    try:
+        first, again, other = conversation(11), conversation(11), conversation(12)
+        assert [s for _, _, s in first] == [11, 12]  # seed + turn index
+        assert [ids for ids, _, _ in first] == [ids for ids, _, _ in again]
+        for (_, a, _), (_, b, _) in zip(first, again, strict=True):
+            assert a == pytest.approx(b, abs=1e-6)  # same kernels, same inputs: same floats
+        assert [ids for ids, _, _ in other] != [ids for ids, _, _ in first]
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.close(), srv.loop).result(30)
