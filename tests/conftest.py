@@ -1,6 +1,14 @@
-"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a SQLite path."""
+"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a SQLite path.
+
+`pytest --prefix-cache off` runs the suite with the engine's prefix (KV reuse) cache disabled:
+every LocalEngine built in this process gets prefix_cache_tokens=0, and tests marked
+`prefix_cache` (they test the cache itself) are skipped. Engines built in child processes
+(the `forgerl train` runs of tests/test_cli.py) keep their config's setting.
+"""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -10,6 +18,50 @@ from forgerl.models import build_byte_tokenizer, build_tiny_model
 # One intra-op thread per test process: the suite runs as 2 xdist workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels many times slower.
 torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--prefix-cache",
+        choices=("on", "off"),
+        default="on",
+        help="off: build every LocalEngine with prefix_cache_tokens=0 (default: on)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "prefix_cache: tests the engine's prefix cache; skipped with --prefix-cache off"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("prefix_cache") == "off":
+        skip = pytest.mark.skip(reason="tests the prefix cache, disabled by --prefix-cache off")
+        for item in items:
+            if "prefix_cache" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefix_cache_option(request: pytest.FixtureRequest):
+    """With --prefix-cache off, force prefix_cache_tokens=0 in LocalEngine.__init__."""
+    if request.config.getoption("prefix_cache") == "on":
+        yield
+        return
+    from forgerl.engines.local import LocalEngine
+
+    init = LocalEngine.__init__
+    signature = inspect.signature(init)
+
+    def init_without_cache(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["prefix_cache_tokens"] = 0
+        init(*bound.args, **bound.kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalEngine, "__init__", init_without_cache)
+        yield
 
 
 @pytest.fixture(scope="session")

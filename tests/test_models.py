@@ -64,9 +64,14 @@ def test_local_folder_round_trip(tmp_path):
     ids = tokenizer(text).input_ids
     assert loaded_tok(text).input_ids == ids
     assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 2 + len("user\nhi")
+    saved, reloaded = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == reloaded.keys()
+    assert all(torch.equal(saved[k], reloaded[k]) for k in saved)  # a bit-exact file round trip
     batch = torch.tensor([ids])  # (1, T)
     with torch.no_grad():
-        assert torch.equal(loaded(batch).logits, model(batch).logits)
+        # Same weights, but two separately allocated models: CPU BLAS kernels may pick other code
+        # paths (alignment, blocking), so the logits are compared within 1e-5, not bit for bit.
+        torch.testing.assert_close(loaded(batch).logits, model(batch).logits, atol=1e-5, rtol=0)
     assert loaded.config._attn_implementation == "sdpa"
 
 

@@ -85,8 +85,9 @@ def test_c11_sample_independent_of_neighbour(tiny_model):
     other_b = _sample_logprobs(tiny_model, [[30, 31, 32, 33], A], 1, merge=False)
     # merged: B branches off A after its first token; A must still be unchanged
     branch = _sample_logprobs(tiny_model, [A, [10, 99, 98, 97]], 0, merge=True)
+    # packed vs alone forwards add in other orders: 1e-5 (~20 ulps at |logprob| ~ 5.5), as below
     for got in (alone, before, after, other_b, branch):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert build_tree_batch([[30, 31, 32, 33], A], 16).rows[0].input_ids.tolist()[4:] == A
 
 

@@ -154,8 +154,10 @@ def test_train_step_changes_every_parameter_and_reports_metrics():
     for name, p in model.named_parameters():
         assert not torch.equal(before[name], p.detach()), f"{name} did not change"
     assert trainer.step == 3
-    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # C04 on the trainer side
-    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    # C04 on the trainer side; behavior (plain forward) and policy (packed tree) logprobs come
+    # from different computation paths, so the ratio is 1 within rounding (1e-5), not exactly
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert m["clip_frac"] == 0.0
     assert m["groups_skipped"] == 1.0
     assert m["num_loss_tokens"] == 19.0
