@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import _gone
-
 pytestmark = pytest.mark.slow
 FORGERL = [sys.executable, "-m", "forgerl"]
 
@@ -61,10 +59,24 @@ def write_config(tmp_path: Path, max_steps: int = 4, checkpoint_every: int = 2) 
     return config
 
 
+def gone(pid: int, wait_s: float = 10.0) -> bool:
+    """True once `pid` no longer runs (a zombie waiting for init to reap it counts as gone)."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def survivors(tmp_path: Path) -> list[int]:
     """Agent processes (and their children) still alive after the run ended."""
     pids = [int(x) for f in (tmp_path / "pids").iterdir() for x in (f.name, f.read_text())]
-    return [pid for pid in pids if not _gone(pid, wait_s=10)]
+    return [pid for pid in pids if not gone(pid)]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -157,11 +169,12 @@ def test_ctrl_c_before_the_first_checkpoint_resumes(tmp_path):
     assert list((run_dir / "agent_logs").glob("task000000_r*.log"))
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGINT under nohup", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGINT under nohup",
+                                 "SIGKILL"])
 def test_every_stop_leaves_no_agent_process(tmp_path, how):
-    """Agents that hang (and have a child) while the run is stopped: SIGTERM and SIGHUP stop it
-    like Ctrl-C (also with SIGINT ignored, as under nohup); SIGKILL of the run leaves the agents
-    to its reaper. No agent process or child survives."""
+    """Agents that hang (and have a child) while the run is stopped: Ctrl-C, SIGTERM and SIGHUP
+    stop it the same way (also with SIGINT ignored, as under nohup); SIGKILL of the run leaves
+    the agents to its reaper. No agent process or child survives; the pool is kept."""
     hang = tmp_path / "hang.py"
     hang.write_text(AGENT.replace("q = json", "import time; time.sleep(600)\nq = json"))
     config = write_config(tmp_path, max_steps=1)
@@ -185,6 +198,27 @@ def test_every_stop_leaves_no_agent_process(tmp_path, how):
         assert err.strip().splitlines() == [
             f"forgerl: stopped by {sig.name}; re-run the same command to resume"]
     assert survivors(tmp_path) == []
+    assert (tmp_path / "run" / "pool.sqlite").exists()
+
+
+def test_sigkill_after_a_checkpoint_resumes_from_it(tmp_path):
+    """SIGKILL of the whole process group right after the first checkpoint (CASES.md C12 on the
+    real loop): the re-run continues from it to max_steps, with records that agree."""
+    config = write_config(tmp_path, max_steps=3, checkpoint_every=1)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*FORGERL, "train", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(run_dir.glob("checkpoints/step_*/trainer_state.json")):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert survivors(tmp_path) == []  # the reaper is in its own session: it survived the kill
+    result = subprocess.run([*FORGERL, "train", str(config)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    check_run_state(run_dir, max_steps=3)
 
 
 def test_a_second_signal_exits_at_once_and_still_kills_the_agents(tmp_path):
