@@ -205,6 +205,12 @@ class TrainerConfig(_Section):
     """Merge samples that share token prefixes into one prefix tree (Forge §3.2)."""
     normalize_std: bool = False
     """Divide group-centred rewards by the group std (ddof=1, floor 1e-6)."""
+    failed_rollouts: Literal["penalty", "drop"] = "penalty"
+    """A failed rollout (agent crash, non-zero exit, timeout): "penalty" = it counts in its
+    group's baseline and the loss with outcome reward `failed_reward`; "drop" = it leaves both
+    (the baseline then reflects only the survivors). Counted per step as `rollouts_failed`."""
+    failed_reward: float = Field(0.0, allow_inf_nan=False)
+    """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
     checkpoint_every: int = Field(5, ge=1)
     """Save a resumable checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = Field(1, ge=1)

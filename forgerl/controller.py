@@ -225,6 +225,8 @@ class Services:
             errors = [t.error for t in group.trajectories if t.error]
             self.last_rollout_error = errors[-1] if errors else self.last_rollout_error
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
+                                         for t in g.trajectories)
         self.trained_tasks += task_indices
         metrics |= self.duration_bias()
         self.scheduler.on_trained(task_indices, self.trainer.step)

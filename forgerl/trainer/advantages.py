@@ -1,14 +1,24 @@
-"""Advantages: group-mean baseline and reward-to-go over turns (pure Python, no torch).
+"""Advantages: group-mean baseline for the outcome, per-position baselines for process rewards,
+reward-to-go over turns (pure Python, no torch).
 
 Data flow: the trainer takes finished groups from the scheduler; this module turns each group's
 rewards into one advantage per turn of each trajectory, which `samples.py` spreads over that
 turn's completion tokens.
 
-Formula (DESIGN.md "Advantage", Forge §4.1): a trajectory's per-turn rewards are its process
-rewards (zero if absent) with the outcome reward added at the last turn, r_0 .. r_{T-1}; the
-return is R = Σ_p r_p; the group baseline is B = mean_G(R); the advantage of turn t is
-Â_t = Σ_{p≥t} r_p - B (reward-to-go minus baseline), optionally divided by the group's return
-std (ddof=1) when that std is at least `std_floor`.
+Formula (DESIGN.md "Advantage", Forge §4.1). Trajectory j of a group has an outcome reward o_j
+and process rewards p_{j,0} .. p_{j,T_j-1} (zero if absent); its return is R_j = o_j + Σ_t p_{j,t}.
+The advantage of its turn t is
+
+    Â_{j,t} = (o_j - mean_G(o)) + (g_{j,t} - mean_{i: T_i > t}(g_{i,t})),  g_{j,t} = Σ_{p≥t} p_{j,p}
+
+i.e. the outcome is centred on the group (GRPO: the same at every turn) and the process
+reward-to-go on the members that reached turn t (a per-position baseline), so identical
+trajectories get exactly 0 at every turn and an outcome-only group is plain GRPO. Optionally every
+Â is divided by the group's return std (ddof=1) when that std is at least `std_floor`. Every
+finished trajectory counts in the baseline, also one without model calls (it has no tokens to
+train). Failed rollouts (agent crash, timeout) either count with a penalty outcome `failed_reward`
+(in the baseline and the loss) or are dropped from both (`failed_reward=None`); aborted attempts
+(re-run after a resume or a redispatch) never count.
 """
 
 from __future__ import annotations
@@ -52,10 +62,9 @@ def reward_to_go(turn_rewards: list[float]) -> list[float]:
     return out
 
 
-def turn_rewards(traj: Trajectory) -> list[float]:
-    """Per-turn rewards of one trajectory: process rewards + the outcome reward at the last turn.
+def process_rewards(traj: Trajectory) -> list[float]:
+    """Per-turn process rewards of one trajectory (zeros when it has none), one per completion.
 
-    A missing outcome reward (None: unscored, e.g. a failed rollout) counts as 0.0.
     Raises ValueError when `turn_rewards` has a different length than `completions`.
     """
     n = len(traj.completions)
@@ -64,48 +73,49 @@ def turn_rewards(traj: Trajectory) -> list[float]:
         raise ValueError(
             f"trajectory {traj.id}: len(turn_rewards) ({len(process)}) != len(completions) ({n})"
         )
-    if n:
-        process[-1] += traj.reward if traj.reward is not None else 0.0
     return process
 
 
-def trajectory_advantages(
-    trajectories: list[Trajectory], normalize_std: bool = False, std_floor: float = 1e-6
-) -> list[list[float]]:
-    """Per-turn advantages Â_t = reward_to_go[t] - B for each trajectory of one group.
+def outcome_reward(traj: Trajectory, failed_reward: float | None = None) -> float:
+    """o_j: the trajectory's reward; `failed_reward` for a failed one; 0.0 when unscored."""
+    if traj.status == "failed" and failed_reward is not None:
+        return failed_reward
+    return traj.reward if traj.reward is not None else 0.0
 
-    B = group mean of the total returns; with `normalize_std` every Â_t is divided by the
-    group's return std (ddof=1) when that std is ≥ `std_floor`. Returns one list per trajectory,
-    each of length len(traj.completions). The caller picks which trajectories form the group
-    (e.g. only finished ones).
+
+def trajectory_advantages(
+    trajectories: list[Trajectory], normalize_std: bool = False, std_floor: float = 1e-6,
+    failed_reward: float | None = None,
+) -> list[list[float]]:
+    """Per-turn advantages Â_{j,t} (module docstring) for the trajectories of one group.
+
+    Returns one list per trajectory, each of length len(traj.completions). The caller picks
+    which trajectories form the group (`group_trajectory_advantages`); a failed one among them
+    gets outcome `failed_reward` (None: its reward, or 0.0). Raises ValueError on a non-finite
+    reward or mismatched `turn_rewards`.
     """
-    rtg_G_T = [reward_to_go(turn_rewards(t)) for t in trajectories]
-    returns_G = [rtg[0] if rtg else 0.0 for rtg in rtg_G_T]
-    centred_G = group_advantages(returns_G, normalize_std=False)
-    if all(a == 0.0 for a in centred_G):
-        # Equal returns carry no signal for the outcome; keep only reward-to-go differences
-        # inside each trajectory (zero when there are no process rewards).
-        baseline = returns_G[0] if returns_G else 0.0
-    else:
-        baseline = statistics.fmean(returns_G)
+    outcome_G = [outcome_reward(t, failed_reward) for t in trajectories]
+    rtg_G_T = [reward_to_go(process_rewards(t)) for t in trajectories]
+    adv_G_T = [[a] * len(rtg) for a, rtg in zip(group_advantages(outcome_G), rtg_G_T, strict=True)]
+    for t in range(max(map(len, rtg_G_T), default=0)):
+        alive = [j for j, rtg in enumerate(rtg_G_T) if len(rtg) > t]
+        for j, a in zip(alive, group_advantages([rtg_G_T[j][t] for j in alive]), strict=True):
+            adv_G_T[j][t] += a
+    returns_G = [o + (rtg[0] if rtg else 0.0) for o, rtg in zip(outcome_G, rtg_G_T, strict=True)]
     scale = 1.0
     if normalize_std and len(returns_G) > 1:
         std = statistics.stdev(returns_G)
         scale = 1.0 if std < std_floor else std
-    return [[(g - baseline) / scale for g in rtg] for rtg in rtg_G_T]
-
-
-def trainable(traj: Trajectory, train_failed: bool = False) -> bool:
-    """Whether a trajectory enters the loss: finished ones always, failed/aborted on request."""
-    if traj.status == "finished":
-        return True
-    return train_failed and traj.status in ("failed", "aborted")
+    return [[a / scale for a in adv] for adv in adv_G_T]
 
 
 def group_trajectory_advantages(
-    group: Group, normalize_std: bool = False, train_failed: bool = False
+    group: Group, normalize_std: bool = False, failed_reward: float | None = 0.0
 ) -> list[tuple[Trajectory, list[float]]]:
-    """The trainable trajectories of a group, each with its per-turn advantages."""
-    members = [t for t in group.trajectories if trainable(t, train_failed)]
-    advs = trajectory_advantages(members, normalize_std=normalize_std)
+    """The group's members with their per-turn advantages: every finished trajectory, plus the
+    failed ones with outcome `failed_reward` (None: failed ones are dropped from the loss and
+    the baseline). Aborted attempts are never members."""
+    statuses = ("finished",) if failed_reward is None else ("finished", "failed")
+    members = [t for t in group.trajectories if t.status in statuses]
+    advs = trajectory_advantages(members, normalize_std=normalize_std, failed_reward=failed_reward)
     return list(zip(members, advs, strict=True))

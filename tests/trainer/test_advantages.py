@@ -68,16 +68,26 @@ def _traj(i: int, turns: int, reward: float | None, process=None, status="finish
     )
 
 
-def test_composite_rewards_reward_to_go_minus_group_mean_return():
-    # returns: A = 0.2 + 0.0 + 1.0 = 1.2 ; B = 0.0 (outcome only, 1 turn) -> baseline 0.6
+def test_composite_rewards_outcome_centred_on_group_process_per_position():
+    # outcomes 1.0, 0.0 -> ±0.5 at every turn; process reward-to-go: A [0.2, 0, 0], B [0.0]:
+    # turn 0 baseline 0.1 (both), turns 1-2 baseline 0.0 (A alone)
     a = _traj(0, 3, 1.0, process=[0.2, 0.0, 0.0])
     b = _traj(1, 1, 0.0)
     advs = trajectory_advantages([a, b])
-    assert advs[0] == pytest.approx([0.6, 0.4, 0.4])
+    assert advs[0] == pytest.approx([0.6, 0.5, 0.5])
     assert advs[1] == pytest.approx([-0.6])
     normed = trajectory_advantages([a, b], normalize_std=True)
-    std = float(np.std([1.2, 0.0], ddof=1))
-    assert normed[0] == pytest.approx([0.6 / std, 0.4 / std, 0.4 / std])
+    std = float(np.std([1.2, 0.0], ddof=1))  # of the returns R = o + Σ p
+    assert normed[0] == pytest.approx([0.6 / std, 0.5 / std, 0.5 / std])
+
+
+def test_identical_trajectories_with_turn_rewards_get_exact_zeros():
+    """Issue 9: four identical trajectories with per-turn rewards [1, 1, 1] got [0, -1, -2]
+    (reward-to-go against the mean total return); a per-position baseline gives 0."""
+    group = [_traj(i, 3, 0.0, process=[1.0, 1.0, 1.0]) for i in range(4)]
+    assert trajectory_advantages(group) == [[0.0, 0.0, 0.0]] * 4
+    tenths = [_traj(i, 3, 0.1, process=[0.1, 0.1, 0.1]) for i in range(3)]  # 0.1*3/3 != 0.1
+    assert trajectory_advantages(tenths, normalize_std=True) == [[0.0, 0.0, 0.0]] * 3
 
 
 def test_equal_outcome_group_gives_exact_zeros():
@@ -85,11 +95,24 @@ def test_equal_outcome_group_gives_exact_zeros():
     assert advs == [[0.0, 0.0], [0.0, 0.0, 0.0], [0.0]]
 
 
-def test_failed_trajectories_are_left_out_unless_asked():
-    g = Group(0, [_traj(0, 1, 1.0), _traj(1, 1, 0.0), _traj(2, 1, None, status="failed")])
+def test_a_finished_trajectory_without_model_calls_counts_in_the_baseline():
+    """Issue 9: an agent that answered without calling the model (no completions) dropped its
+    reward from the baseline (0 instead of 0.25 here). Rewards 1, 0, 0, 0: baseline 0.25."""
+    g = Group(0, [_traj(0, 0, 1.0), _traj(1, 1, 0.0), _traj(2, 2, 0.0), _traj(3, 1, 0.0)])
     members = group_trajectory_advantages(g)
-    assert [t.id for t, _ in members] == ["t0", "t1"]
-    assert [a for _, a in members] == [[0.5], [-0.5]]
-    with_failed = group_trajectory_advantages(g, train_failed=True)
-    # the failed one has no reward: it counts as 0.0; baseline = 1/3
-    assert [a[0] for _, a in with_failed] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert [a for _, a in members] == [[], [-0.25], [-0.25, -0.25], [-0.25]]
+
+
+def test_failed_rollouts_count_with_a_penalty_or_are_dropped():
+    """A failed (crashed, timed-out) rollout counts with the penalty outcome in the baseline and
+    the loss, or is dropped from both; an aborted attempt (re-run) never counts."""
+    g = Group(0, [_traj(0, 1, 1.0), _traj(1, 1, 0.0), _traj(2, 1, None, status="failed"),
+                  _traj(3, 1, None, status="aborted")])
+    penalty = group_trajectory_advantages(g, failed_reward=0.0)  # the default
+    assert [t.id for t, _ in penalty] == ["t0", "t1", "t2"]
+    assert [a[0] for _, a in penalty] == pytest.approx([2 / 3, -1 / 3, -1 / 3])  # baseline 1/3
+    harsh = group_trajectory_advantages(g, failed_reward=-1.0)  # baseline 0
+    assert [a[0] for _, a in harsh] == pytest.approx([1.0, 0.0, -1.0])
+    dropped = group_trajectory_advantages(g, failed_reward=None)
+    assert [t.id for t, _ in dropped] == ["t0", "t1"]
+    assert [a for _, a in dropped] == [[0.5], [-0.5]]
