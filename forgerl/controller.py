@@ -392,7 +392,8 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     engine.weight_version = trainer.step
     gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
-                      max_tokens=config.rollout.max_tokens)
+                      max_tokens=config.rollout.max_tokens,
+                      controller_tasks=agent is not None or config.agent is not None)
     server = await gateway.serve(config.gateway.host, config.gateway.port)
     if agent is None and config.agent is not None:
         command = list(config.agent.command)

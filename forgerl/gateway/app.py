@@ -6,7 +6,8 @@ data pool) --> OpenAI-shaped JSON or SSE back to the agent. Handlers are thin; r
 renderer.py, turn trees in sessions.py, parsing in tool_parsers.py.
 
 Endpoints: POST /v1/chat/completions (plain and `stream: true`), GET /v1/models,
-POST /v1/sessions (open a session for an external agent), POST /v1/sessions/{id}/reward.
+POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
+negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened).
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`; no traceback body.
 Run in-process: `server = await gateway.serve("127.0.0.1", 0)`; `server.base_url`.
 """
@@ -145,10 +146,11 @@ class ChatRequest(_Loose):
 
 
 class SessionRequest(_Loose):
-    """POST /v1/sessions body (an external agent's rollout)."""
+    """POST /v1/sessions body (an external agent's rollout). Indices are SQLite integers
+    (signed 64-bit); `task_index >= 0` is refused while a controller trains (`controller_tasks`)."""
 
-    task_index: int = -1
-    rollout_index: int = Field(0, ge=0)
+    task_index: int = Field(-1, ge=-(2**63), lt=2**63)
+    rollout_index: int = Field(0, ge=0, lt=2**63)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1)
 
@@ -195,8 +197,12 @@ class Gateway:
     max_tokens: int = 256
     strict_model: bool = True
     external: set[str] = field(default_factory=set)
-    """Trajectory ids opened over HTTP (POST /v1/sessions): only these take rewards over HTTP;
-    the controller scores its own rollouts."""
+    """Trajectory ids opened over HTTP (POST /v1/sessions): only these take rewards over HTTP,
+    whatever their state; the controller scores its own rollouts."""
+    controller_tasks: bool = False
+    """True while a controller trains on this pool (`forgerl train`): every task index >= 0 is
+    one of its training groups, so POST /v1/sessions refuses `task_index >= 0` (403) and outside
+    sessions take negative (ad-hoc) indices. False (`forgerl gateway`): any index is accepted."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
@@ -231,6 +237,48 @@ class Gateway:
         session = self.sessions.find(trajectory_id)
         if session is not None:
             self.sessions.close(session.api_key)
+
+    def open_external(self, req: SessionRequest) -> tuple[str, str]:
+        """POST /v1/sessions: open a session for an outside agent; (trajectory_id, api_key).
+
+        Raises GatewayError 403 for `task_index >= 0` while `controller_tasks` (the controller
+        owns those groups: a foreign rollout would take one of its G places).
+        """
+        if self.controller_tasks and req.task_index >= 0:
+            raise GatewayError(
+                403,
+                f"task_index {req.task_index}: task indices >= 0 are the training groups of the "
+                "running controller; a session opened over HTTP takes a negative task_index "
+                "(default -1)",
+                "permission_denied",
+                "task_index",
+            )
+        trajectory_id, api_key = self.open_session(
+            req.task_index, req.rollout_index, req.temperature, req.max_tokens
+        )
+        self.external.add(trajectory_id)
+        return trajectory_id, api_key
+
+    def reward_external(self, trajectory_id: str, reward: float) -> None:
+        """POST /v1/sessions/{id}/reward: finish a session opened over HTTP with `reward`.
+
+        Raises GatewayError 404 (unknown id), 403 (not opened over HTTP: a controller rollout,
+        whether its session is open, closed or its trajectory ended), 409 (already ended).
+        Nothing in the pool changes when it raises.
+        """
+        if trajectory_id not in self.external:
+            try:
+                self.pool.get_trajectory(trajectory_id)
+            except KeyError:
+                raise GatewayError(404, f"unknown session {trajectory_id!r}",
+                                   "session_not_found", "session_id") from None
+            raise GatewayError(403, f"session {trajectory_id!r} was not opened by POST "
+                               "/v1/sessions; the controller scores its rollout",
+                               "permission_denied", "session_id")
+        try:
+            self.finish_session(trajectory_id, reward)
+        except ValueError as e:
+            raise GatewayError(409, str(e), "trajectory_not_running", "session_id") from None
 
     def authenticate(self, authorization: str | None) -> Session:
         """The session named by an `Authorization: Bearer <api_key>` header; 401 otherwise."""
@@ -483,27 +531,14 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def open_session(request: Request) -> dict[str, str]:
         """Open a session for an external agent: {session_id, api_key}."""
         body = parse_body(await request.body(), SessionRequest)
-        trajectory_id, api_key = gateway.open_session(
-            body.task_index, body.rollout_index, body.temperature, body.max_tokens
-        )
-        gateway.external.add(trajectory_id)
+        trajectory_id, api_key = gateway.open_external(body)
         return {"session_id": trajectory_id, "api_key": api_key}
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
         """Finish an externally opened session's trajectory with its reward."""
         body = parse_body(await request.body(), RewardRequest)
-        if session_id not in gateway.external and gateway.sessions.find(session_id) is not None:
-            raise GatewayError(403, f"session {session_id!r} is a training rollout; the "
-                               "controller scores it", "permission_denied", "session_id")
-        try:
-            gateway.finish_session(session_id, body.reward)
-        except ValueError as e:
-            raise GatewayError(409, str(e), "trajectory_not_running", "session_id") from None
-        except KeyError:
-            raise GatewayError(
-                404, f"unknown session {session_id!r}", "session_not_found", "session_id"
-            ) from None
+        gateway.reward_external(session_id, body.reward)
         return {"session_id": session_id, "status": "finished", "reward": body.reward}
 
     return app
