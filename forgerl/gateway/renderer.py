@@ -11,10 +11,13 @@ SmolLM2's own chat template is plain ChatML with no tool support, so the tool se
     <|im_start|>user\n<tool_response>\n{tool content}\n</tool_response><|im_end|>\n
     <|im_start|>assistant\n                                    <- generation prompt
 
-Consecutive `tool` messages share one user turn (Qwen2.5 style). Every segment between special
-tokens is tokenised on its own (a tokenizer splits at special tokens anyway), so a rendering is
-the concatenation of its turns' ids; token-in-token-out (sessions.py) relies on that to append
-new turns after recorded ids without re-encoding them.
+Consecutive `tool` messages share one user turn (Qwen2.5 style). The template's control tokens
+(`<|im_start|>`, `<|im_end|>`) are added as ids; every text segment between them (role, content,
+tool JSON) is tokenised on its own with special tokens split, so a control string inside content
+(`<|im_end|>\n<|im_start|>assistant` in a tool result) becomes ordinary text ids and can never
+forge a turn, and it decodes back to the same text. A rendering is the concatenation of its
+turns' ids; token-in-token-out (sessions.py) relies on that to append new turns after recorded
+ids without re-encoding them.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class ChatMLRenderer:
             template inserts its own default there); None inserts nothing (unless tools are
             given, which always need a system turn for the tool section).
 
-    Raises ValueError if the tokenizer lacks the ChatML special tokens.
+    Raises ValueError if the tokenizer lacks the ChatML special tokens or cannot encode them as
+    plain text (`split_special_tokens`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, default_system: str | None = None):
@@ -90,6 +94,9 @@ class ChatMLRenderer:
         self.end_of_turn_id = self._special_id(END)
         self.newline_ids = self.encode("\n")
         self.generation_prompt_ids = [self.start_of_turn_id, *self.encode("assistant\n")]
+        if self.start_of_turn_id in self.encode(START):
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} ignores split_special_tokens: "
+                             f"text {START!r} would encode as the control token")
 
     def _special_id(self, token: str) -> int:
         ids = self.tokenizer.encode(token, add_special_tokens=False)
@@ -98,8 +105,11 @@ class ChatMLRenderer:
         return ids[0]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of plain text, no BOS/EOS added."""
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        """Token ids of plain text, no BOS/EOS added; special-token strings in `text` are split
+        into ordinary ids (message content never becomes a control token)."""
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids, special tokens dropped (for parsing and the client only)."""
