@@ -9,6 +9,7 @@ Endpoints: POST /v1/chat/completions (plain and `stream: true`), GET /v1/models,
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
 negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened).
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`; no traceback body.
+A chat call whose client disconnects is cancelled down to the engine and records nothing.
 Run in-process: `server = await gateway.serve("127.0.0.1", 0)`; `server.base_url`.
 """
 
@@ -21,7 +22,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -162,6 +163,7 @@ class RewardRequest(_Loose):
 
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 
 def parse_body(raw: bytes, schema: type[M]) -> M:
@@ -185,7 +187,7 @@ class Gateway:
     temperature / max_tokens: defaults when neither the session nor the request sets them.
     strict_model: refuse (404) model names other than `model_name`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
-    engine_errors.
+    engine_errors, client_disconnects (calls cancelled because their client went away).
     """
 
     renderer: ChatMLRenderer
@@ -206,7 +208,7 @@ class Gateway:
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
-             "engine_errors"), 0
+             "engine_errors", "client_disconnects"), 0
         )
     )
 
@@ -487,6 +489,41 @@ def chat_chunks(
 # ---- the app -------------------------------------------------------------------------------
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the HTTP client has gone (the ASGI server reports `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(
+    request: Request, call: Coroutine[Any, Any, R], counters: dict[str, int]
+) -> R:
+    """Await `call` (a chat completion); cancel it when the client disconnects first.
+
+    The cancellation reaches the engine's `generate`, which frees its batch slot (LocalEngine
+    drops a row whose future is cancelled at its next decode step), and nothing is recorded:
+    `Gateway.complete` records only after generate returns. Raises GatewayError 499
+    `client_disconnected` (no one reads it) and counts `client_disconnects`.
+    """
+    work = asyncio.ensure_future(call)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (server shutdown)
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()  # answered (and recorded) before the client left
+    work.cancel()
+    counters["client_disconnects"] += 1
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise GatewayError(499, "client disconnected; the request was cancelled",
+                       "client_disconnected")
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
     app = FastAPI(title="ForgeRL gateway")
@@ -512,7 +549,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
         session = gateway.authenticate(request.headers.get("authorization"))
         req = parse_body(await request.body(), ChatRequest)
-        completion, parsed = await gateway.complete(session, req)
+        completion, parsed = await unless_disconnected(request, gateway.complete(session, req),
+                                                       gateway.counters)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if not req.stream:
             return chat_response(cid, req.model, completion, parsed)

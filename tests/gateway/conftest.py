@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ class Scripted:
 
     ids: list[int]
     logprobs: list[float]
+    delay_s: float = 0.0
+    """Seconds the engine 'decodes' before answering (a slow generation that can be cancelled)."""
 
 
 class ScriptedEngine:
@@ -39,6 +42,7 @@ class ScriptedEngine:
 
     A scripted item longer than params.max_tokens is cut there with finish "length"; otherwise
     finish is "stop" when the last id is a stop id. An Exception item is raised instead.
+    `cancelled` holds the time.monotonic() of every generate() cancelled during its delay.
     """
 
     def __init__(self, script: list[Scripted | Exception], max_model_len: int = 4096):
@@ -46,6 +50,7 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.weight_version = 0
         self.calls: list[tuple[list[int], SamplingParams]] = []
+        self.cancelled: list[float] = []
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         self.calls.append((list(prompt_ids), params))
@@ -54,6 +59,11 @@ class ScriptedEngine:
         item = self.script.pop(0)
         if isinstance(item, Exception):
             raise item
+        try:
+            await asyncio.sleep(item.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled.append(time.monotonic())
+            raise
         ids, lps = item.ids[: params.max_tokens], item.logprobs[: params.max_tokens]
         finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
         return GenerateOutput(ids, lps, [self.weight_version] * len(ids), finish)
