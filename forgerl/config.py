@@ -216,6 +216,9 @@ class TrainerConfig(_Section):
     keep_checkpoints: int = Field(1, ge=1)
     """How many of the newest checkpoints to keep (each: weights + AdamW state, 1.6 GB for
     SmolLM2-135M fp32)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's model and optimizer live: auto = CUDA when available, else CPU.
+    Tree rows use FlexAttention on CUDA, sdpa (or eager) with a dense mask on CPU."""
 
 
 class Config(_Section):

@@ -350,8 +350,13 @@ def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
 
 
 @contextlib.asynccontextmanager
-async def start_services(config: Config, agent: Agent | None = None) -> AsyncIterator[Services]:
-    """Build and start every service; resume from RUN_DIR/checkpoint when one exists."""
+async def start_services(config: Config, agent: Agent | None = None,
+                         training: bool = True) -> AsyncIterator[Services]:
+    """Build and start every service; resume from RUN_DIR/checkpoint when one exists.
+
+    `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
+    gateway opens no HTTP session on them; False for `forgerl gateway`.
+    """
     import torch
 
     from forgerl.agents.reaper import Reaper
@@ -373,8 +378,9 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     tc = config.trainer
     trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
                       max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
-                      temperature=config.rollout.temperature, max_row_tokens=tc.max_row_tokens,
-                      merge_prefixes=tc.merge_prefixes, normalize_std=tc.normalize_std)
+                      max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
+                      normalize_std=tc.normalize_std, device=tc.device,
+                      failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
     if (ckpt := latest_checkpoint(run_dir)) is not None:
@@ -393,7 +399,7 @@ async def start_services(config: Config, agent: Agent | None = None) -> AsyncIte
     gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
-                      controller_tasks=agent is not None or config.agent is not None)
+                      controller_tasks=training)
     server = await gateway.serve(config.gateway.host, config.gateway.port)
     if agent is None and config.agent is not None:
         command = list(config.agent.command)
@@ -490,6 +496,6 @@ def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
 
 async def serve_gateway(config: Config) -> None:
     """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
-    async with start_services(config) as s:
+    async with start_services(config, training=False) as s:
         print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
         await asyncio.Event().wait()

@@ -13,13 +13,24 @@ j <= i < exit[j]. From that interval test:
 transformers 5.x passes a 4D mask (tensor or BlockMask) through unchanged (`masking_utils.
 _preprocess_mask_arguments` returns early for any 4D mask), so the mask built here is the one
 the attention kernel sees; tests/trainer/test_prefix_tree.py checks the logits numerically.
+
+The trainer picks the implementation per device (`preferred_attn_implementation`: flex on
+CUDA, the model's own sdpa/eager on CPU) and sets it only around its own forwards
+(`attn_implementation`). `check_tree_support` is the start-up gate: a model is trained only if its own forward, fed a
+tree row, gives the logits of each path run alone (tests/trainer/test_model_families.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
+
 import torch
 
-from forgerl.trainer.prefix_tree import TreeRow
+from forgerl.trainer.prefix_tree import TreeRow, build_tree_batch, forward_logprobs
+
+TREE_LAYER_TYPES = {"full_attention", "sliding_attention"}  # layers that take a 4D mask
 
 
 def subtree_exit(parent: torch.Tensor) -> torch.Tensor:
@@ -71,6 +82,102 @@ def tree_attention_mask(model: torch.nn.Module, row: TreeRow) -> object:
     return mask
 
 
-def preferred_attn_implementation(device: torch.device | str) -> str:
-    """Attention implementation to load the policy with for tree rows: flex on CUDA, else sdpa."""
-    return "flex_attention" if torch.device(device).type == "cuda" else "sdpa"
+def preferred_attn_implementation(model: torch.nn.Module, device: torch.device | str) -> str:
+    """Attention implementation for tree rows: FlexAttention on CUDA when the family supports
+    it; otherwise the model's own (sdpa, or eager for families without sdpa such as Gemma2),
+    with sdpa in place of flex on CPU (FlexAttention has no CPU backward)."""
+    if torch.device(device).type == "cuda" and getattr(model, "_supports_flex_attn", False):
+        return "flex_attention"
+    impl = model.config._attn_implementation
+    return "sdpa" if impl == "flex_attention" else impl
+
+
+@contextlib.contextmanager
+def attn_implementation(model: torch.nn.Module, impl: str) -> Iterator[None]:
+    """Run `model` with attention implementation `impl` inside the block, then restore it.
+
+    The trainer's tree rows need `impl` (flex on CUDA); the engine deep-copies the same model
+    object at start-up and must keep the implementation it was loaded with.
+    """
+    old = model.config._attn_implementation
+    model.config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
+
+
+def check_tree_support(model: torch.nn.Module, max_row_tokens: int) -> None:
+    """Refuse a model whose own forward cannot give prefix-tree logprobs (one-line ValueError).
+
+    Rules, checked in order: (1) the forward takes `logits_to_keep`, so `forward_logprobs` gets
+    the model's own logits with its family's transform (logit scaling, soft-capping);
+    (2) every layer is an attention layer that takes a 4D mask (`config.layer_types` within
+    TREE_LAYER_TYPES: no recurrent/SSM layers); (3) a sliding window, if used, is at least
+    `max_row_tokens` (a tree path is at most a row long, so the window never cuts it);
+    (4) a probe: two 16-token sequences sharing 8 tokens, merged into one row, give the
+    logprobs of each run alone through the plain causal forward, within 1e-4 (fp32) or 0.1
+    (16-bit weights). The probe runs without gradients in eval mode (no dropout).
+    """
+    config = model.config
+    name = f"model type {getattr(config, 'model_type', type(model).__name__)!r}"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"{name} is not supported: its forward takes no logits_to_keep, so "
+            "trainer logprobs cannot come from the model's own forward"
+        )
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - TREE_LAYER_TYPES:
+        raise ValueError(
+            f"{name} is not supported: layer types {sorted(kinds - TREE_LAYER_TYPES)}"
+            " cannot take a prefix-tree attention mask"
+        )
+    window = getattr(config, "sliding_window", None)
+    if (
+        window is not None
+        and (not kinds or "sliding_attention" in kinds)
+        and max_row_tokens > window
+    ):
+        raise ValueError(
+            f"{name}: sliding window {window} < trainer.max_row_tokens "
+            f"{max_row_tokens} (the tree mask ignores the window); set "
+            f"trainer.max_row_tokens <= {window}"
+        )
+    diff = _probe_difference(model, name)
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 0.1
+    if not diff <= tol:
+        raise ValueError(
+            f"{name} is not supported: its prefix-tree logprobs differ from its "
+            f"own forward by {diff:.3g} (> {tol}): attention or positions ignore "
+            "the tree mask"
+        )
+
+
+@torch.no_grad()
+def _probe_difference(model: torch.nn.Module, name: str) -> float:
+    """Max |tree - alone| logprob over a 2-branch probe row (see `check_tree_support`)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    shared = [(7 * i + 3) % vocab for i in range(8)]
+    seqs = [
+        shared + [(11 * i + 5) % vocab for i in range(8)],
+        shared + [(13 * i + 1) % vocab for i in range(8)],
+    ]
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        (row,) = build_tree_batch(seqs, 32).rows
+        tree = forward_logprobs(model, row)  # (K,) sorted by (sample, token)
+        alone = []
+        for seq in seqs:
+            ids = torch.tensor([seq], device=device)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (16, V)
+            alone.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
+        return (tree - torch.cat(alone)).abs().max().item()
+    except Exception as exc:
+        reason = repr(exc)[:200]
+        raise ValueError(
+            f"{name} is not supported: a prefix-tree forward fails ({reason})"
+        ) from exc
+    finally:
+        model.train(training)

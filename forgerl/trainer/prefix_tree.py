@@ -36,6 +36,8 @@ class TreeRow:
     target_ids: (K,) long, the predicted token id.
     sample_idx: (K,) long, index of the input sequence the prediction belongs to.
     token_idx: (K,) long, index t >= 1 of the predicted token in that sequence.
+    temperature: (K,) float32, > 0, the temperature the target was sampled at: its policy
+        logprob is log_softmax(logits[pred_pos] / temperature)[target_ids].
 
     Predictions are sorted by (sample_idx, token_idx); several may share one pred_pos (samples
     through the same node), each listed with its own sample.
@@ -48,6 +50,7 @@ class TreeRow:
     target_ids: torch.Tensor
     sample_idx: torch.Tensor
     token_idx: torch.Tensor
+    temperature: torch.Tensor
 
 
 @dataclass
@@ -179,6 +182,7 @@ def build_tree_batch(
     max_row_tokens: int,
     needed: list[list[bool]] | None = None,
     merge: bool = True,
+    temperatures: list[list[float]] | None = None,
 ) -> TreeBatch:
     """Merge `sequences` into a prefix tree and pack it into rows of <= `max_row_tokens` tokens.
 
@@ -188,16 +192,23 @@ def build_tree_batch(
         needed: needed[s][t] says whether (s, t) is predicted (t = 0 is never predicted);
             None = every t >= 1. Typically the loss mask of completion tokens.
         merge: False packs each sequence as its own path with no sharing (plain packing).
+        temperatures: temperatures[s][t] > 0 is the sampling temperature of token t of
+            sequence s (per token, since samples through one node may have been sampled at
+            different temperatures); None = 1.0 everywhere. Carried to `TreeRow.temperature`.
 
     Returns:
         TreeBatch whose rows together list every needed (s, t) exactly once, in a row holding the
         whole path s[:t], so the logits at `pred_pos` see exactly s[:t].
 
     Raises:
-        ValueError: a sequence is longer than `max_row_tokens`, or `needed` has the wrong shape.
+        ValueError: a sequence is longer than `max_row_tokens`, `needed` or `temperatures` has
+            the wrong shape, or a needed token's temperature is not > 0.
     """
-    if needed is not None and [len(m) for m in needed] != [len(s) for s in sequences]:
+    lengths = [len(s) for s in sequences]
+    if needed is not None and [len(m) for m in needed] != lengths:
         raise ValueError("needed must have one flag per token of each sequence")
+    if temperatures is not None and [len(t) for t in temperatures] != lengths:
+        raise ValueError("temperatures must have one value per token of each sequence")
     trie = _Trie()
     paths: list[list[int]] = []
     for s, seq in enumerate(sequences):
@@ -214,12 +225,15 @@ def build_tree_batch(
     for r, nodes in enumerate(node_rows):
         for i, n in enumerate(nodes):
             owner.setdefault(n, (r, i))
-    preds: list[list[tuple[int, int, int, int]]] = [[] for _ in node_rows]
+    preds: list[list[tuple[int, int, int, int, float]]] = [[] for _ in node_rows]
     for s, (seq, path) in enumerate(zip(sequences, paths, strict=True)):
         for t in range(1, len(seq)):
             if needed is None or needed[s][t]:
+                temp = 1.0 if temperatures is None else float(temperatures[s][t])
+                if not temp > 0:
+                    raise ValueError(f"sequence {s} token {t}: temperature {temp} is not > 0")
                 r, i = owner[path[t - 1]]
-                preds[r].append((s, t, i, seq[t]))
+                preds[r].append((s, t, i, seq[t], temp))
     rows = [_make_row(trie, nodes, p) for nodes, p in zip(node_rows, preds, strict=True)]
     return TreeBatch(
         rows=rows,
@@ -228,7 +242,9 @@ def build_tree_batch(
     )
 
 
-def _make_row(trie: _Trie, nodes: list[int], preds: list[tuple[int, int, int, int]]) -> TreeRow:
+def _make_row(
+    trie: _Trie, nodes: list[int], preds: list[tuple[int, int, int, int, float]]
+) -> TreeRow:
     """Tensors of one row; a node's parent is the latest earlier copy of its trie parent."""
     last: dict[int, int] = {}
     parent: list[int] = []
@@ -238,8 +254,8 @@ def _make_row(trie: _Trie, nodes: list[int], preds: list[tuple[int, int, int, in
         last[n] = i
     preds = sorted(preds)
 
-    def col(k: int) -> torch.Tensor:
-        return torch.tensor([p[k] for p in preds], dtype=torch.long)
+    def col(k: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor([p[k] for p in preds], dtype=dtype)
 
     return TreeRow(
         input_ids=torch.tensor([trie.token[n] for n in nodes], dtype=torch.long),
@@ -249,32 +265,44 @@ def _make_row(trie: _Trie, nodes: list[int], preds: list[tuple[int, int, int, in
         target_ids=col(3),
         sample_idx=col(0),
         token_idx=col(1),
+        temperature=col(4, torch.float32),
     )
 
 
-def forward_logprobs(
-    model: torch.nn.Module, row: TreeRow, temperature: float = 1.0
-) -> torch.Tensor:
+def forward_logprobs(model: torch.nn.Module, row: TreeRow) -> torch.Tensor:
     """Policy logprobs of a row's predictions: one forward over the row (differentiable).
 
-    Returns (K,) fp32: log_softmax(logits[pred_pos] / temperature)[target_ids], on the model's
-    device. The decoder runs over all N row tokens with the ancestor mask and depth position ids;
-    the lm_head and log_softmax run only at the distinct `pred_pos` (full-row logits would be
-    N x vocab). Works for HF causal LMs exposing `get_decoder()` and `get_output_embeddings()`.
+    Returns (K,) fp32 on the model's device: prediction k's
+    log_softmax(logits[pred_pos[k]] / temperature[k])[target_ids[k]], the distribution the
+    engine sampled target k from (`engines.local.sampling_logprobs`). The logits are the
+    model's own forward's (`logits_to_keep` = the distinct pred_pos), so any logit transform
+    of the family (Cohere `logit_scale`, Granite `logits_scaling`, Gemma2 soft-capping) is
+    applied exactly as when sampling; `attention.check_tree_support` refuses models for which
+    that does not hold. The decoder runs over all N row tokens with the ancestor mask and depth
+    position ids; the lm_head runs only at the distinct pred_pos (full-row logits would be
+    N x vocab) and log_softmax at the distinct (pred_pos, temperature) pairs.
     """
     from forgerl.trainer.attention import tree_attention_mask
 
     device = next(model.parameters()).device
     if row.pred_pos.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    mask = tree_attention_mask(model, row)
-    hidden = model.get_decoder()(
-        input_ids=row.input_ids.to(device)[None],
-        position_ids=row.position_ids.to(device)[None],
-        attention_mask=mask,
-        use_cache=False,
-    ).last_hidden_state[0]  # (N, H)
-    positions, inverse = torch.unique(row.pred_pos.to(device), return_inverse=True)
-    logits = model.get_output_embeddings()(hidden[positions]).float() / temperature  # (U, V)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs[inverse, row.target_ids.to(device)]
+    pos, temp = row.pred_pos.to(device), row.temperature.to(device)
+    pairs, pair_of = torch.unique(
+        torch.stack([pos.double(), temp.double()], 1), dim=0, return_inverse=True
+    )  # (U, 2): distinct (pred_pos, T)
+    positions, pos_of = torch.unique(pairs[:, 0].long(), return_inverse=True)  # (P,)
+    logits = (
+        model(
+            input_ids=row.input_ids.to(device)[None],
+            position_ids=row.position_ids.to(device)[None],
+            attention_mask=tree_attention_mask(model, row),
+            use_cache=False,
+            logits_to_keep=positions,
+        )
+        .logits[0]
+        .float()
+    )  # (P, V)
+    scaled = logits[pos_of] / pairs[:, 1:].float()  # (U, V); float32 T, as the engine divides
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    return logprobs[pair_of, row.target_ids.to(device)]

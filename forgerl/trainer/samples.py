@@ -11,6 +11,13 @@ the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01-
   usually shares a prefix with the old one, which the prefix tree deduplicates.
 - A turn with token_exact False contributes its tokens with loss_mask 0 only: its ids are not
   the sampled ones, so no logprob of it may enter the loss.
+- Each trained token carries its turn's sampling temperature (`TrainingSample.temperatures`);
+  the trainer scores it with log_softmax(logits / T), the distribution it was drawn from.
+- A greedy turn (temperature 0) is context only (loss_mask 0) and counted in
+  `PrefixStats.greedy_turns`: argmax decoding has no sampling distribution to form an
+  importance ratio with (its recorded logprobs are those of T = 1, which it did not sample
+  from). Training rollouts are sampled at `rollout.temperature > 0`; the greedy eval rollouts
+  have task_index < 0 and never enter a training group.
 
 The extension check is done here token-for-token, independent of the gateway's
 `extends_previous` flag, and every branch is counted (never silently patched).
@@ -18,18 +25,38 @@ The extension check is done here token-for-token, independent of the gateway's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forgerl.types import Completion, Sample, Trajectory
 
 
 @dataclass
+class TrainingSample(Sample):
+    """A `Sample` plus the sampling temperature of every token.
+
+    temperatures: length T, float; where loss_mask[t] == 1 the temperature (> 0) that token t
+    was sampled at (its completion's `sampling.temperature`), else 1.0 (never used).
+    """
+
+    temperatures: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.temperatures) != len(self.input_ids):
+            raise ValueError(
+                f"temperatures has length {len(self.temperatures)}, input_ids {len(self.input_ids)}"
+            )
+
+
+@dataclass
 class PrefixStats:
     """How a trajectory's turns were joined: `extensions` turns appended to the previous
-    sample, `branches` turns that started a new sample (the first turn counts as neither)."""
+    sample, `branches` turns that started a new sample (the first turn counts as neither);
+    `greedy_turns` token-exact turns sampled at temperature 0, kept out of the loss."""
 
     extensions: int = 0
     branches: int = 0
+    greedy_turns: int = 0
 
 
 def _extends(prev_ids: list[int], prompt_ids: list[int]) -> bool:
@@ -37,37 +64,48 @@ def _extends(prev_ids: list[int], prompt_ids: list[int]) -> bool:
     return len(prompt_ids) >= n and prompt_ids[:n] == prev_ids
 
 
-def _new_sample(traj: Trajectory) -> Sample:
-    return Sample([], [], [], [], [], task_index=traj.task_index, trajectory_id=traj.id)
+def _new_sample(traj: Trajectory) -> TrainingSample:
+    return TrainingSample([], [], [], [], [], task_index=traj.task_index, trajectory_id=traj.id)
 
 
-def _append(
-    sample: Sample, ids: list[int], mask: int, lps: list[float], adv: float, versions: list[int]
-) -> None:
+def _append(sample: TrainingSample, ids: list[int], turn: Completion | None, adv: float) -> None:
+    """Append `ids`: the sampled completion of `turn` (mask 1), or context when turn is None."""
+    n = len(ids)
     sample.input_ids += ids
-    sample.loss_mask += [mask] * len(ids)
-    sample.behavior_logprobs += lps if mask else [0.0] * len(ids)
-    sample.advantages += [adv if mask else 0.0] * len(ids)
-    sample.weight_versions += versions if mask else [-1] * len(ids)
+    if turn is None:
+        sample.loss_mask += [0] * n
+        sample.behavior_logprobs += [0.0] * n
+        sample.advantages += [0.0] * n
+        sample.weight_versions += [-1] * n
+        sample.temperatures += [1.0] * n
+    else:
+        sample.loss_mask += [1] * n
+        sample.behavior_logprobs += turn.logprobs
+        sample.advantages += [adv] * n
+        sample.weight_versions += turn.weight_versions
+        sample.temperatures += [turn.sampling.temperature] * n
 
 
-def _append_turn(sample: Sample, turn: Completion, advantage: float) -> None:
-    """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion."""
-    _append(sample, turn.prompt_ids[len(sample.input_ids) :], 0, [], 0.0, [])
-    mask = 1 if turn.token_exact else 0
-    _append(sample, turn.completion_ids, mask, turn.logprobs, advantage, turn.weight_versions)
+def _append_turn(sample: TrainingSample, turn: Completion, advantage: float) -> bool:
+    """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion
+    (mask 1 when token-exact and sampled at T > 0). Returns True for a greedy token-exact turn."""
+    _append(sample, turn.prompt_ids[len(sample.input_ids) :], None, 0.0)
+    greedy = turn.sampling.temperature <= 0
+    trained = turn.token_exact and not greedy
+    _append(sample, turn.completion_ids, turn if trained else None, advantage)
+    return turn.token_exact and greedy
 
 
 def trajectory_to_samples_with_stats(
     traj: Trajectory, advantages_per_turn: list[float]
-) -> tuple[list[Sample], PrefixStats]:
+) -> tuple[list[TrainingSample], PrefixStats]:
     """Like `trajectory_to_samples`, also returning the prefix extension / branch counts."""
     if len(advantages_per_turn) != len(traj.completions):
         raise ValueError(
             f"trajectory {traj.id}: {len(advantages_per_turn)} advantages for "
             f"{len(traj.completions)} turns"
         )
-    samples: list[Sample] = []
+    samples: list[TrainingSample] = []
     stats = PrefixStats()
     for k, (turn, adv) in enumerate(zip(traj.completions, advantages_per_turn, strict=True)):
         if samples and _extends(samples[-1].input_ids, turn.prompt_ids):
@@ -75,16 +113,18 @@ def trajectory_to_samples_with_stats(
         else:
             stats.branches += int(k > 0)
             samples.append(_new_sample(traj))
-        _append_turn(samples[-1], turn, adv)
+        stats.greedy_turns += _append_turn(samples[-1], turn, adv)
     for s in samples:
         if s.loss_mask and s.loss_mask[0]:
             # Position 0 has no preceding logits to predict it from (empty prompt).
             s.loss_mask[0], s.behavior_logprobs[0], s.advantages[0] = 0, 0.0, 0.0
-            s.weight_versions[0] = -1
+            s.weight_versions[0], s.temperatures[0] = -1, 1.0
     return samples, stats
 
 
-def trajectory_to_samples(traj: Trajectory, advantages_per_turn: list[float]) -> list[Sample]:
+def trajectory_to_samples(
+    traj: Trajectory, advantages_per_turn: list[float]
+) -> list[TrainingSample]:
     """Turn one trajectory into training samples (one per run of token-extending turns).
 
     Args:
@@ -92,7 +132,8 @@ def trajectory_to_samples(traj: Trajectory, advantages_per_turn: list[float]) ->
         advantages_per_turn: one advantage per completion (`advantages.trajectory_advantages`).
 
     Returns samples whose fields all have the sample's length T: input_ids, loss_mask (1 on
-    sampled, token-exact completion tokens), behavior_logprobs / advantages (0.0 where mask 0),
-    weight_versions (-1 where mask 0). Raises ValueError on a length mismatch.
+    sampled (T > 0), token-exact completion tokens), behavior_logprobs / advantages (0.0 where
+    mask 0), weight_versions (-1 where mask 0), temperatures (1.0 where mask 0). Raises
+    ValueError on a length mismatch.
     """
     return trajectory_to_samples_with_stats(traj, advantages_per_turn)[0]

@@ -5,7 +5,9 @@ reward-to-go) → token-exact samples with a loss mask → one prefix tree over 
 groups (shared prefixes stored once) → per row: forward, gather behavior logprobs and advantages,
 CISPO loss divided by the global loss-token count, backward (gradient accumulation over rows)
 → gradient clipping → AdamW step. `step` counts optimizer steps and is the weight_version the
-engines get after weight sync.
+engines get after weight sync. Each trained token's policy logprob uses the temperature its
+completion was sampled at (`TrainingSample.temperatures`), so ratios are 1 on unchanged weights
+whatever mix of temperatures a batch holds.
 """
 
 from __future__ import annotations
@@ -17,23 +19,29 @@ import torch
 from torch import Tensor
 
 from forgerl.trainer.advantages import group_trajectory_advantages
+from forgerl.trainer.attention import (
+    attn_implementation,
+    check_tree_support,
+    preferred_attn_implementation,
+)
 from forgerl.trainer.losses import LossFn, cispo_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
-from forgerl.trainer.samples import trajectory_to_samples_with_stats
-from forgerl.types import Group, Sample
+from forgerl.trainer.samples import TrainingSample, trajectory_to_samples_with_stats
+from forgerl.types import Group
 
 
 @dataclass
 class PreparedBatch:
     """Everything one step's loss needs, built before any forward pass.
 
-    samples: the trained samples (all groups). tree: their packed prefix tree.
+    samples: the trained samples (all groups). tree: their packed prefix tree (each prediction
+    with its sampling temperature).
     num_loss_tokens: the global loss normaliser N (Σ loss_mask over samples; CASES.md C07).
     behavior_logprobs / advantages / weight_versions: (Σ T_s,) flat over samples, indexed by
     `offsets[s] + t`. metrics: data metrics known before the forward (rewards, counts).
     """
 
-    samples: list[Sample]
+    samples: list[TrainingSample]
     tree: TreeBatch
     num_loss_tokens: int
     offsets: Tensor
@@ -47,15 +55,24 @@ class Trainer:
     """Owns the policy model and its AdamW optimizer; `train_step` is one RL update.
 
     Args:
-        model: a HF causal LM (fp32), put in train mode here.
+        model: a HF causal LM (fp32), moved to `device` (in place) and put in train mode here.
         lr, weight_decay: AdamW settings. max_grad_norm: global L2 clip (≤ 0 disables).
         loss_fn: `(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens) -> (loss,
             stats)`; default `losses.cispo_loss` with its default clip bounds.
-        temperature: the rollout sampling temperature; policy logprobs use logits / T.
         max_row_tokens: capacity of one packed row (one forward+backward).
         merge_prefixes: share common prefixes across samples (False = plain packing).
         normalize_std: divide advantages by the group's return std (`advantages`).
-        train_failed: also train failed/aborted trajectories (default: only finished ones).
+        failed_reward: outcome reward of a failed rollout, which then counts in its group's
+            baseline and the loss; None drops failed rollouts from both; aborted ones are never
+            trained (`advantages.group_trajectory_advantages`).
+        device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
+            FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
+            CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
+            forwards (the engine's copy keeps its attention).
+
+    Raises:
+        ValueError: device "cuda" without CUDA, an unknown device, or a model whose forward
+            cannot give prefix-tree logprobs (`attention.check_tree_support`, one line).
     """
 
     def __init__(
@@ -65,23 +82,26 @@ class Trainer:
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         loss_fn: LossFn = cispo_loss,
-        temperature: float = 1.0,
         max_row_tokens: int = 4096,
         merge_prefixes: bool = True,
         normalize_std: bool = False,
-        train_failed: bool = False,
+        failed_reward: float | None = 0.0,
+        device: str = "auto",
     ) -> None:
-        self.model = model.train()
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).train()
+        self.attn_implementation = preferred_attn_implementation(self.model, self.device)
+        with attn_implementation(self.model, self.attn_implementation):
+            check_tree_support(self.model, max_row_tokens)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
         )
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
-        self.temperature = temperature
         self.max_row_tokens = max_row_tokens
         self.merge_prefixes = merge_prefixes
         self.normalize_std = normalize_std
-        self.train_failed = train_failed
+        self.failed_reward = failed_reward
         self.step = 0
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -91,23 +111,27 @@ class Trainer:
         tokens_before_merge / tokens_after_merge, grad_norm (before clipping), ratio_mean /
         ratio_max / clip_frac, token_off_policy_lag_mean / _max (self.step - weight_versions
         over loss tokens; the scheduler logs the per-group lag), groups_skipped (all advantages
-        0), prefix_extensions / prefix_branches, step_seconds, tokens_per_second (tree tokens
-        through forward+backward per second).
-        With no loss tokens at all no optimizer step is taken and `step` is unchanged.
+        0), prefix_extensions / prefix_branches, greedy_turns (temperature-0 turns kept out of
+        the loss, `samples`), step_seconds, tokens_per_second (tree tokens through
+        forward+backward per second).
+        With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
+        step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged.
         """
         start = time.perf_counter()
-        batch = self.prepare(groups)
-        metrics = dict(batch.metrics)
-        metrics.update(self.accumulate_gradients(batch))
-        if batch.num_loss_tokens > 0:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip).item()
-            self.optimizer.step()
-            self.step += 1
-        else:
-            metrics["grad_norm"] = 0.0
-        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            batch = self.prepare(groups)
+            metrics = dict(batch.metrics)
+            metrics.update(self.accumulate_gradients(batch))
+            if batch.num_loss_tokens > 0:
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip).item()
+                self.optimizer.step()
+                self.step += 1
+            else:
+                metrics["grad_norm"] = 0.0
+        finally:  # a step that raises leaves no partial gradients for the next one
+            self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         metrics["step_seconds"] = seconds
         metrics["tokens_per_second"] = batch.tree.num_tree_tokens / max(seconds, 1e-9)
@@ -115,12 +139,12 @@ class Trainer:
 
     def prepare(self, groups: list[Group]) -> PreparedBatch:
         """Advantages → samples → prefix tree, plus the global loss-token count N."""
-        samples: list[Sample] = []
+        samples: list[TrainingSample] = []
         rewards: list[float] = []
-        skipped = extensions = branches = 0
+        skipped = extensions = branches = greedy = 0
         for group in groups:
             rewards += [t.reward for t in group.trajectories if t.reward is not None]
-            members = group_trajectory_advantages(group, self.normalize_std, self.train_failed)
+            members = group_trajectory_advantages(group, self.normalize_std, self.failed_reward)
             if all(a == 0.0 for _, advs in members for a in advs):
                 skipped += 1  # no learning signal: contributes no loss tokens
                 continue
@@ -128,11 +152,13 @@ class Trainer:
                 traj_samples, stats = trajectory_to_samples_with_stats(traj, advs)
                 samples += [s for s in traj_samples if any(s.loss_mask)]
                 extensions, branches = extensions + stats.extensions, branches + stats.branches
+                greedy += stats.greedy_turns
         tree = build_tree_batch(
             [s.input_ids for s in samples],
             self.max_row_tokens,
             needed=[[m == 1 for m in s.loss_mask] for s in samples],
             merge=self.merge_prefixes,
+            temperatures=[s.temperatures for s in samples],
         )
         lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
         offsets = torch.cumsum(lengths, 0) - lengths
@@ -151,6 +177,7 @@ class Trainer:
             "groups_skipped": float(skipped),
             "prefix_extensions": float(extensions),
             "prefix_branches": float(branches),
+            "greedy_turns": float(greedy),
             "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
             "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
         }
@@ -175,16 +202,16 @@ class Trainer:
         total_loss, ratio_sum, ratio_max, clipped = 0.0, 0.0, 0.0, 0.0
         if batch.num_loss_tokens == 0:
             return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
-        device = next(self.model.parameters()).device
         for row in batch.tree.rows:
             if row.pred_pos.numel() == 0:
                 continue
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
-            policy_logprobs = forward_logprobs(self.model, row, self.temperature)  # (K,)
+            with attn_implementation(self.model, self.attn_implementation):
+                policy_logprobs = forward_logprobs(self.model, row)  # (K,), at each token's T
             loss, stats = self.loss_fn(
                 policy_logprobs,
-                batch.behavior_logprobs[flat].to(device),
-                batch.advantages[flat].to(device),
+                batch.behavior_logprobs[flat].to(self.device),
+                batch.advantages[flat].to(self.device),
                 batch.num_loss_tokens,
             )
             loss.backward()
@@ -201,5 +228,18 @@ class Trainer:
         }
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
-        """The model's weights for weight sync: {name: detached tensor} (shares storage)."""
+        """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
+        trainer's device; `LocalEngine.update_weights` copies across devices)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto" → CUDA when available, else CPU; "cpu" / "cuda" as given (ValueError: "cuda"
+    without CUDA, or any other value)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device = 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return torch.device(device)

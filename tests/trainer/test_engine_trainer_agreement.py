@@ -29,12 +29,13 @@ def test_engine_logprobs_equal_trainer_logprobs(tiny_model, tokenizer):
     outs = asyncio.run(_generate(tiny_model, prompt, temperature, n=4))
     sequences = [prompt + o.completion_ids for o in outs]
     needed = [[t >= len(prompt) for t in range(len(s))] for s in sequences]
-    tree = build_tree_batch(sequences, max_row_tokens=1024, needed=needed)
+    temps = [[temperature] * len(s) for s in sequences]
+    tree = build_tree_batch(sequences, max_row_tokens=1024, needed=needed, temperatures=temps)
     assert tree.num_tree_tokens < tree.num_input_tokens  # the shared prompt is merged
     trainer_lp = {}
     with torch.no_grad():
         for row in tree.rows:
-            lp = forward_logprobs(tiny_model, row, temperature)
+            lp = forward_logprobs(tiny_model, row)
             for s, t, value in zip(row.sample_idx.tolist(), row.token_idx.tolist(), lp.tolist(),
                                    strict=True):
                 trainer_lp[s, t] = value

@@ -4,7 +4,9 @@ Pins DESIGN.md's merging rule and CASES.md C01-C03 on the trainer side: a turn w
 extends the previous prompt + completion joins the same sample, where the sampled end-of-turn id
 (151645) keeps loss mask 1 and the inserted "\\n" (198), tool turn and next assistant header
 (151644 77091 198) get mask 0; a rewritten context starts a new sample and is counted as a
-branch; a turn that is not token-exact never enters the loss. Ids are Qwen-style ChatML.
+branch; a turn that is not token-exact never enters the loss; every trained token carries its
+turn's sampling temperature, and a greedy (temperature 0) turn is context only and counted
+(issue 9). Ids are Qwen-style ChatML.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from forgerl.trainer.samples import trajectory_to_samples, trajectory_to_samples_with_stats
-from forgerl.types import Completion, Trajectory
+from forgerl.types import Completion, SamplingParams, Trajectory
 
 IM_START, IM_END, NL, ASSISTANT, USER, TOOL = 151644, 151645, 198, 77091, 872, 14
 
@@ -23,7 +25,7 @@ P2 = P1 + C1 + INSERT
 C2 = [20, IM_END]
 
 
-def _turn(prompt, completion, logprobs, versions, exact=True):
+def _turn(prompt, completion, logprobs, versions, exact=True, temperature=1.0):
     return Completion(
         prompt,
         completion,
@@ -31,6 +33,7 @@ def _turn(prompt, completion, logprobs, versions, exact=True):
         versions,
         versions[0] if versions else 0,
         "stop",
+        sampling=SamplingParams(temperature=temperature),
         token_exact=exact,
     )
 
@@ -123,3 +126,19 @@ def test_advantage_count_must_match_turns():
     t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
     with pytest.raises(ValueError, match="1 turns"):
         trajectory_to_samples(_traj(t1), [0.1, 0.2])
+
+
+def test_tokens_carry_their_turns_temperature_and_greedy_turns_are_context():
+    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3], temperature=0.5)
+    t2 = _turn(P2, C2, [-0.4, -0.3], [4, 4], temperature=1.3)
+    p3 = [*P2, *C2, *INSERT]
+    t3 = _turn(p3, [40, IM_END], [-0.01, -0.02], [4, 4], temperature=0.0)  # greedy
+    samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2, t3), [0.3, 0.2, 0.1])
+    (s,) = samples
+    n1 = len(P1)
+    assert s.input_ids == [*p3, 40, IM_END]
+    assert s.temperatures == [1.0] * n1 + [0.5] * 3 + [1.0] * 10 + [1.3] * 2 + [1.0] * 12
+    assert s.loss_mask == [0] * n1 + [1] * 3 + [0] * 10 + [1] * 2 + [0] * 12
+    assert s.behavior_logprobs[-2:] == [0.0, 0.0] and s.advantages[-2:] == [0.0, 0.0]
+    assert s.weight_versions[-2:] == [-1, -1]
+    assert (stats.extensions, stats.branches, stats.greedy_turns) == (2, 0, 1)

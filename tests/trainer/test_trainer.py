@@ -7,7 +7,9 @@ gradients, with prefix merging on or off and with rows small enough to split the
 the unchanged model the ratio is 1 (CASES.md C04); a step changes every trained parameter;
 groups without signal are skipped; failed rollouts stay out; off-policy lag is measured per
 loss token; a checkpoint round-trips weights and optimizer state exactly (CASES.md C12's
-trainer half).
+trainer half); a step that raises leaves no gradients and the next step equals a fresh
+trainer's (issue 9); `device` picks CUDA when present, the CPU path trains with sdpa, and on
+CUDA (marker gpu) the tree rows use FlexAttention and weights sync to a CPU engine.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_
 from forgerl.trainer.losses import cispo_loss
 from forgerl.trainer.samples import trajectory_to_samples
 from forgerl.trainer.trainer import Trainer
-from forgerl.types import Completion, Group, Trajectory
+from forgerl.types import Completion, Group, SamplingParams, Trajectory
 
 IM_START, IM_END, NL = 1, 2, 13
 P = [IM_START, 80, 90, 100, IM_END, NL, IM_START, 70]  # group 0's task prompt
 Q = [IM_START, 81, 91, IM_END, NL, IM_START, 70]  # group 1's task prompt
 INS = [IM_END, NL, IM_START, 60, 61, IM_END, NL, IM_START, 70]  # tool turn + next header
 TEMPERATURE = 0.7
+
+
+def _trainer(model, **kwargs):
+    """A CPU trainer that drops failed rollouts (the hand values below leave "d" out)."""
+    return Trainer(model, device="cpu", failed_reward=None, **kwargs)
 
 
 def _model_logprobs(model, prompt, completion):
@@ -45,7 +52,15 @@ def _turn(model, prompt, completion, version, shift):
         lp + shift[i % len(shift)]
         for i, lp in enumerate(_model_logprobs(model, prompt, completion))
     ]
-    return Completion(prompt, completion, lps, [version] * len(completion), version, "stop")
+    return Completion(
+        prompt,
+        completion,
+        lps,
+        [version] * len(completion),
+        version,
+        "stop",
+        sampling=SamplingParams(temperature=TEMPERATURE),
+    )
 
 
 def _traj(tid, task, turns, reward, status="finished", process=None):
@@ -121,9 +136,7 @@ def naive_loss(model, groups, eps_high=0.28):
 def test_packed_loss_and_grads_equal_naive_per_sample(merge, max_row_tokens):
     model = build_tiny_model()
     groups = make_groups(model, shift=(0.0, -0.6, 0.4, 0.1))  # ratios in and out of the clip
-    trainer = Trainer(
-        model, temperature=TEMPERATURE, merge_prefixes=merge, max_row_tokens=max_row_tokens
-    )
+    trainer = _trainer(model, merge_prefixes=merge, max_row_tokens=max_row_tokens)
     batch = trainer.prepare(groups)
     metrics = trainer.accumulate_gradients(batch)
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -147,7 +160,7 @@ def test_packed_loss_and_grads_equal_naive_per_sample(merge, max_row_tokens):
 def test_train_step_changes_every_parameter_and_reports_metrics():
     model = build_tiny_model()
     groups = make_groups(model)  # behavior == policy: every ratio is 1
-    trainer = Trainer(model, lr=1e-3, temperature=TEMPERATURE)
+    trainer = _trainer(model, lr=1e-3)
     trainer.step = 2  # as if resumed at weight_version 2
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     m = trainer.train_step(groups)
@@ -178,7 +191,7 @@ def test_train_step_changes_every_parameter_and_reports_metrics():
 
 def test_step_without_signal_leaves_weights_and_version():
     model = build_tiny_model()
-    trainer = Trainer(model, lr=1e-3, temperature=TEMPERATURE)
+    trainer = _trainer(model, lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     m = trainer.train_step([make_groups(model)[2]])
     assert trainer.step == 0
@@ -189,7 +202,7 @@ def test_step_without_signal_leaves_weights_and_version():
 def test_checkpoint_round_trip(tmp_path):
     model = build_tiny_model()
     groups = make_groups(model, shift=(0.0, -0.3))
-    trainer = Trainer(model, lr=1e-3, temperature=TEMPERATURE)
+    trainer = _trainer(model, lr=1e-3)
     trainer.train_step(groups)
     first = save_checkpoint(tmp_path, model, trainer.optimizer, 1, {"cursor": 3})
     trainer.train_step(groups)
@@ -198,7 +211,7 @@ def test_checkpoint_round_trip(tmp_path):
     assert not first.exists()  # only the last complete checkpoint is kept
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [path.name]
 
-    fresh = Trainer(build_tiny_model(seed=1), lr=1e-3, temperature=TEMPERATURE)
+    fresh = _trainer(build_tiny_model(seed=1), lr=1e-3)
     step, extra = load_checkpoint(path, fresh.model, fresh.optimizer)
     assert (step, extra) == (2, {"cursor": [5, 6]})
     for (name, a), b in zip(
@@ -220,3 +233,71 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_latest_checkpoint_empty_run(tmp_path):
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_failing_step_leaves_no_gradients_and_the_next_step_equals_a_fresh_one():
+    model, fresh_model = build_tiny_model(), build_tiny_model()
+    groups = make_groups(model, shift=(0.0, -0.3))
+    calls = {"n": 0, "fail": True}
+
+    def flaky_loss(*args):
+        calls["n"] += 1
+        if calls["fail"] and calls["n"] == 2:  # after row 1's backward has filled .grad
+            raise RuntimeError("injected failure")
+        return cispo_loss(*args)
+
+    trainer = _trainer(model, lr=1e-3, loss_fn=flaky_loss, max_row_tokens=24)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.train_step(groups)
+    assert all(p.grad is None for p in model.parameters())
+    assert trainer.step == 0 and not trainer.optimizer.state
+    calls["fail"] = False
+    fresh = _trainer(fresh_model, lr=1e-3, max_row_tokens=24)
+    m, m_fresh = trainer.train_step(groups), fresh.train_step(groups)
+    assert trainer.step == fresh.step == 1 and m["loss"] == m_fresh["loss"]
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_device_choice_and_cpu_attention():
+    model = build_tiny_model()
+    trainer = Trainer(model, device="auto", failed_reward=None)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert trainer.device.type == expected
+    assert {p.device.type for p in model.parameters()} == {expected}
+    if expected == "cpu":
+        assert trainer.attn_implementation == "sdpa"
+        trainer.train_step(make_groups(model, shift=(0.0, -0.3)))
+        assert model.config._attn_implementation == "sdpa"  # restored after the tree forwards
+        with pytest.raises(ValueError, match=r"trainer\.device = 'cuda' but CUDA is not available"):
+            Trainer(build_tiny_model(), device="cuda")
+    with pytest.raises(ValueError, match="must be 'auto', 'cpu' or 'cuda', got 'tpu'"):
+        Trainer(build_tiny_model(), device="tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trainer_uses_flex_attention_and_syncs_to_a_cpu_engine():
+    import asyncio
+
+    from forgerl.engines.local import LocalEngine
+
+    model = build_tiny_model()
+    groups = make_groups(model)  # behavior logprobs from the CPU model: ratio 1
+    trainer = Trainer(model, lr=1e-3, device="cuda", failed_reward=None)
+    assert trainer.attn_implementation == "flex_attention"
+    m = trainer.train_step(groups)
+    assert trainer.step == 1 and m["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert model.config._attn_implementation == "sdpa"
+
+    async def sync() -> dict[str, torch.Tensor]:
+        engine = LocalEngine(build_tiny_model(seed=1), max_model_len=64, device="cpu")
+        try:
+            await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
+            return engine.model.state_dict()
+        finally:
+            await engine.close()
+
+    synced = asyncio.run(sync())
+    for name, value in trainer.state_dict_for_sync().items():
+        assert torch.equal(synced[name], value.cpu()), name
