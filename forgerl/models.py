@@ -163,12 +163,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 def load_pretrained(
     path: str, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer offline, in eval mode with `sdpa` attention.
+    """Load a causal LM and its tokenizer offline, in eval mode with `sdpa` attention (`eager`
+    for families without sdpa support, e.g. Gemma2; transformers' own fallback).
 
     `path == "smollm2"` loads the packaged SmolLM2-135M-Instruct (30 layers, 134.5M params,
     vocab 49152, ChatML), building its cache on first use (`smollm2_dir`); any other value is a
     local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on CPU: bf16 matmuls
-    are about 300x slower there (DESIGN.md).
+    are about 300x slower there (DESIGN.md). Whether the family can be trained (its own
+    forward on prefix-tree rows) is checked when the `Trainer` is built
+    (`trainer.attention.check_tree_support`).
 
     Raises:
         RuntimeError: the folder is missing or unreadable, or the SmolLM2 cache cannot be built.
@@ -183,7 +186,7 @@ def load_pretrained(
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+            folder, dtype=dtype, attn_implementation=None, local_files_only=True
         )
     except Exception as exc:
         raise RuntimeError(f"could not load the model folder {folder}: {exc!r}") from exc

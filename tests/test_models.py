@@ -3,7 +3,8 @@
 Semantics pinned: `load_pretrained("smollm2")` gives the 30-layer, 134.5M-parameter,
 49152-token SmolLM2-135M-Instruct in fp32 with sdpa attention, its ChatML end-of-turn id, and
 deterministic finite greedy decoding; any other path is a local folder that round-trips a model
-and tokenizer saved with `save_pretrained` (identical logits, identical ids).
+and tokenizer saved with `save_pretrained` (identical logits, identical ids); a family without
+sdpa support (Gemma2) loads with eager attention and is accepted by the trainer.
 """
 
 from __future__ import annotations
@@ -78,3 +79,25 @@ def test_local_folder_round_trip(tmp_path):
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="neither 'smollm2' nor a local HF folder"):
         load_pretrained(str(tmp_path / "nope"))
+
+
+def test_family_without_sdpa_loads_eager_and_trains(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from forgerl.trainer.trainer import Trainer
+
+    config = Gemma2Config(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        head_dim=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_pretrained(str(tmp_path))
+    assert model.config._attn_implementation == "eager"
+    trainer = Trainer(model, device="cpu")  # softcapped logits pass the tree-support probe
+    assert trainer.attn_implementation == "eager"
