@@ -62,21 +62,41 @@ def write_config(tmp_path: Path, max_steps: int = 4, checkpoint_every: int = 2) 
 def gone(pid: int, wait_s: float = 10.0) -> bool:
     """True once `pid` no longer runs (a zombie waiting for init to reap it counts as gone)."""
     deadline = time.time() + wait_s
-    while time.time() < deadline:
+    while True:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError):
             return True
         if state in ("Z", "X"):
             return True
+        if time.time() >= deadline:
+            return False
         time.sleep(0.1)
-    return False
 
 
-def survivors(tmp_path: Path) -> list[int]:
-    """Agent processes (and their children) still alive after the run ended."""
-    pids = [int(x) for f in (tmp_path / "pids").iterdir() for x in (f.name, f.read_text())]
-    return [pid for pid in pids if not gone(pid)]
+@pytest.fixture(autouse=True)
+def mark_processes(tmp_path, monkeypatch):
+    """Every process a test starts (runs, agents, their children, reapers) inherits this mark:
+    /proc/PID/environ finds them all, even one killed before it wrote its pid file."""
+    monkeypatch.setenv("FORGERL_TEST_MARK", str(tmp_path))
+
+
+def survivors(tmp_path: Path, wait_s: float = 10.0) -> list[int]:
+    """Processes this test started that are still alive (not zombies) after `wait_s` seconds."""
+    needle = f"FORGERL_TEST_MARK={tmp_path}".encode()
+    deadline = time.time() + wait_s
+    while True:
+        alive = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0") and not gone(
+                        int(entry.name), wait_s=0):
+                    alive.append(int(entry.name))
+            except OSError:
+                continue
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def records(run_dir: Path) -> list[dict]:
