@@ -590,14 +590,39 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()  # the controller owns the process's signals
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for `host:port` (port 0 = a free port), created with proto
+    IPPROTO_TCP.
+
+    asyncio sets TCP_NODELAY on an accepted connection only when its socket's proto is
+    IPPROTO_TCP, and an accepted socket inherits the listener's; `socket.create_server` makes
+    proto 0. Without TCP_NODELAY, a response written in two sends (uvicorn writes headers and
+    body separately) waits for the client's delayed ACK: about 40 ms per call on a keep-alive
+    connection (Nagle + delayed ACK). Raises OSError when the address is taken.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class GatewayServer:
     """uvicorn serving an app inside the caller's running asyncio loop.
 
-    The socket is bound before serving, so `port` is known (port 0 = a free port).
+    The socket is bound here, before serving, so `port` is known (port 0 = a free port) and a
+    taken address raises OSError at once; every accepted connection has TCP_NODELAY (`listen`).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-        self.sock = socket.create_server((host, port))
+        self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self.server = _Server(config)

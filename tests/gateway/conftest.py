@@ -88,6 +88,7 @@ class Served:
     gateway: Gateway
     base_url: str
     loop: asyncio.AbstractEventLoop
+    server: GatewayServer
 
     @property
     def engine(self) -> ScriptedEngine:
@@ -127,7 +128,7 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
         gateway = Gateway(ChatMLRenderer(tokenizer, default_system), engine, pool, **kw)
         server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
         servers.append(server)
-        return Served(gateway, server.base_url, loop)
+        return Served(gateway, server.base_url, loop, server)
 
     yield _serve
     for server in servers:
