@@ -1,0 +1,320 @@
+"""Gateway overhead: ForgeRL's gateway (recording on) against a bare FastAPI stub, same bytes.
+
+Run: `.venv/bin/python benchmarks/gateway.py [--quick]` (about a minute on 2 cores; --quick:
+a fifth of the requests). Both servers run in their own process on 127.0.0.1, the client in
+this one:
+
+- gateway: `Gateway` over `InstantEngine` (a rollout engine that returns a fixed 44-token
+  completion at once, no decoding), the byte tokenizer (forgerl.models), recording into a real
+  SQLitePool (WAL, synchronous=FULL) in a temporary folder; served by `Gateway.serve`.
+- stub: a bare FastAPI app under uvicorn that answers each route with the bytes the gateway
+  answered to the same request (captured at start-up): the floor any Python ASGI server has.
+
+Workloads, each run against the stub, then the gateway:
+- sequential: 500 chat calls with the official `openai` client on one keep-alive connection:
+  50 sessions x 10 turns, each turn extending the last (TITO reuse); p50 / p99 latency, and
+  p50 of 500 GET /v1/models.
+- concurrent: 64 clients (one httpx.AsyncClient and keep-alive connection each), 2,000 chat
+  calls in 10-turn conversations; requests/s.
+- stream: 16 clients, 400 `stream: true` calls; SSE events (chunks) per second, [DONE] counted.
+- sessions: 200 clients at once, each opening a session (POST /v1/sessions) and making 3 calls
+  on it; wall seconds, and errors (any status but 200, or an exception), which must be 0.
+
+Prints one table: the stub's value, the gateway's, and gateway - stub (latency: ms added) or
+gateway / stub (rates). Numbers are from one run on a shared machine: compare the two columns,
+not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+MODEL = "bench"
+REPLY = "The answer is 42. Tell me if you need more."
+HERE = Path(__file__).resolve()
+
+
+class InstantEngine:
+    """A RolloutEngine that answers every request at once with the same completion ids.
+
+    completion_ids: `REPLY` encoded + the end-of-turn id (44 ids with the byte tokenizer),
+    logprobs -0.5 each, weight_version 0; cut at params.max_tokens (finish "length").
+    """
+
+    def __init__(self, ids: list[int], max_model_len: int = 16384):
+        self.ids, self.max_model_len, self.weight_version = ids, max_model_len, 0
+
+    async def generate(self, prompt_ids, params):
+        from forgerl.types import GenerateOutput
+
+        ids = self.ids[: params.max_tokens]
+        finish = "stop" if len(ids) == len(self.ids) else "length"
+        return GenerateOutput(list(ids), [-0.5] * len(ids), [0] * len(ids), finish)
+
+    async def update_weights(self, state_dict, version: int) -> None:
+        self.weight_version = version
+
+    async def close(self) -> None:
+        pass
+
+
+# ---- servers (child processes) ---------------------------------------------------------------
+
+
+async def serve_gateway(pool_dir: str) -> None:
+    """Child process: the gateway with recording on; prints `PORT n` once it accepts."""
+    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.gateway.app import Gateway
+    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.models import build_byte_tokenizer
+
+    renderer = ChatMLRenderer(build_byte_tokenizer())
+    engine = InstantEngine([*renderer.encode(REPLY), renderer.end_of_turn_id])
+    gateway = Gateway(renderer, engine, SQLitePool(Path(pool_dir) / "pool.sqlite"), MODEL)
+    server = await gateway.serve("127.0.0.1", 0)
+    print(f"PORT {server.port}", flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_stub(bodies_path: str) -> None:
+    """Child process: a bare FastAPI app answering the captured bytes; prints `PORT n`."""
+    bodies = json.loads(Path(bodies_path).read_text())
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        if json.loads(await request.body()).get("stream"):
+            return StreamingResponse(iter(bodies["stream"]), media_type="text/event-stream")
+        return Response(bodies["chat"], media_type="application/json")
+
+    @app.post("/v1/sessions")
+    async def sessions() -> Response:
+        return Response(bodies["session"], media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(bodies["models"], media_type="application/json")
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    print(f"PORT {server.servers[0].sockets[0].getsockname()[1]}", flush=True)
+    await task
+
+
+def start(kind: str, arg: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a server child process; returns it and its base_url."""
+    proc = subprocess.Popen([sys.executable, str(HERE), "--serve", kind, arg],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"{kind} server did not start (said {line!r})")
+    return proc, f"http://127.0.0.1:{int(line.split()[1])}/v1"
+
+
+# ---- workloads (this process) ----------------------------------------------------------------
+
+
+def next_messages(messages: list[dict[str, Any]], answer: dict[str, Any], turn: int):
+    """The conversation after `answer`: its assistant message and the next user message."""
+    return [*messages, answer, {"role": "user", "content": f"Turn {turn}: and then?"}]
+
+
+FIRST = [{"role": "user", "content": "What is six times seven?"}]
+
+
+def sequential(base_url: str, sessions: int, turns: int) -> dict[str, float]:
+    """p50/p99 ms of sessions x turns chat calls and of as many GET /v1/models, keep-alive."""
+    from openai import OpenAI
+
+    keys = asyncio.run(_keys(base_url, sessions))
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+    chat_ms, models_ms = [], []
+    for key in keys:
+        auth, messages = {"Authorization": f"Bearer {key}"}, FIRST
+        for turn in range(turns):
+            t0 = time.perf_counter()
+            r = client.chat.completions.create(model=MODEL, messages=messages, extra_headers=auth)
+            chat_ms.append(1e3 * (time.perf_counter() - t0))
+            answer = {"role": "assistant", "content": r.choices[0].message.content}
+            messages = next_messages(messages, answer, turn)
+    for _ in range(sessions * turns):
+        t0 = time.perf_counter()
+        client.models.list()
+        models_ms.append(1e3 * (time.perf_counter() - t0))
+    client.close()
+    q = statistics.quantiles(chat_ms, n=100)
+    return {"p50": q[49], "p99": q[98], "models_p50": statistics.median(models_ms)}
+
+
+async def _keys(base_url: str, n: int) -> list[str]:
+    """n API keys from POST /v1/sessions (untimed set-up)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        return [(await client.post("/sessions", json={})).json()["api_key"] for _ in range(n)]
+
+
+async def _conversation(client: httpx.AsyncClient, key: str, turns: int, stream: bool,
+                        counts: dict[str, int]) -> None:
+    """One session's turns; counts requests, SSE events, errors."""
+    auth, messages = {"Authorization": f"Bearer {key}"}, FIRST
+    for turn in range(turns):
+        body = {"model": MODEL, "messages": messages, "stream": stream}
+        try:
+            if stream:
+                content = ""
+                async with client.stream("POST", "/chat/completions", json=body,
+                                         headers=auth) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            counts["chunks"] += 1
+                            if line != "data: [DONE]":
+                                for c in json.loads(line[6:])["choices"]:
+                                    content += c["delta"].get("content") or ""
+                ok = r.status_code == 200
+            else:
+                r = await client.post("/chat/completions", json=body, headers=auth)
+                ok = r.status_code == 200
+                content = r.json()["choices"][0]["message"]["content"] if ok else ""
+        except httpx.HTTPError:
+            ok = False
+        counts["requests" if ok else "errors"] += 1
+        if not ok:
+            return
+        messages = next_messages(messages, {"role": "assistant", "content": content}, turn)
+
+
+async def concurrent(base_url: str, workers: int, requests: int, stream: bool,
+                     turns: int = 10) -> dict[str, float]:
+    """`workers` clients at once (one httpx.AsyncClient = one keep-alive connection each: a
+    shared 64-connection pool costs httpx more CPU than the stub spends), each running
+    conversations of `turns` turns on its own sessions until `requests` calls are made in all;
+    calls/s, SSE events/s, errors."""
+    counts = dict.fromkeys(("requests", "chunks", "errors"), 0)
+    per_worker = requests // workers
+    keys = await _keys(base_url, workers * -(-per_worker // turns))
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=120) for _ in range(workers)]
+
+    async def worker(i: int) -> None:
+        for k, key in enumerate(keys[i::workers]):
+            await _conversation(clients[i], key, min(turns, per_worker - k * turns), stream,
+                                counts)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker(i) for i in range(workers)])
+    seconds = time.perf_counter() - t0
+    await asyncio.gather(*[c.aclose() for c in clients])
+    return {"rps": counts["requests"] / seconds, "chunks_s": counts["chunks"] / seconds,
+            "errors": counts["errors"], "chunks_per_call": counts["chunks"] / counts["requests"]}
+
+
+async def many_sessions(base_url: str, sessions: int, turns: int) -> dict[str, float]:
+    """`sessions` clients at once, each opening a session and running `turns` turns on it;
+    wall seconds, and errors (calls that did not answer 200)."""
+    counts = dict.fromkeys(("requests", "chunks", "errors"), 0)
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=120) for _ in range(sessions)]
+
+    async def one(client: httpx.AsyncClient) -> None:
+        try:
+            key = (await client.post("/sessions", json={})).json()["api_key"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return
+        await _conversation(client, key, turns, False, counts)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(c) for c in clients])
+    seconds = time.perf_counter() - t0
+    await asyncio.gather(*[c.aclose() for c in clients])
+    return {"errors": sessions * turns - counts["requests"], "seconds": seconds}
+
+
+def capture(base_url: str) -> dict[str, Any]:
+    """The gateway's bytes for each route, for the stub to replay."""
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        session = client.post("/sessions", json={})
+        auth = {"Authorization": f"Bearer {session.json()['api_key']}"}
+        body = {"model": MODEL, "messages": FIRST}
+        chat = client.post("/chat/completions", json=body, headers=auth)
+        with client.stream("POST", "/chat/completions", json={**body, "stream": True},
+                           headers=auth) as r:
+            events = [f"{line}\n\n" for line in r.iter_lines() if line]
+        models = client.get("/models")
+    return {"session": session.text, "chat": chat.text, "stream": events, "models": models.text}
+
+
+def measure(base_url: str, scale: float) -> dict[str, float]:
+    """Every workload against one server."""
+    seq = sequential(base_url, max(1, int(50 * scale)), 10)
+    conc = asyncio.run(concurrent(base_url, 64, max(64, int(2000 * scale)), stream=False))
+    strm = asyncio.run(concurrent(base_url, 16, max(16, int(400 * scale)), stream=True))
+    sess = asyncio.run(many_sessions(base_url, 200, 3))
+    return {
+        "sequential p50 (ms)": seq["p50"],
+        "sequential p99 (ms)": seq["p99"],
+        "GET /v1/models p50 (ms)": seq["models_p50"],
+        "requests/s, 64 clients": conc["rps"],
+        "stream chunks/s, 16 clients": strm["chunks_s"],
+        "chunks per streamed call": strm["chunks_per_call"],
+        "200 sessions x 3 turns (s)": sess["seconds"],
+        "errors (all workloads)": conc["errors"] + strm["errors"] + sess["errors"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a fifth of the requests")
+    parser.add_argument("--serve", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        kind, arg = args.serve
+        asyncio.run(serve_gateway(arg) if kind == "gateway" else serve_stub(arg))
+        return
+    scale = 0.2 if args.quick else 1.0
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway, gateway_url = start("gateway", tmp)
+        bodies = Path(tmp) / "bodies.json"
+        bodies.write_text(json.dumps(capture(gateway_url)))
+        stub, stub_url = start("stub", str(bodies))
+        try:
+            t0 = time.perf_counter()
+            base = measure(stub_url, scale)
+            ours = measure(gateway_url, scale)
+        finally:
+            for proc in (gateway, stub):
+                proc.kill()
+                proc.wait()
+    print(f"\ngateway vs bare FastAPI stub, loopback, {os.cpu_count()} cores, "
+          f"{time.perf_counter() - t0:.0f} s\n")
+    print(f"| {'metric':30} | {'stub':>9} | {'gateway':>9} | {'gateway vs stub':>16} |")
+    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 11}|{'-' * 18}|")
+    for name, b in base.items():
+        o = ours[name]
+        if "(ms)" in name or "(s)" in name:
+            rel = f"+{o - b:.2f}" + (" ms" if "ms" in name else " s")
+        elif "errors" in name or "per" in name:
+            rel = ""
+        else:
+            rel = f"x{o / b:.2f}"
+        print(f"| {name:30} | {b:9.2f} | {o:9.2f} | {rel:>16} |")
+
+
+if __name__ == "__main__":
+    main()
