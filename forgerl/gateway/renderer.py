@@ -1,6 +1,7 @@
 """Messages -> token ids in ChatML, with a Hermes-style tool section (the gateway tokenises).
 
-Data flow: the gateway renders an OpenAI chat request to prompt ids with `ChatMLRenderer.render`,
+Data flow: the gateway core renders a conversation (conversation.py: `Message`s and `Tool`s, the
+internal form every protocol is translated into) to prompt ids with `ChatMLRenderer.render`,
 sends ids to the rollout engine and decodes the completion ids only to parse them for the client.
 SmolLM2's own chat template is plain ChatML with no tool support, so the tool section is ours:
 
@@ -24,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-Message = dict[str, Any]
+from forgerl.gateway.conversation import Message, Tool, ToolCall
 
 START, END = "<|im_start|>", "<|im_end|>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 TOOLS_HEADER = (
     "# Tools\n\n"
@@ -45,37 +48,36 @@ TOOLS_FOOTER = (
 )
 
 
-def content_text(content: Any) -> str:
-    """The text of an OpenAI message content: a string, None, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+def tool_call_json(call: ToolCall) -> str:
+    """One tool call as the Hermes JSON object `{"name": ..., "arguments": {...}}`.
 
-
-def tool_call_json(call: dict[str, Any]) -> str:
-    """One OpenAI tool call as the Hermes JSON object `{"name": ..., "arguments": {...}}`.
-
-    `function.arguments` is a JSON string in the OpenAI API; it is parsed back to an object so
-    the rendering matches what the model is asked to emit (an unparsable string is kept as is).
+    `arguments` (JSON text) is parsed back to an object so the rendering matches what the model
+    is asked to emit (an unparsable string is kept as is).
     """
-    fn = call.get("function") or {}
-    args: Any = fn.get("arguments")
-    if isinstance(args, str):
-        with contextlib.suppress(json.JSONDecodeError):
-            args = json.loads(args) if args.strip() else {}
-    return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+    args: Any = call.arguments
+    with contextlib.suppress(json.JSONDecodeError):
+        args = json.loads(args) if args.strip() else {}
+    return json.dumps({"name": call.name, "arguments": args}, ensure_ascii=False)
 
 
-def tools_section(tools: list[dict[str, Any]]) -> str:
+def tool_signature(tool: Tool) -> dict[str, Any]:
+    """The JSON signature listed for a tool: name, then description and parameters when set."""
+    sig: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        sig["description"] = tool.description
+    if tool.parameters is not None:
+        sig["parameters"] = dict(tool.parameters)
+    return sig
+
+
+def tools_section(tools: Sequence[Tool]) -> str:
     """The system-prompt tool section: one JSON function signature per line."""
-    sigs = [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
+    sigs = [json.dumps(tool_signature(t), ensure_ascii=False) for t in tools]
     return TOOLS_HEADER + "\n".join(sigs) + TOOLS_FOOTER
 
 
 class ChatMLRenderer:
-    """Renders OpenAI chat messages (+ tools) to ChatML token ids.
+    """Renders conversation messages (+ tools) to ChatML token ids.
 
     Args:
         tokenizer: a HF tokenizer that knows `<|im_start|>` and `<|im_end|>` as special tokens.
@@ -115,60 +117,64 @@ class ChatMLRenderer:
         """Text of completion ids, special tokens dropped (for parsing and the client only)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def with_system(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None
-    ) -> list[Message]:
+    def with_system(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[Message]:
         """Messages with the default system turn inserted and the tool section appended to it."""
         msgs = list(messages)
-        has_system = bool(msgs) and msgs[0].get("role") in ("system", "developer")
+        has_system = bool(msgs) and msgs[0].role == "system"
         if not has_system and (self.default_system is not None or tools):
-            msgs.insert(0, {"role": "system", "content": self.default_system or ""})
+            msgs.insert(0, Message("system", self.default_system or ""))
         if tools:
-            system = content_text(msgs[0].get("content"))
-            section = tools_section(tools)
-            msgs[0] = {"role": "system", "content": f"{system}\n\n{section}" if system else section}
+            system, section = msgs[0].content, tools_section(tools)
+            msgs[0] = Message("system", f"{system}\n\n{section}" if system else section)
         return msgs
 
     def turn_ids(self, role: str, text: str) -> list[int]:
         """`<|im_start|>{role}\\n{text}<|im_end|>` as ids (the trailing "\\n" is not included)."""
         return [self.start_of_turn_id, *self.encode(f"{role}\n{text}"), self.end_of_turn_id]
 
-    def render_turns(self, messages: list[Message]) -> list[int]:
+    def render_turns(self, messages: Sequence[Message]) -> list[int]:
         """Ids of messages rendered as they are (no system insertion, no generation prompt).
 
         Each turn is followed by the "\\n" segment. Consecutive tool messages share a user turn.
+        An assistant message's `reasoning` is not rendered (ChatML has no slot for it).
         """
         ids: list[int] = []
         i = 0
         while i < len(messages):
             msg = messages[i]
-            role = msg.get("role", "user")
-            if role == "tool":
+            if msg.role == "tool":
                 blocks = []
-                while i < len(messages) and messages[i].get("role") == "tool":
-                    text = content_text(messages[i].get("content"))
-                    blocks.append(f"<tool_response>\n{text}\n</tool_response>")
+                while i < len(messages) and messages[i].role == "tool":
+                    blocks.append(f"<tool_response>\n{messages[i].content}\n</tool_response>")
                     i += 1
                 ids += self.turn_ids("user", "\n".join(blocks)) + self.newline_ids
                 continue
-            text = content_text(msg.get("content"))
-            if role == "assistant" and msg.get("tool_calls"):
-                calls = [
-                    f"<tool_call>\n{tool_call_json(c)}\n</tool_call>" for c in msg["tool_calls"]
-                ]
+            text = msg.content
+            if msg.role == "assistant" and msg.tool_calls:
+                calls = [f"{CALL_OPEN}\n{tool_call_json(c)}\n{CALL_CLOSE}" for c in msg.tool_calls]
                 text = "\n".join(([text] if text else []) + calls)
-            role = "system" if role == "developer" else role
-            ids += self.turn_ids(role, text) + self.newline_ids
+            ids += self.turn_ids(msg.role, text) + self.newline_ids
             i += 1
         return ids
 
     def render(
         self,
-        messages: list[Message],
-        tools: list[dict[str, Any]] | None = None,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] = (),
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Prompt ids for a chat request: system (+ tools) turn, every message, then
+        """Prompt ids for a conversation: system (+ tools) turn, every message, then
         `<|im_start|>assistant\\n` when `add_generation_prompt` (CASES.md C03)."""
         ids = self.render_turns(self.with_system(messages, tools))
         return ids + self.generation_prompt_ids if add_generation_prompt else ids
+
+    def tool_call_prefix(self, name: str | None) -> str:
+        """The reply text that opens a tool call (of tool `name`, or of any tool when None): a
+        prefill after the generation prompt that makes the model's reply a tool call, the way
+        the tool section asks for it (`tool_choice` "required" or a named tool)."""
+        if name is None:
+            return f"{CALL_OPEN}\n"
+        return f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+    call_close = CALL_CLOSE
+    """The text that closes one tool call (a reply limited to one call stops after it)."""

@@ -1,47 +1,45 @@
 """Sessions (one per API key) and their turn trees: token-in-token-out prompt building.
 
 Data flow: an agent calls the gateway with a bearer key; the key names a session, the session
-names a trajectory in the data pool. Each answered call is a `Turn` in the session's turn tree.
-For a new request the session looks for the most recent turn whose request messages are a
-message-level prefix of the new messages and whose parsed reply equals the next new message; the
-new prompt is then that turn's exact prompt + completion ids followed by the rendering of the
-remaining messages, so sampled ids are never re-encoded (CASES.md C01, C02). When no turn
-matches (first call, or the agent rewrote its context) the prompt is rendered from scratch: a
-new branch of the tree, counted in `Session.prefix_misses` once the session has turns (C02:
-counted and reported, never silently patched).
+names a trajectory in the data pool. Each answered choice of a call is a `Turn` in the session's
+turn tree (a call with n choices adds n sibling turns). Messages are the internal form
+(conversation.py), whatever protocol the agent speaks. For a new request the session looks for
+the most recent turn whose request messages are a message-level prefix of the new messages and
+whose parsed reply equals the next new message; the new prompt is then that turn's exact prompt
++ completion ids followed by the rendering of the remaining messages, so sampled ids are never
+re-encoded (CASES.md C01, C02). When no turn matches (first call, or the agent rewrote its
+context) the prompt is rendered from scratch: a new branch of the tree, counted in
+`Session.prefix_misses` once the session has turns (C02: counted and reported, never silently
+patched).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from forgerl.gateway.renderer import ChatMLRenderer, Message, content_text
+from forgerl.gateway.conversation import Message, Tool
+from forgerl.gateway.renderer import ChatMLRenderer
 
 
-def _normal_args(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
+def _normal_args(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments
 
 
 def message_key(msg: Message) -> tuple[Any, ...]:
     """What must agree for two messages to count as the same turn: role, stripped content text,
-    tool call names and parsed arguments. Call ids, tool_call_id and extra fields differ
+    tool call names and parsed arguments. Call ids, tool_call_id and reasoning differ
     harmlessly between what the gateway answered and what an agent sends back."""
     calls = tuple(
-        (
-            (c.get("function") or {}).get("name"),
-            json.dumps(_normal_args((c.get("function") or {}).get("arguments")), sort_keys=True),
-        )
-        for c in msg.get("tool_calls") or []
+        (c.name, json.dumps(_normal_args(c.arguments), sort_keys=True)) for c in msg.tool_calls
     )
-    return (msg.get("role"), content_text(msg.get("content")).strip(), calls)
+    return (msg.role, msg.content.strip(), calls)
 
 
 @dataclass
@@ -51,8 +49,8 @@ class Turn:
     parent: index of the turn whose prompt + completion this turn's prompt extends (None: root).
     """
 
-    messages: list[Message]
-    tools: list[dict[str, Any]] | None
+    messages: Sequence[Message]
+    tools: Sequence[Tool]
     prompt_ids: list[int]
     completion_ids: list[int]
     assistant: Message
@@ -89,10 +87,7 @@ class Session:
     prefix_misses: int = 0
 
     def plan(
-        self,
-        messages: list[Message],
-        tools: list[dict[str, Any]] | None,
-        renderer: ChatMLRenderer,
+        self, messages: Sequence[Message], tools: Sequence[Tool], renderer: ChatMLRenderer
     ) -> PromptPlan:
         """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix.
 
@@ -104,7 +99,7 @@ class Session:
             n = len(turn.messages)
             if (
                 n < len(messages)
-                and (turn.tools or None) == (tools or None)
+                and tuple(turn.tools) == tuple(tools)
                 and [message_key(m) for m in turn.messages] == keys[:n]
                 and message_key(turn.assistant) == keys[n]
             ):
@@ -115,11 +110,12 @@ class Session:
                 return PromptPlan(ids + renderer.generation_prompt_ids, index, True)
         return PromptPlan(renderer.render(messages, tools), None, False)
 
-    def record(self, turn: Turn, extends_previous: bool) -> None:
-        """Add an answered turn; a from-scratch prompt on a session with turns is a miss."""
+    def record(self, turns: Sequence[Turn], extends_previous: bool) -> None:
+        """Add the answered turns of one call (one per choice, each its own branch from the
+        same parent); a from-scratch prompt on a session with turns is one miss."""
         if not extends_previous and self.turns:
             self.prefix_misses += 1
-        self.turns.append(turn)
+        self.turns.extend(turns)
 
 
 class SessionStore:

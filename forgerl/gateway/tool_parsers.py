@@ -1,4 +1,4 @@
-"""Completion text -> OpenAI tool calls, for the Hermes `<tool_call>{json}</tool_call>` format.
+"""Completion text -> tool calls, for the Hermes `<tool_call>{json}</tool_call>` format.
 
 Data flow: the gateway decodes the sampled ids and parses them here only to answer the client;
 the recorded token ids never depend on the parse. A parse never raises: a block with invalid
@@ -13,7 +13,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+
+from forgerl.gateway.conversation import ToolCall
 
 # A block body never contains another opening tag: an unclosed block must not swallow the next
 # valid one (C05).
@@ -23,16 +24,16 @@ BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL
 @dataclass
 class ParsedReply:
     """content: the text outside valid tool-call blocks (None when empty and calls were found).
-    tool_calls: OpenAI dicts `{"id", "type": "function", "function": {"name", "arguments"}}`,
-    arguments a JSON string, in reply order. errors: one line per block kept as text."""
+    tool_calls: `ToolCall`s (id "call_" + 24 hex digits, arguments JSON text), in reply order.
+    errors: one line per block kept as text."""
 
     content: str | None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
-def _parse_block(body: str, declared: set[str] | None) -> tuple[dict[str, Any] | None, str]:
-    """One block body -> (OpenAI tool call, "") or (None, error message)."""
+def _parse_block(body: str, declared: set[str] | None) -> tuple[ToolCall | None, str]:
+    """One block body -> (tool call, "") or (None, error message)."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
@@ -49,12 +50,7 @@ def _parse_block(body: str, declared: set[str] | None) -> tuple[dict[str, Any] |
         return None, f"arguments of {name!r} are not a JSON object"
     if declared is not None and name not in declared:
         return None, f"tool {name!r} was not declared in the request"
-    call = {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-    }
-    return call, ""
+    return ToolCall(name, json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}"), ""
 
 
 def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply:
@@ -62,7 +58,7 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
 
     declared: the tool names the request offered; None accepts any name.
     """
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     errors: list[str] = []
     kept: list[str] = []
     pos = 0

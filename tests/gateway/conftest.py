@@ -18,6 +18,7 @@ import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.gateway.app import Gateway, GatewayServer
+from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.types import GenerateOutput, SamplingParams
 
@@ -73,6 +74,12 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         pass
+
+
+def render(renderer: ChatMLRenderer, messages: list[dict], tools: list[dict] | None = None,
+           **kw) -> list[int]:
+    """Prompt ids of chat-shaped messages and tools (translated as the chat endpoint does)."""
+    return renderer.render(chat.messages(messages), chat.tools(tools or []), **kw)
 
 
 def reply(renderer: ChatMLRenderer, text: str, end: bool = True) -> Scripted:

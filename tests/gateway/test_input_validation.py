@@ -2,8 +2,9 @@
 
 Pins: a reward report must be a finite JSON number (NaN / Infinity / 1e400 / "1.0" get a 400
 and the trajectory stays running: the trainer refuses non-finite rewards later); a `seed`
-outside the 64-bit range is a 400 naming `seed`, not an engine 500; `n` other than 1 is a 400
-(one trajectory per session); unknown routes and methods answer OpenAI-shaped JSON errors.
+outside the 64-bit range is a 400 naming `seed`, not an engine 500; `n` above 128 (OpenAI's
+bound) is a 400 naming `n`, while n = 2 on the tiny model records two completions; unknown routes
+and methods answer OpenAI-shaped JSON errors.
 """
 
 from __future__ import annotations
@@ -76,18 +77,26 @@ def test_out_of_range_seed_is_a_400_not_a_500(tmp_path):
     assert r.json()["error"]["param"] == "seed"
 
 
-def test_n_other_than_one_and_unknown_routes_are_openai_errors(tmp_path):
+def test_n_bounds_and_unknown_routes_are_openai_errors(tmp_path):
     async def body(client):
         session = (await client.post("/sessions", json={})).json()
         auth = {"Authorization": f"Bearer {session['api_key']}"}
-        n2 = await client.post("/chat/completions", headers=auth, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2})
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        n2 = await client.post("/chat/completions", headers=auth, json={**chat, "n": 2, "seed": 3})
+        n129 = await client.post("/chat/completions", headers=auth, json={**chat, "n": 129})
         missing = await client.post("/responses", headers=auth, json={})
         wrong_method = await client.get("/chat/completions", headers=auth)
-        return n2, missing, wrong_method
+        return session["session_id"], n2, n129, missing, wrong_method
 
-    n2, missing, wrong_method = asyncio.run(_with_gateway(tmp_path, body))
-    assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+    sid, n2, n129, missing, wrong_method = asyncio.run(_with_gateway(tmp_path, body))
+    assert n2.status_code == 200 and [c["index"] for c in n2.json()["choices"]] == [0, 1]
+    pool = SQLitePool(tmp_path / "pool.sqlite")
+    a, b = pool.get_trajectory(sid).completions
+    pool.close()
+    assert a.prompt_ids == b.prompt_ids and len(a.completion_ids) == len(b.completion_ids) == 2
+    assert (a.sampling.seed, b.sampling.seed) == (3, 4)  # choice i samples with seed + i
+    assert n2.json()["usage"]["completion_tokens"] == 4
+    assert n129.status_code == 400 and n129.json()["error"]["param"] == "n"
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "method_not_allowed"

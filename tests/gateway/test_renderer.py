@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderer import ChatMLRenderer
 
-from .conftest import CHATML
+from .conftest import CHATML, render
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -48,7 +49,7 @@ def chatml_tokenizer(tokenizer):
 def test_plain_messages_equal_chat_template(chatml_tokenizer, gen, n):
     msgs = CONVERSATION[:n]
     expected = chatml_tokenizer.apply_chat_template(flat(msgs), add_generation_prompt=gen)
-    ids = ChatMLRenderer(chatml_tokenizer).render(msgs, add_generation_prompt=gen)
+    ids = render(ChatMLRenderer(chatml_tokenizer), msgs, add_generation_prompt=gen)
     assert ids == list(expected["input_ids"])
     assert (
         ids[-11:] == [1, *chatml_tokenizer.encode("assistant\n")] if gen else ids[-2:] == [2, 201]
@@ -58,14 +59,14 @@ def test_plain_messages_equal_chat_template(chatml_tokenizer, gen, n):
 def test_default_system_inserted_only_when_missing(tokenizer):
     r = ChatMLRenderer(tokenizer, default_system="You are SmolLM.")
     user = [{"role": "user", "content": "hi"}]
-    text = tokenizer.decode(r.render(user))
+    text = tokenizer.decode(render(r, user))
     assert text == (
         "<|im_start|>system\nYou are SmolLM.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     own = [{"role": "system", "content": "Mine."}, *user]
-    assert tokenizer.decode(r.render(own)).startswith("<|im_start|>system\nMine.<|im_end|>\n<|im_s")
-    assert ChatMLRenderer(tokenizer).render(user)[:2] == [1, tokenizer.encode("u")[0]]
+    assert tokenizer.decode(render(r, own)).startswith("<|im_start|>system\nMine.<|im_end|>\n")
+    assert render(ChatMLRenderer(tokenizer), user)[:2] == [1, tokenizer.encode("u")[0]]
 
 
 TOOLS = [
@@ -98,7 +99,7 @@ def test_tool_section_and_tool_turns(tokenizer):
         {"role": "tool", "tool_call_id": "c1", "content": "seven"},
         {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "1"}]},
     ]
-    text = tokenizer.decode(r.render(msgs, TOOLS))
+    text = tokenizer.decode(render(r, msgs, TOOLS))
     system = text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nSys.\n\n# Tools\n")
     block = system.split("<tools>\n")[1].split("\n</tools>")[0]
@@ -114,16 +115,16 @@ def test_tool_section_and_tool_turns(tokenizer):
         "<tool_response>\n1\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     # tools without a system message get a system turn holding only the tool section
-    alone = tokenizer.decode(r.render(msgs[1:2], TOOLS))
+    alone = tokenizer.decode(render(r, msgs[1:2], TOOLS))
     assert alone.startswith("<|im_start|>system\n# Tools\n")
 
 
 def test_rendering_is_concatenation_of_turns(tokenizer):
     r = ChatMLRenderer(tokenizer, default_system="d")
     msgs = [*CONVERSATION[1:], {"role": "assistant", "content": "x"}]
-    full = r.render(msgs, TOOLS)
-    head = r.render(msgs[:2], TOOLS, add_generation_prompt=False)
-    assert full == head + r.render_turns(msgs[2:]) + r.generation_prompt_ids
+    full = render(r, msgs, TOOLS)
+    head = render(r, msgs[:2], TOOLS, add_generation_prompt=False)
+    assert full == head + r.render_turns(chat.messages(msgs)[2:]) + r.generation_prompt_ids
     assert r.end_of_turn_id == 2 and r.start_of_turn_id == 1 and r.newline_ids == [201]
 
 
@@ -141,4 +142,4 @@ def test_smollm2_tokenizer_matches_its_own_template():
     msgs = [*CONVERSATION[:3], {"role": "user", "content": "ok"}]
     expected = tok.apply_chat_template(msgs, add_generation_prompt=True)
     expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
-    assert ChatMLRenderer(tok).render(msgs) == expected
+    assert render(ChatMLRenderer(tok), msgs) == expected

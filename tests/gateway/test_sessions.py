@@ -3,22 +3,29 @@
 Pins: the most recent turn whose messages are a true message-level prefix and whose parsed reply
 equals the next message is extended with its exact ids (CASES.md C01/C02); a changed earlier
 message, a different reply, or changed tools render from scratch and count as a miss; a branch
-can extend an older turn (the tree, not a list); keys are unique and closing forgets them.
+can extend an older turn (the tree, not a list); the n choices of one call are sibling turns
+and count one miss at most; keys are unique and closing forgets them. Messages are the internal
+form (conversation.py).
 """
 
 from __future__ import annotations
 
+from forgerl.gateway.conversation import Message, Tool, ToolCall
 from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.gateway.sessions import SessionStore, Turn, message_key
 
-U1 = {"role": "user", "content": "a"}
-U2 = {"role": "user", "content": "b"}
+U1 = Message("user", "a")
+U2 = Message("user", "b")
 
 
-def answer(session, renderer, messages, completion_ids, assistant, tools=None):
+def said(text: str) -> Message:
+    return Message("assistant", text)
+
+
+def answer(session, renderer, messages, completion_ids, assistant, tools=()):
     plan = session.plan(messages, tools, renderer)
     session.record(
-        Turn(messages, tools, plan.prompt_ids, completion_ids, assistant, plan.parent),
+        [Turn(messages, tools, plan.prompt_ids, completion_ids, assistant, plan.parent)],
         plan.extends_previous,
     )
     return plan
@@ -31,22 +38,22 @@ def test_extends_most_recent_matching_turn_and_branches(tokenizer):
     s = store.get(key)
     assert (s.trajectory_id, s.temperature, s.max_tokens, s.training) == ("t0", 0.5, None, True)
     x_ids = [*r.encode("x"), r.end_of_turn_id]
-    p0 = answer(s, r, [U1], x_ids, {"role": "assistant", "content": "x"})
+    p0 = answer(s, r, [U1], x_ids, said("x"))
     assert (p0.parent, p0.extends_previous) == (None, False)
-    reply_x = {"role": "assistant", "content": " x \n"}  # whitespace differs: same turn
-    p1 = answer(s, r, [U1, reply_x, U2], [*r.encode("y")], {"role": "assistant", "content": "y"})
+    reply_x = said(" x \n")  # whitespace differs: same turn
+    p1 = answer(s, r, [U1, reply_x, U2], [*r.encode("y")], said("y"))
     assert (p1.parent, p1.extends_previous) == (0, True)
     assert p1.prompt_ids[: len(p0.prompt_ids) + 2] == p0.prompt_ids + x_ids
     # branch: the agent goes back to turn 0 and asks something else: extends turn 0 again
-    p2 = s.plan([U1, reply_x, {"role": "user", "content": "c"}], None, r)
+    p2 = s.plan([U1, reply_x, Message("user", "c")], (), r)
     assert (p2.parent, p2.extends_previous) == (0, True)
     # turn 1 ended without <|im_end|> (finish "length"): it is closed before the next turn
-    msgs = [U1, reply_x, U2, {"role": "assistant", "content": "y"}, U1]
-    p3 = s.plan(msgs, None, r)
+    msgs = [U1, reply_x, U2, said("y"), U1]
+    p3 = s.plan(msgs, (), r)
     n = len(p1.prompt_ids) + 1
     assert p3.parent == 1 and p3.prompt_ids[: n + 2] == [*p1.prompt_ids, *r.encode("y"), 2, 201]
     # the reused ids are the recorded reply "x", not the agent's whitespace variant
-    assert p3.prompt_ids == r.render([U1, {"role": "assistant", "content": "x"}, *msgs[2:]])
+    assert p3.prompt_ids == r.render([U1, said("x"), *msgs[2:]])
     assert s.prefix_misses == 0
 
 
@@ -54,31 +61,42 @@ def test_mismatches_render_fresh_and_count(tokenizer):
     r = ChatMLRenderer(tokenizer)
     store = SessionStore()
     s = store.get(store.create("t1"))
-    answer(s, r, [U1], [*r.encode("x"), 2], {"role": "assistant", "content": "x"})
+    answer(s, r, [U1], [*r.encode("x"), 2], said("x"))
     for msgs, tools in [
-        ([U2, {"role": "assistant", "content": "x"}, U1], None),  # earlier message changed
-        ([U1, {"role": "assistant", "content": "z"}, U2], None),  # reply rewritten
-        ([U1, {"role": "assistant", "content": "x"}, U2], [{"function": {"name": "f"}}]),
+        ([U2, said("x"), U1], ()),  # earlier message changed
+        ([U1, said("z"), U2], ()),  # reply rewritten
+        ([U1, said("x"), U2], (Tool("f"),)),
     ]:
         plan = s.plan(msgs, tools, r)
         assert plan == plan.__class__(r.render(msgs, tools), None, False)
-    answer(s, r, [U2], [2], {"role": "assistant", "content": ""})
+    answer(s, r, [U2], [2], said(""))
     assert s.prefix_misses == 1
 
 
 def test_message_key_compares_tool_calls_by_parsed_arguments():
     def call(args):
-        return {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": "call_1", "function": {"name": "f", "arguments": args}}],
-        }
+        return Message("assistant", "", (ToolCall("f", args, "call_1"),))
 
-    assert message_key(call('{"a": 1, "b": 2}')) == message_key(call({"b": 2, "a": 1}))
+    assert message_key(call('{"a": 1, "b": 2}')) == message_key(call('{"b": 2, "a": 1}'))
     assert message_key(call('{"a": 1}')) != message_key(call('{"a": 2}'))
-    assert message_key({"role": "user", "content": [{"type": "text", "text": " hi "}]}) == (
-        message_key({"role": "user", "content": "hi"})
-    )
+    assert message_key(call("")) == message_key(call("{}"))
+    assert message_key(Message("user", " hi ")) == message_key(Message("user", "hi"))
+    assert message_key(Message("assistant", "x", reasoning="r")) == message_key(said("x"))
+
+
+def test_choices_of_one_call_are_sibling_turns(tokenizer):
+    r = ChatMLRenderer(tokenizer)
+    store = SessionStore()
+    s = store.get(store.create("t2"))
+    answer(s, r, [U1], [*r.encode("x"), 2], said("x"))
+    plan = s.plan([U2], (), r)  # a rewrite: one miss for the whole call
+    s.record([Turn([U2], (), plan.prompt_ids, [*r.encode(t), 2], said(t), plan.parent)
+              for t in ("p", "q", "s")], plan.extends_previous)
+    assert s.prefix_misses == 1 and len(s.turns) == 4
+    # the agent continues from the second choice: its ids are reused
+    follow = s.plan([U2, said("q"), U1], (), r)
+    assert follow.parent == 2 and follow.extends_previous
+    assert follow.prompt_ids[: len(plan.prompt_ids) + 2] == [*plan.prompt_ids, *r.encode("q"), 2]
 
 
 def test_store_keys_are_unique_and_close_forgets():

@@ -15,9 +15,10 @@ import json
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from forgerl.gateway.protocols import chat
 from forgerl.models import CHATML_SPECIAL
 
-from .conftest import Scripted, ScriptedEngine, reply
+from .conftest import Scripted, ScriptedEngine, render, reply
 
 
 def merge_tokenizer() -> PreTrainedTokenizerFast:
@@ -65,7 +66,7 @@ def test_c01_sampled_ids_are_reused_not_reencoded(serve):
     p2 = engine.calls[1][0]
     assert first.prompt_ids == p1 and second.prompt_ids == p2
     assert p2[: len(p1) + 3] == [*p1, 259, 261, 2]
-    tail = srv.renderer.encode("\n") + srv.renderer.render_turns(turn2[2:])
+    tail = srv.renderer.encode("\n") + srv.renderer.render_turns(chat.messages(turn2)[2:])
     assert p2 == [*p1, 259, 261, 2, *tail, *srv.renderer.generation_prompt_ids]
     assert all(262 not in c.prompt_ids + c.completion_ids for c in traj.completions)
     assert second.extends_previous and not first.extends_previous
@@ -118,7 +119,7 @@ def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
     end, nl, start = renderer.end_of_turn_id, renderer.encode("\n"), renderer.start_of_turn_id
     assert nl == [201]  # byte tokenizer: "\n" is byte 10 -> GPT-2 alphabet char 'Ċ'
     assert second.prompt_ids[boundary - 1 : boundary + 2] == [end, 201, start] == [2, 201, 1]
-    assert second.prompt_ids == renderer.render(messages, [WEATHER])
+    assert second.prompt_ids == render(renderer, messages, [WEATHER])
     assert second.extends_previous
 
 
@@ -128,7 +129,7 @@ def test_c02_context_rewrite_is_counted_and_rendered_fresh(serve, tokenizer):
     rewritten = [{"role": "user", "content": "(summary) Spain?"}]
     client.chat.completions.create(model="tiny", messages=rewritten)
     second = srv.pool.get_trajectory(tid).completions[1]
-    assert second.prompt_ids == renderer.render(rewritten)
+    assert second.prompt_ids == render(renderer, rewritten)
     assert not second.extends_previous
     assert srv.gateway.sessions.get(client.api_key).prefix_misses == 1
     assert srv.gateway.counters["prefix_misses"] == 1
@@ -162,4 +163,4 @@ def test_truncated_reply_is_closed_before_next_turn(serve, tokenizer):
     assert first.completion_ids == tokenizer.encode("abcd", add_special_tokens=False)
     n = len(first.prompt_ids) + 4
     assert second.prompt_ids[: n + 2] == first.prompt_ids + first.completion_ids + [2, 201]
-    assert second.prompt_ids == renderer.render(m) and second.extends_previous
+    assert second.prompt_ids == render(renderer, m) and second.extends_previous

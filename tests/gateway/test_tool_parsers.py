@@ -1,4 +1,4 @@
-"""Hermes tool-call parsing: text -> OpenAI tool calls, never raising.
+"""Hermes tool-call parsing: text -> tool calls (the internal `ToolCall`), never raising.
 
 Pins CASES.md C05 at the parser level: two blocks give two calls in order; a block with broken
 JSON or an undeclared tool stays as text and is reported while the valid call is kept; an
@@ -16,16 +16,16 @@ B = '<tool_call>\n{"name": "lookup", "arguments": {"id": 8}}\n</tool_call>'
 
 
 def args(reply):
-    return [json.loads(c["function"]["arguments"]) for c in reply.tool_calls]
+    return [json.loads(c.arguments) for c in reply.tool_calls]
 
 
 def test_two_calls_in_order():
     r = parse_tool_calls(f"Checking.\n{A}\n{B}", {"lookup"})
     assert args(r) == [{"id": 7}, {"id": 8}] and r.errors == []
     assert r.content == "Checking."
-    ids = [c["id"] for c in r.tool_calls]
+    ids = [c.id for c in r.tool_calls]
     assert all(i.startswith("call_") and len(i) == 29 for i in ids) and ids[0] != ids[1]
-    assert {c["type"] for c in r.tool_calls} == {"function"}
+    assert [c.name for c in r.tool_calls] == ["lookup", "lookup"]
     assert parse_tool_calls(f"{A}{B}", None).content is None
 
 
@@ -73,6 +73,6 @@ def test_unclosed_block_does_not_swallow_the_next_valid_call():
         '<tool_call>\n{"name": "lookup", "arguments": {"id": 8}}\n</tool_call>'
     )
     parsed = parse_tool_calls(text, {"lookup"})
-    assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [{"id": 8}]
+    assert [json.loads(c.arguments) for c in parsed.tool_calls] == [{"id": 8}]
     assert parsed.content is not None and '{"id": 7}' in parsed.content
     assert parsed.errors == ["unclosed <tool_call> (reply truncated?)"]

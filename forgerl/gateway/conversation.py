@@ -1,0 +1,130 @@
+"""The gateway's one conversation model: what every protocol's request is translated into.
+
+Data flow: a protocol module (protocols/chat.py; later Responses, Anthropic Messages,
+Completions) validates its wire request and builds a `Conversation`; `Gateway.complete`
+(core.py) renders it with the renderer, dispatches, records and parses it, and hands back a
+`Result` that the protocol turns into its own response. Nothing below the protocol modules knows
+a wire format.
+
+Conventions:
+- Roles are "system", "user", "assistant", "tool". A system prompt given outside the messages
+  (Anthropic `system`, Responses `instructions`) becomes a leading system message; chat's
+  "developer" role is "system".
+- Content is text: protocols join their text parts and refuse the parts a text model cannot
+  read (images, audio, files) with a 400 naming the part.
+- A tool call's `arguments` is JSON text (what the OpenAI wire formats carry); protocols whose
+  arguments are objects (Anthropic `input`) serialise them with `json.dumps`.
+- Reasoning (chat `reasoning_content`, Responses `reasoning` items, Anthropic `thinking`) is the
+  assistant message's `reasoning`; a renderer whose template has no reasoning slot (ChatML)
+  does not render it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant message.
+
+    name: the declared tool's name. arguments: JSON text of the arguments object (may be
+    unparsable when a client sends it so; renderers then render it verbatim). id: the call id
+    tool results refer to ("" when the client sent none).
+    """
+
+    name: str
+    arguments: str = "{}"
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation.
+
+    content: the text ("" for none). tool_calls: on assistant messages, in order.
+    tool_call_id: on tool messages, the call this result answers. reasoning: an assistant
+    message's reasoning text, None when it has none.
+    """
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A declared function tool, in one canonical shape for every protocol (chat `function`,
+    Responses flat `function`, Anthropic `input_schema` all map here).
+
+    parameters: the JSON schema of the arguments object (None: no schema given).
+    """
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ForcedTool:
+    """`tool_choice` naming one tool: the reply must call exactly this tool."""
+
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | ForcedTool
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the client asked for; None / empty = not set (the session, then the gateway
+    defaults apply: see `Gateway.sampling_params`).
+
+    max_tokens: completion tokens per choice. stop: strings that end a choice (the returned
+    text ends before the first one; the sampled ids up to the token completing it are kept).
+    seed: choice i of a call samples with seed + i (mod 2**63).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One model call in the internal form: the conversation so far and how to continue it.
+
+    tools: declared tools (empty: none). tool_choice: "auto" (default), "none" (tools are
+    neither rendered nor parsed), "required" or a `ForcedTool` (the reply is made to open a
+    tool call). parallel_tool_calls: False ends a reply after its first tool call.
+    n: choices to sample (each recorded as its own completion). logprobs: return the recorded
+    logprob of every sampled token. top_logprobs: alternatives per token (the engines give
+    none: > 0 is refused).
+    param_names: this protocol's name for an internal field, used as the `param` of errors the
+    core raises (e.g. {"stop": "stop_sequences"}); fields not listed keep their internal name,
+    which is the Chat Completions name.
+    """
+
+    model: str
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    sampling: Sampling = Sampling()
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    param_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def param(self, name: str) -> str:
+        """The client's name for internal field `name` (for error `param`s)."""
+        return self.param_names.get(name, name)

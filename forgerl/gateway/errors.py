@@ -1,0 +1,63 @@
+"""Gateway errors and request-body validation, shared by the core and every protocol.
+
+A `GatewayError` carries an HTTP status and the OpenAI error fields; the app answers it as
+`{"error": {"message", "type", "param", "code"}}` (a protocol with another error shape, such as
+Anthropic's, renders the same fields its own way). Raised anywhere below the handlers, it means
+nothing was recorded by the failing call.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+
+class GatewayError(Exception):
+    """An error answered to the client as OpenAI JSON with an HTTP status.
+
+    param: the request field at fault (dotted path for nested fields), None when none is.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = (
+            status, message, code, param, type)
+
+    def response(self) -> JSONResponse:
+        """The OpenAI-shaped JSON error body with this error's HTTP status."""
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+def unsupported(param: str, message: str) -> GatewayError:
+    """A 400 `unsupported_value` for a field the gateway cannot honour as given."""
+    return GatewayError(400, f"{param}: {message}", "unsupported_value", param)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, schema: type[M]) -> M:
+    """Validate a JSON body; malformed JSON and wrong types are both 400 (as OpenAI answers).
+
+    A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it.
+    """
+    try:
+        return schema.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        if err.get("type") == "extra_forbidden":
+            raise GatewayError(400, f"Unrecognized request argument supplied: {param}",
+                               "unknown_parameter", param) from None
+        kind = "invalid_json" if err.get("type") == "json_invalid" else "invalid_type"
+        raise GatewayError(400, f"{param or 'body'}: {err.get('msg')}", kind, param) from None

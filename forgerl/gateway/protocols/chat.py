@@ -1,0 +1,346 @@
+"""OpenAI Chat Completions over the gateway core: wire schema in, `Conversation`, wire JSON out.
+
+Data flow: POST /v1/chat/completions body --`parse`--> (`ChatRequest`, `Conversation`) -->
+`Gateway.complete` (core.py: renders, dispatches, records, parses) --`respond`--> a
+`chat.completion` object, or `chat.completion.chunk` SSE events with `stream: true`.
+
+Every request field of the official API is honoured or refused with a 400 naming it; a field the
+official API does not know is a 400 too ("Unrecognized request argument supplied", as OpenAI
+answers). Honoured: messages (text content; tool calls; tool results; `reasoning_content`),
+tools, tool_choice ("none": tools neither rendered nor parsed; "auto"; "required" and a named
+function: the reply is prefilled with the opening of a tool call), parallel_tool_calls (false:
+the reply ends after its first call), temperature, top_p (< 1 refused for training sessions,
+C04), max_tokens / max_completion_tokens, stop, seed, n (each choice its own recorded
+completion), logprobs (the recorded behaviour logprobs), top_logprobs 0, response_format
+"text", stream, stream_options.include_usage. Accepted without effect on sampling: user,
+metadata, store (every call is recorded anyway), service_tier, safety_identifier,
+prompt_cache_key, prompt_cache_retention, stream_options.include_obfuscation, a tool's `strict`
+(its schema is rendered; adherence is not enforced: a call that does not parse stays text).
+Neutral values accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias
+empty, modalities ["text"]. Refused: top_logprobs > 0, response_format json_object /
+json_schema (no constrained decoding), reasoning_effort, verbosity, audio, prediction,
+web_search_options, functions / function_call (use tools), non-text content parts.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from forgerl.gateway.conversation import (
+    Conversation,
+    ForcedTool,
+    Message,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
+from forgerl.gateway.core import Choice, Result
+from forgerl.gateway.errors import parse_body, unsupported
+
+# ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Loose):
+    """One part of a list-valued `content`; "text" (and an assistant's "refusal") is read."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(_Loose):
+    """A tool call's function: name and arguments (a JSON string or an object)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Loose):
+    """An assistant message's tool call (OpenAI shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Loose):
+    """One chat message; `tool_calls` on assistant turns, `tool_call_id` on tool turns;
+    `reasoning_content` (or `reasoning`) is an assistant's reasoning text."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDecl(_Loose):
+    """A declared tool: name, description, JSON-schema parameters (`strict` is not enforced)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDecl(_Loose):
+    """`{"type": "function", "function": {...}}` in the request's `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDecl
+
+
+class NamedFunction(_Loose):
+    name: str
+
+
+class NamedToolChoice(_Loose):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(_Loose):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class StreamOptions(_Loose):
+    """`stream_options`: `include_usage` adds a final usage chunk."""
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions body; see the module docstring for what each field does.
+
+    The session's temperature / max_tokens override the request's; `max_completion_tokens`
+    wins over `max_tokens`; max tokens are clamped to the context left after the prompt.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDecl] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    n: int | None = Field(None, ge=1, le=128)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    modalities: list[str] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+REFUSED = {
+    "reasoning_effort": "the served policy has no reasoning-effort control",
+    "verbosity": "the served policy has no verbosity control",
+    "audio": "the policy reads and writes text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "the gateway has no web search",
+    "functions": "deprecated; declare them as `tools`",
+    "function_call": "deprecated; use `tool_choice`",
+}
+
+
+# ---- request -> Conversation ----------------------------------------------------------------
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("text", "refusal"):
+            raise unsupported(f"{where}.content.{j}.type",
+                              f"content part {part.type!r}: the policy reads text only")
+    return "".join(p.text or p.refusal or "" for p in content)
+
+
+def _message(m: ChatMessage, i: int) -> Message:
+    calls = tuple(
+        ToolCall(c.function.name, c.function.arguments if isinstance(c.function.arguments, str)
+                 else json.dumps(c.function.arguments, ensure_ascii=False), c.id or "")
+        for c in m.tool_calls or ()
+    )
+    role = "system" if m.role == "developer" else m.role
+    return Message(role, _text(m.content, f"messages.{i}"), calls, m.tool_call_id,
+                   m.reasoning_content if m.reasoning_content is not None else m.reasoning)
+
+
+def _refuse_unsupported(req: ChatRequest) -> None:
+    for name, why in REFUSED.items():
+        if getattr(req, name) is not None:
+            raise unsupported(name, why)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise unsupported(name, "only 0 is supported: the recorded logprobs are of the "
+                              "unpenalised distribution")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "only an empty bias is supported")
+    if req.modalities not in (None, ["text"]):
+        raise unsupported("modalities", 'only ["text"] is supported')
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported("response_format", f"{req.response_format.type!r} needs constrained "
+                          'decoding, which the rollout engine lacks; only "text" is supported')
+    if req.top_logprobs is not None and not req.logprobs:
+        raise unsupported("top_logprobs", "needs logprobs: true")
+
+
+def to_conversation(req: ChatRequest) -> Conversation:
+    """The internal form of a validated chat request. Raises GatewayError 400 for a refused
+    field (module docstring) or a non-text content part."""
+    _refuse_unsupported(req)
+    choice: ToolChoice = "auto"
+    if isinstance(req.tool_choice, NamedToolChoice):
+        choice = ForcedTool(req.tool_choice.function.name)
+    elif req.tool_choice is not None:
+        choice = req.tool_choice
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return Conversation(
+        model=req.model,
+        messages=tuple(_message(m, i) for i, m in enumerate(req.messages)),
+        tools=tuple(Tool(t.function.name, t.function.description, t.function.parameters)
+                    for t in req.tools or ()),
+        tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        sampling=Sampling(req.temperature, req.top_p, max_tokens, stop, req.seed),
+        n=req.n or 1,
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        param_names={"max_tokens": "max_completion_tokens" if req.max_completion_tokens
+                     else "max_tokens"},
+    )
+
+
+def parse(raw: bytes) -> tuple[ChatRequest, Conversation]:
+    """Validate a body and translate it; raises GatewayError 400 (see `parse_body`)."""
+    req = parse_body(raw, ChatRequest)
+    return req, to_conversation(req)
+
+
+def messages(raw: list[dict[str, Any]]) -> list[Message]:
+    """Chat-shaped message dicts in the internal form (what tests and tools render)."""
+    return [_message(ChatMessage.model_validate(m), i) for i, m in enumerate(raw)]
+
+
+def tools(raw: list[dict[str, Any]]) -> tuple[Tool, ...]:
+    """Chat-shaped tool declarations in the canonical `Tool` form."""
+    decls = [ToolDecl.model_validate(t) for t in raw]
+    return tuple(Tool(d.function.name, d.function.description, d.function.parameters)
+                 for d in decls)
+
+
+# ---- Result -> response ---------------------------------------------------------------------
+
+
+def _tool_calls(reply: Message) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in reply.tool_calls]
+
+
+def message_json(reply: Message) -> dict[str, Any]:
+    """An assistant reply as a chat message: content None only when tool calls stand alone."""
+    msg: dict[str, Any] = {"role": "assistant",
+                           "content": reply.content if reply.content or not reply.tool_calls
+                           else None}
+    if reply.tool_calls:
+        msg["tool_calls"] = _tool_calls(reply)
+    if reply.reasoning is not None:
+        msg["reasoning_content"] = reply.reasoning
+    return msg
+
+
+def _logprobs(c: Choice) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                "top_logprobs": []} for t in c.logprobs]
+    return {"content": content, "refusal": None}
+
+
+def _usage(result: Result) -> dict[str, int]:
+    p, n = result.prompt_tokens, result.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
+    """An OpenAI `chat.completion` object, one choice per `result` choice."""
+    choices = [{"index": c.index, "message": message_json(c.reply),
+                "finish_reason": c.finish_reason, "logprobs": _logprobs(c)}
+               for c in result.choices]
+    return {"id": cid, "object": "chat.completion", "created": int(result.started_at),
+            "model": model, "choices": choices, "usage": _usage(result)}
+
+
+def chat_chunks(cid: str, model: str, result: Result, include_usage: bool) -> Iterator[str]:
+    """SSE lines of a `chat.completion.chunk` stream: per choice its role, content (with the
+    choice's logprobs; on the finish chunk when there is no content), tool calls and finish;
+    then usage when asked; then `[DONE]`."""
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": int(result.started_at),
+               "model": model, "choices": [] if choice is None else [choice], **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    for c in result.choices:
+        def delta(d: dict[str, Any], finish: str | None = None, lp: Any = None,
+                  i: int = c.index) -> str:
+            return chunk({"index": i, "delta": d, "finish_reason": finish, "logprobs": lp})
+
+        yield delta({"role": "assistant", "content": ""})
+        if c.reply.content:
+            yield delta({"content": c.reply.content}, lp=_logprobs(c))
+        for j, call in enumerate(_tool_calls(c.reply)):
+            yield delta({"tool_calls": [{"index": j, **call}]})
+        yield delta({}, c.finish_reason, None if c.reply.content else _logprobs(c))
+    if include_usage:
+        yield chunk(None, usage=_usage(result))
+    yield "data: [DONE]\n\n"
+
+
+def respond(req: ChatRequest, result: Result) -> dict[str, Any] | StreamingResponse:
+    """The HTTP answer: JSON, or an SSE stream with `stream: true`."""
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    if not req.stream:
+        return chat_response(cid, req.model, result)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(chat_chunks(cid, req.model, result, usage),
+                             media_type="text/event-stream")
