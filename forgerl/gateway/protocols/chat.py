@@ -8,14 +8,17 @@ Every request field of the official API is honoured or refused with a 400 naming
 official API does not know is a 400 too ("Unrecognized request argument supplied", as OpenAI
 answers). Honoured: messages (text content; tool calls; tool results; `reasoning_content`),
 tools, tool_choice ("none": tools neither rendered nor parsed; "auto"; "required" and a named
-function: the reply is prefilled with the opening of a tool call), parallel_tool_calls (false:
-the reply ends after its first call), temperature, top_p (< 1 refused for training sessions,
-C04), max_tokens / max_completion_tokens, stop, seed, n (each choice its own recorded
-completion), logprobs (the recorded behaviour logprobs), top_logprobs 0, response_format
-"text", stream, stream_options.include_usage. Accepted without effect on sampling: user,
-metadata, store (every call is recorded anyway), service_tier, safety_identifier,
-prompt_cache_key, prompt_cache_retention, stream_options.include_obfuscation, a tool's `strict`
-(its schema is rendered; adherence is not enforced: a call that does not parse stays text).
+function: the reply is prefilled with the opening of a tool call, and since the engine cannot
+constrain the rest, a call that does not parse comes back as text, counted in
+`tool_parse_errors`), parallel_tool_calls (false: the reply ends after its first call),
+temperature, top_p (< 1 refused for training sessions, C04), max_tokens /
+max_completion_tokens, stop, seed, n (each choice its own recorded completion), logprobs (the
+recorded behaviour logprobs), top_logprobs 0, response_format "text", stream,
+stream_options.include_usage. Accepted without effect on sampling: user, metadata, store (every
+call is recorded anyway), service_tier, safety_identifier, prompt_cache_key,
+prompt_cache_retention, stream_options.include_obfuscation, a message's `name` (ChatML has no
+slot for it), a tool's `strict` (its schema is rendered; adherence is not enforced: a call that
+does not parse stays text).
 Neutral values accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias
 empty, modalities ["text"]. Refused: top_logprobs > 0, response_format json_object /
 json_schema (no constrained decoding), reasoning_effort, verbosity, audio, prediction,

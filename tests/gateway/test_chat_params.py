@@ -1,0 +1,242 @@
+"""Chat Completions parameters are honoured or refused with a 400 naming them (issue 10 item 6).
+
+Over real HTTP with the official `openai` client and the scripted engine (byte tokenizer: one id
+per ASCII character). Pins:
+- `stop` (string or list): the text ends before the earliest stop string, finish "stop"; the
+  record keeps every sampled id up to the one completing the stop string (so the stop string's
+  ids are in the loss), drops the ids decoded past it (counted), and the next turn extends it;
+  a stop string ending inside a merged token keeps that whole token; streamed = plain.
+- `logprobs`: the recorded behaviour logprob of every returned token (end-of-turn excluded),
+  plain and streamed; `top_logprobs` > 0, or without `logprobs`, is a 400.
+- `tool_choice`: "none" renders and parses no tools; "required" and a named tool prefill the
+  opening of a tool call (prompt ids, never trained) and the next turn reuses prefill + sampled
+  ids; an undeclared name, or forcing without tools, is a 400.
+- `parallel_tool_calls: false` ends the reply (and the record) after its first call.
+- `n`: each choice is its own completion in the pool (seed + i) and its own branch of the
+  session; the agent continuing from choice 1 extends choice 1's ids; streamed by index.
+- `response_format` json_object / json_schema, penalties, logit_bias, reasoning_effort,
+  non-text content parts and unknown fields are 400s naming the field, and record nothing;
+  metadata fields (user, metadata, store, ...) and neutral values are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from forgerl.gateway.renderer import ChatMLRenderer
+
+from .conftest import Scripted, ScriptedEngine, render, reply
+from .test_tito import WEATHER, merge_tokenizer, tool_call_text
+
+USER = [{"role": "user", "content": "go"}]
+
+
+@pytest.fixture
+def renderer(tokenizer) -> ChatMLRenderer:
+    return ChatMLRenderer(tokenizer)
+
+
+def served(serve, tokenizer, renderer, texts):
+    """(served gateway, trajectory id, client) answering `texts` in order."""
+    srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)
+    tid, key = srv.session()
+    return srv, tid, srv.client(key)
+
+
+REACT = "Thought: add\nCode: 1+1\nObservation: 3 (made up)\nFinal"
+
+
+@pytest.mark.parametrize("stop", ["Observation:", ["Calling tools:", "Observation:"]])
+def test_stop_ends_text_keeps_sampled_ids_and_next_turn_extends(serve, tokenizer, renderer, stop):
+    srv, tid, client = served(serve, tokenizer, renderer, [REACT, "Final: 2"])
+    r = client.chat.completions.create(model="tiny", messages=USER, stop=stop)
+    head = "Thought: add\nCode: 1+1\n"
+    assert r.choices[0].message.content == head and r.choices[0].finish_reason == "stop"
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    kept = len(head + "Observation:")  # byte tokenizer: one id per character
+    scripted = reply(renderer, REACT)
+    assert rec.completion_ids == scripted.ids[:kept] and rec.logprobs == scripted.logprobs[:kept]
+    assert rec.finish_reason == "stop" and r.usage.completion_tokens == kept
+    assert srv.gateway.counters["tokens_after_stop"] == len(scripted.ids) - kept
+    # the agent appends the real observation; the prompt extends the kept ids, closed by <|im_end|>
+    messages = [*USER, {"role": "assistant", "content": head},
+                {"role": "user", "content": "Observation: 2"}]
+    client.chat.completions.create(model="tiny", messages=messages, stop=stop)
+    a, b = srv.pool.get_trajectory(tid).completions
+    assert b.extends_previous and b.prompt_ids[: len(a.prompt_ids) + kept + 2] == [
+        *a.prompt_ids, *a.completion_ids, renderer.end_of_turn_id, *renderer.newline_ids]
+
+
+def test_earliest_stop_wins_and_stream_matches_plain(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, ["xabcd", "xabcd", "no stop"])
+    plain = client.chat.completions.create(model="tiny", messages=USER, stop=["abc", "b"])
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, stop=["abc", "b"],
+                                                 stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert plain.choices[0].message.content == text == "xa"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    a, b = srv.pool.get_trajectory(tid).completions
+    assert a.completion_ids == b.completion_ids == renderer.encode("xab")
+    r = client.chat.completions.create(model="tiny", messages=USER, stop="\n")
+    assert r.choices[0].message.content == "no stop" and r.choices[0].finish_reason == "stop"
+    assert srv.pool.get_trajectory(tid).completions[2].completion_ids[-1] == 2  # <|im_end|> kept
+
+
+def test_stop_inside_a_merged_token_keeps_the_token(serve):
+    tok = merge_tokenizer()  # 262 = "hello"; 259 = "he", 261 = "llo"
+    srv = serve(ScriptedEngine([Scripted([259, 262, 2], [-0.1, -0.2, -0.3])]), tok)
+    tid, key = srv.session()
+    r = srv.client(key).chat.completions.create(model="tiny", messages=USER, stop="hel")
+    assert r.choices[0].message.content == "he"  # "he" + "hello": stop "hel" starts at 2
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    assert rec.completion_ids == [259, 262] and rec.logprobs == [-0.1, -0.2]
+
+
+def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, ["héllo", "héllo"])
+    r = client.chat.completions.create(model="tiny", messages=USER, logprobs=True,
+                                       top_logprobs=0)
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    content = r.choices[0].logprobs.content
+    assert [t.logprob for t in content] == rec.logprobs[:-1]  # <|im_end|> not returned
+    assert len(content) == 6 and [t.token for t in content][:1] == ["h"]
+    assert bytes(b for t in content if t.token != "\ufffd" for b in t.bytes) == b"hllo"
+    assert all(t.top_logprobs == [] for t in content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, logprobs=True,
+                                                 stream=True))
+    streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert streamed == rec.logprobs[:-1]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 0}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+     "tool_choice"),
+    ({"extra_body": {"top_k": 5}}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages.0.content.1.type"),
+])
+def test_unsupported_values_are_400s_naming_the_field(serve, tokenizer, renderer, kwargs, param):
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", **{"messages": USER, **kwargs})
+    assert e.value.param == param, e.value.body
+    if param == "top_k":  # not in the official API: refused as OpenAI refuses it
+        assert e.value.code == "unknown_parameter" and "Unrecognized" in e.value.message
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+
+
+def test_neutral_and_metadata_fields_are_accepted(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "developer", "content": "Be brief."}, *USER],
+        frequency_penalty=0, presence_penalty=0.0, logit_bias={}, user="u1", store=True,
+        metadata={"run": "7"}, response_format={"type": "text"}, modalities=["text"],
+        service_tier="auto", safety_identifier="s", prompt_cache_key="k", seed=4,
+        parallel_tool_calls=True, stream_options=None)
+    assert r.choices[0].message.content == "a"
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    assert rec.prompt_ids == render(renderer, [{"role": "system", "content": "Be brief."}, *USER])
+    assert rec.sampling.seed == 4
+
+
+CALL = tool_call_text("get_weather", {"city": "Rome"})
+
+
+def test_tool_choice_none_renders_and_parses_no_tools(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, [CALL])
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                       tool_choice="none")
+    assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    assert rec.prompt_ids == render(renderer, USER)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_prefills_a_call(serve, tokenizer, renderer, choice):
+    prefix = renderer.tool_call_prefix(None if choice == "required" else "get_weather")
+    assert CALL.startswith(prefix)
+    srv, tid, client = served(serve, tokenizer, renderer, [CALL[len(prefix):], "Sunny."])
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                       tool_choice=choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Rome"})
+    assert r.choices[0].finish_reason == "tool_calls"
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    fresh = render(renderer, USER, [WEATHER])
+    assert rec.prompt_ids == fresh + renderer.encode(prefix)  # the prefill is prompt, not loss
+    assert rec.completion_ids == reply(renderer, CALL[len(prefix):]).ids
+    messages = [*USER, r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER])
+    a, b = srv.pool.get_trajectory(tid).completions
+    assert b.extends_previous and b.prompt_ids == render(renderer, messages, [WEATHER])
+    assert b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == (
+        a.prompt_ids + a.completion_ids)
+
+
+def test_parallel_tool_calls_false_ends_after_the_first_call(serve, tokenizer, renderer):
+    second = tool_call_text("get_weather", {"city": "Oslo"})
+    srv, tid, client = served(serve, tokenizer, renderer, [f"{CALL}\n{second}"] * 2)
+    one = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                         parallel_tool_calls=False)
+    both = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls
+            ] == ["Rome"]
+    assert len(both.choices[0].message.tool_calls) == 2
+    assert one.choices[0].finish_reason == both.choices[0].finish_reason == "tool_calls"
+    a, _ = srv.pool.get_trajectory(tid).completions
+    assert a.completion_ids == renderer.encode(CALL)
+    assert srv.gateway.counters["tokens_after_stop"] == len(renderer.encode(second)) + 2
+
+
+def test_n_choices_are_recorded_branches(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, ["one", "two", "six", "done"])
+    r = client.chat.completions.create(model="tiny", messages=USER, n=3, seed=10)
+    assert [(c.index, c.message.content) for c in r.choices] == [(0, "one"), (1, "two"),
+                                                                  (2, "six")]
+    recs = srv.pool.get_trajectory(tid).completions
+    assert [c.sampling.seed for c in recs] == [10, 11, 12]
+    assert len({tuple(c.prompt_ids) for c in recs}) == 1
+    assert [c.completion_ids for c in recs] == [reply(renderer, t).ids for t in
+                                                ("one", "two", "six")]
+    assert r.usage.completion_tokens == sum(len(c.completion_ids) for c in recs) == 12
+    messages = [*USER, {"role": "assistant", "content": "two"}, {"role": "user", "content": "ok"}]
+    client.chat.completions.create(model="tiny", messages=messages)
+    last = srv.pool.get_trajectory(tid).completions[3]
+    assert last.extends_previous and last.prompt_ids[: len(recs[1].prompt_ids) + 4] == (
+        recs[1].prompt_ids + recs[1].completion_ids)
+    assert srv.gateway.sessions.get(client.api_key).prefix_misses == 0
+
+
+def test_n_choices_stream_by_index(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, renderer, ["ab", "cd"])
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: "ab", 1: "cd"} and chunks[-1].usage.completion_tokens == 6
+    assert len(srv.pool.get_trajectory(tid).completions) == 2
