@@ -1,15 +1,18 @@
 """The local rollout engine: a transformers causal LM behind a continuous-batching decode loop.
 
-Data flow: the gateway awaits `LocalEngine.generate(prompt_ids, params)`; the request joins a
-queue; one background worker thread (torch releases the GIL) runs the decode loop and resolves
-the caller's asyncio future through `loop.call_soon_threadsafe`. Each loop step
+Data flow: the gateway iterates `LocalEngine.stream(prompt_ids, params)` (or awaits `generate`,
+which is the same stream's last item); the request joins a queue; one background worker thread
+(torch releases the GIL) runs the decode loop and hands each sampled token, then the finished
+completion, to the caller's asyncio queue through `loop.call_soon_threadsafe`, so a token
+reaches the consumer one event-loop wake-up after it is sampled. Each loop step
 
 1. applies a pending weight update (between decode steps) and re-prefills the running rows,
    so every later token is produced by the new weights over a KV cache built by them;
 2. decodes one token for every running row (one forward over the left-padded KV cache);
 3. admits newcomers (up to `max_batch_size` rows), prefills them as one left-padded batch and
    merges their KV cache into the running one (continuous batching);
-4. records token, logprob and weight_version per row; finished rows leave at once.
+4. records token, logprob and weight_version per row and streams it; finished rows, and rows
+   whose consumer went away (cancelled), leave at once.
 
 Prefix caching (KV reuse): after each prefill, and when a row finishes, the row's KV (prompt +
 completion so far, unpadded) is kept in an LRU `PrefixCache` keyed by its token ids. A newcomer
@@ -35,13 +38,15 @@ import asyncio
 import copy
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from forgerl.engines.base import TokenEvent
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
@@ -81,23 +86,30 @@ def sample_tokens(
 
 @dataclass
 class _Request:
-    """One generate() call as the worker sees it; completion fields grow one token per step."""
+    """One stream() call as the worker sees it; completion fields grow one token per step.
+
+    events: the caller's queue of TokenEvent, then GenerateOutput (or an exception); only `loop`
+    touches it (the worker goes through `push`). cancelled: set on the caller's side when the
+    consumer goes away; the worker drops the row at its next step (a bool store is atomic).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
-    future: asyncio.Future
+    events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     generator: torch.Generator | None
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    cancelled: bool = False
 
-    def record(self, token: int, logprob: float, version: int) -> None:
-        """Append one sampled token and set finish_reason when it stops the completion."""
+    def record(self, token: int, logprob: float, version: int, sampled_at: float) -> None:
+        """Append and stream one sampled token; set finish_reason when it stops the completion."""
         self.completion_ids.append(token)
         self.logprobs.append(logprob)
         self.weight_versions.append(version)
+        self.push(TokenEvent(token, logprob, version, sampled_at))
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.completion_ids) >= self.params.max_tokens:
@@ -111,7 +123,14 @@ class _Request:
             list(self.weight_versions),
             reason or self.finish_reason or "abort",
         )
-        _settle(self.loop, self.future, out)
+        self.push(out)
+
+    def push(self, item: TokenEvent | GenerateOutput | Exception) -> None:
+        """Queue `item` for the consumer (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            self.cancelled = True
 
 
 @dataclass
@@ -138,7 +157,7 @@ def _settle(
 def _fail(rows: list[_Request], exc: Exception) -> None:
     """Raise `exc` in the callers of `rows` (from the worker thread)."""
     for req in rows:
-        _settle(req.loop, req.future, exc, error=True)
+        req.push(exc)
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -326,18 +345,47 @@ class LocalEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Generate one completion; concurrent calls share decode steps.
 
-        Raises ValueError for an empty prompt, ids outside [0, vocab_size), top_p != 1,
-        temperature < 0, max_tokens < 1, or len(prompt_ids) + max_tokens > max_model_len;
-        RuntimeError after close(). A closed engine ends in-flight requests with "abort".
+        The last item of `stream(prompt_ids, params)`; cancelling the awaiting task aborts the
+        request (its batch slot is freed at the next decode step). Raises ValueError for an
+        empty prompt, ids outside [0, vocab_size), top_p != 1, temperature < 0, max_tokens < 1,
+        or len(prompt_ids) + max_tokens > max_model_len; RuntimeError after close(). A closed
+        engine ends in-flight requests with "abort".
+        """
+        *_, out = [item async for item in self.stream(prompt_ids, params)]
+        assert isinstance(out, GenerateOutput)  # a stream that does not raise ends with it
+        return out
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """Yield each token as a TokenEvent as soon as it is sampled, then the whole completion
+        as a GenerateOutput (equal to the events concatenated); see `RolloutEngine.stream` for
+        the contract.
+
+        A token reaches the consumer one event-loop wake-up after the worker samples it (it
+        waits for no later step); a slow consumer does not slow the engine: unread events queue
+        up (at most max_tokens + 1). Closing the iterator or cancelling its consumer marks the
+        request cancelled; its row leaves the batch at the end of the next decode step, and that
+        step's admissions may take the slot (a request not yet admitted is skipped). Raises as
+        `generate`.
         """
         self._check_request(prompt_ids, params)
         loop = asyncio.get_running_loop()
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = _Request(list(prompt_ids), params, loop.create_future(), loop, generator)
+        req = _Request(list(prompt_ids), params, asyncio.Queue(), loop, generator)
         self._inbox.put(req)
-        return await req.future
+        try:
+            while True:
+                item = await req.events.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if isinstance(item, GenerateOutput):
+                    return
+        finally:  # finished, failed, closed early or cancelled: the worker may drop the row
+            req.cancelled = True
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` (all or some of the model's tensors) between decode steps.
@@ -476,7 +524,7 @@ class LocalEngine:
                 _fail(rows, exc)
         free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        newcomers = [r for r in newcomers if not r.future.done()]  # skip cancelled callers
+        newcomers = [r for r in newcomers if not r.cancelled]  # skip consumers that left
         if not newcomers:
             return
         try:
@@ -596,8 +644,13 @@ class LocalEngine:
         tokens, logprobs = sample_tokens(
             logits, [r.params.temperature for r in rows], [r.generator for r in rows]
         )
+        now = time.perf_counter()
         for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            req.record(tok, lp, self.weight_version)
+            req.record(tok, lp, self.weight_version, now)
+        # Release the GIL so the woken event loop delivers these tokens now, not when this
+        # thread next blocks or is forced off after sys.getswitchinterval() (5 ms): on the tiny
+        # model p50 sampling → consumer drops from ~1 ms to ~0.1 ms at no measured throughput cost.
+        time.sleep(0)
         return tokens
 
     def _finish(self, batch: _Batch) -> _Batch | None:
@@ -612,7 +665,7 @@ class LocalEngine:
                     seq = tuple(req.prompt_ids + req.completion_ids[:-1])
                     self.prefix_cache.insert(seq, batch.row_kv(i))
                 req.resolve()
-            elif not req.future.done():
+            elif not req.cancelled:
                 keep.append(i)
         if not keep:
             return None

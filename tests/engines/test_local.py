@@ -42,15 +42,6 @@ from forgerl.types import GenerateOutput, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's ops are too small to split; one intra-op thread avoids spin contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Reference: full forward over the whole sequence at every step, argmax, T = 1 logprob."""
     ids, lps = list(prompt), []
