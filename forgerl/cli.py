@@ -21,8 +21,6 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from forgerl.config import ConfigError, load_config
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forgerl", description=__doc__.split("\n\n")[0])
@@ -107,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plot_run(args.run_dir, args.out))
             return 0
+        from forgerl.config import load_config
+
         config = load_config(args.config, rest)
         from transformers.utils import logging as hf_logging
 
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "; re-run the same command to resume" if args.command == "train" else ""),
             file=sys.stderr)
         return 128 + e.signum
-    except ConfigError as e:
-        return _fail(str(e))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ConfigError too: one line naming the field
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         print("forgerl: interrupted" + (
