@@ -16,8 +16,9 @@ the attention kernel sees; tests/trainer/test_prefix_tree.py checks the logits n
 
 The trainer picks the implementation per device (`preferred_attn_implementation`: flex on
 CUDA, the model's own sdpa/eager on CPU) and sets it only around its own forwards
-(`attn_implementation`). `check_tree_support` is the start-up gate: a model is trained only if its own forward, fed a
-tree row, gives the logits of each path run alone (tests/trainer/test_model_families.py).
+(`attn_implementation`). `check_tree_support` is the start-up gate: a model is trained only if
+its own forward, fed a tree row, gives the logits of each path run alone
+(tests/trainer/test_model_families.py).
 """
 
 from __future__ import annotations
