@@ -22,7 +22,21 @@ Workloads, each run against the stub, then the gateway:
 
 Prints one table: the stub's value, the gateway's, and gateway - stub (latency: ms added) or
 gateway / stub (rates). Numbers are from one run on a shared machine: compare the two columns,
-not runs.
+not runs. One run here (2 cores shared by the client, both servers and other jobs; ~25 s):
+
+| metric                         |  stub | gateway | gateway vs stub |
+|--------------------------------|-------|---------|-----------------|
+| sequential p50 (ms)            |  2.34 |    3.26 |        +0.92 ms |
+| sequential p99 (ms)            |  3.52 |    5.47 |        +1.94 ms |
+| GET /v1/models p50 (ms)        |  0.80 |    0.83 |        +0.03 ms |
+| requests/s, 64 clients         |  1962 |     866 |           x0.44 |
+| stream chunks/s, 16 clients    |  4307 |    2290 |           x0.53 |
+| 200 sessions x 3 turns (s)     |  0.53 |    0.89 |         +0.36 s |
+
+The official `openai` client itself takes about 1.5 ms of the stub's 2.3 ms sequential p50.
+Of the gateway's own time per call (about 0.7 ms in-process), the pool's durable commit is the
+largest part (about 0.3 ms, one fsync per completion); a stream is 4 events per call until the
+engine streams tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from forgerl.types import GenerateOutput, SamplingParams
+
 MODEL = "bench"
 REPLY = "The answer is 42. Tell me if you need more."
 HERE = Path(__file__).resolve()
@@ -59,14 +75,12 @@ class InstantEngine:
     def __init__(self, ids: list[int], max_model_len: int = 16384):
         self.ids, self.max_model_len, self.weight_version = ids, max_model_len, 0
 
-    async def generate(self, prompt_ids, params):
-        from forgerl.types import GenerateOutput
-
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         ids = self.ids[: params.max_tokens]
         finish = "stop" if len(ids) == len(self.ids) else "length"
         return GenerateOutput(list(ids), [-0.5] * len(ids), [0] * len(ids), finish)
 
-    async def update_weights(self, state_dict, version: int) -> None:
+    async def update_weights(self, state_dict: Any, version: int) -> None:
         self.weight_version = version
 
     async def close(self) -> None:

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.gateway.conversation import (
@@ -339,11 +339,12 @@ def chat_chunks(cid: str, model: str, result: Result, include_usage: bool) -> It
     yield "data: [DONE]\n\n"
 
 
-def respond(req: ChatRequest, result: Result) -> dict[str, Any] | StreamingResponse:
-    """The HTTP answer: JSON, or an SSE stream with `stream: true`."""
+def respond(req: ChatRequest, result: Result) -> JSONResponse | StreamingResponse:
+    """The HTTP answer: JSON, or an SSE stream with `stream: true`. (A JSONResponse skips
+    FastAPI's per-field `jsonable_encoder` walk, which the plain dict would go through.)"""
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     if not req.stream:
-        return chat_response(cid, req.model, result)
+        return JSONResponse(chat_response(cid, req.model, result))
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(chat_chunks(cid, req.model, result, usage),
                              media_type="text/event-stream")
