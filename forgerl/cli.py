@@ -47,7 +47,7 @@ class Stopped(Exception):
 
 async def until_signal(coro: Coroutine[Any, Any, Any]) -> Any:
     """Await `coro`; the first of STOP_SIGNALS cancels it and raises Stopped once it has shut
-    down; a second one exits the process at once (`os._exit(128 + signum)`).
+    down; any later one, until the process ends, exits it at once (`os._exit(128 + signum)`).
 
     Python-level handlers (not the event loop's) so that they also fire while the loop is busy
     in synchronous code such as model loading.
@@ -57,9 +57,9 @@ async def until_signal(coro: Coroutine[Any, Any, Any]) -> Any:
     received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        if received:
-            os._exit(128 + signum)
         received.append(signum)
+        for sig in STOP_SIGNALS:  # from now on, until the process ends: exit at once
+            signal.signal(sig, _exit_now)
         loop.call_soon_threadsafe(task.cancel)
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -75,8 +75,13 @@ async def until_signal(coro: Coroutine[Any, Any, Any]) -> Any:
             raise Stopped(received[0])
         return result
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not received:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _exit_now(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)  # a second stop signal; the run's reaper kills the agents
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                                  else serve_gateway(config)))
         return 0
     except Stopped as e:
+        previous = dict.fromkeys(STOP_SIGNALS, _exit_now)  # a later signal: exit at once
         print(f"forgerl: stopped by {e}" + (
             "; re-run the same command to resume" if args.command == "train" else ""),
             file=sys.stderr)

@@ -335,15 +335,27 @@ def load_policy(path: str) -> tuple[Any, Any, str | None]:
 
 def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
     """Training tasks and held-out tasks (another seed; their questions are removed from the
-    training set, so evaluation never sees a question that was trained on)."""
+    training set, so evaluation never sees a question that was trained on).
+
+    Raises ConfigError naming `tasks.dataset` or `tasks.params` when reasoning-gym refuses them
+    (an unknown dataset, parameter or value: its own message, one line).
+    """
     from forgerl.rewards.reasoning_gym import make_tasks
 
     t = config.tasks
-    held_out = make_tasks(t.dataset, t.eval_size, t.seed + 1_000_003, **t.params) \
-        if t.eval_size else []
+
+    def generate(size: int, seed: int) -> list[dict]:
+        try:
+            return make_tasks(t.dataset, size, seed, **t.params)
+        except (AssertionError, TypeError, ValueError, KeyError) as e:
+            field = "tasks.dataset" if "not registered" in str(e) else "tasks.params"
+            message = (str(e).splitlines() or [""])[0] or type(e).__name__
+            raise ConfigError(f"{field}: {message} (dataset {t.dataset!r}, params "
+                              f"{t.params})") from None
+
+    held_out = generate(t.eval_size, t.seed + 1_000_003) if t.eval_size else []
     held = {task["question"] for task in held_out}
-    train = [task for task in make_tasks(t.dataset, t.size, t.seed, **t.params)
-             if task["question"] not in held]
+    train = [task for task in generate(t.size, t.seed) if task["question"] not in held]
     if not train:
         raise ValueError("tasks: every training question is also a held-out one; raise tasks.size")
     return train, held_out
@@ -451,9 +463,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 s.check_failure_streak()                    # a systematic failure ends the run
                 if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
                     no_signal += len(batch)
-                    if no_signal % 50 < len(batch):
-                        log.warning("%d groups in a row had no learning signal (equal rewards or "
-                                    "no model calls)", no_signal)
+                    check_signal_streak(no_signal, config.rollout.tasks_per_step, metrics)
                     continue
                 await s.sync_weights()                      # engine runs weight_version = step
                 step = s.trainer.step
@@ -478,6 +488,21 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 tokens = s.gateway.counters["completion_tokens"]
         print(summary(s.logger.records, s.trainer.step, time.time() - began), flush=True)
     return Path(config.run_dir)
+
+
+def check_signal_streak(groups: int, k: int, metrics: dict[str, Any]) -> None:
+    """Warn every 50 groups in a row without learning signal (all rewards of each group equal,
+    or no model calls); raise RuntimeError at max(64, 16 k) of them: the run cannot learn (e.g.
+    the agent never answers right, or the reward is constant), so it stops instead of consuming
+    the task stream. What was trained and checkpointed stays."""
+    if groups >= max(64, 16 * k):
+        raise RuntimeError(
+            f"no learning signal in the last {groups} groups: every group's rewards were equal "
+            f"(last batch's mean reward {metrics.get('reward_mean', 0.0):.3f}); check the "
+            "agent's answers and the reward")
+    if groups % 50 < k:
+        log.warning("%d groups in a row had no learning signal (equal rewards or no model "
+                    "calls)", groups)
 
 
 def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:

@@ -26,6 +26,10 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         ("[agent]\ncommand = []\n", [], "agent.command"),
         ("[agent]\ncommand = ['x']\n", ["--trainer.lr"], "needs a value"),
         ("[agent]\ncommand = ['x']\n[model]\npath = '/nonexistent'\n", [], "model.path"),
+        ("[agent]\ncommand = ['x']\n[tasks]\nparams = {min_terms = 5, max_terms = 2}\n", [],
+         "tasks.params: max_terms must be >= min_terms"),
+        ("[agent]\ncommand = ['x']\n[tasks]\nparams = {foo = 1}\n", [], "tasks.params"),
+        ("[agent]\ncommand = ['x']\n[tasks]\ndataset = 'nosuch'\n", [], "tasks.dataset"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, override, expected):
