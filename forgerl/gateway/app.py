@@ -4,10 +4,12 @@ Data flow: agent --HTTP--> route --> protocol module (protocols/chat.py: validat
 `Conversation`) --> `Gateway.complete` (core.py: render with TITO, dispatch, record, parse) -->
 protocol module (wire JSON or SSE) --> agent. Routes are a few lines each; nothing here records.
 
-Endpoints: POST /v1/chat/completions (plain and `stream: true`), GET /v1/models,
+Endpoints: POST /v1/chat/completions (plain and `stream: true`), POST /v1/messages (Anthropic,
+plain and `stream: true`; auth also by `x-api-key`), POST /v1/messages/count_tokens, GET /v1/models,
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
 negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened).
-Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`; no traceback body.
+Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, Anthropic-shaped on
+/v1/messages routes; no traceback body.
 A model call whose client disconnects is cancelled down to the engine and records nothing.
 Run in-process: `server = await gateway.serve("127.0.0.1", 0)`; `server.base_url`.
 """
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 import uvicorn
@@ -29,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError, parse_body
-from forgerl.gateway.protocols import chat
+from forgerl.gateway.protocols import anthropic, chat
 from forgerl.gateway.sessions import Session
 
 __all__ = ["Gateway", "GatewayError", "GatewayServer", "create_app"]
@@ -69,6 +71,22 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
         msg = "missing API key" if not authorization else "unknown or closed API key"
         raise GatewayError(401, msg, "invalid_api_key")
     return session
+
+
+def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
+    """The session named by `x-api-key: <api_key>` (Anthropic clients) or by
+    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise."""
+    key = headers.get("x-api-key")
+    if key is not None and (session := gateway.sessions.get(key.strip())) is not None:
+        return session
+    if key is not None and headers.get("authorization") is None:
+        raise GatewayError(401, "unknown or closed API key", "invalid_api_key")
+    return authenticate(gateway, headers.get("authorization"))
+
+
+def error_response(request: Request, e: GatewayError) -> JSONResponse:
+    """Anthropic-shaped on the Messages routes (/v1/messages...), OpenAI-shaped elsewhere."""
+    return e.anthropic_response() if request.url.path.startswith("/v1/messages") else e.response()
 
 
 def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:
@@ -158,20 +176,20 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="ForgeRL gateway")
 
     @app.exception_handler(GatewayError)
-    async def _gateway_error(_: Request, e: GatewayError) -> JSONResponse:
-        return e.response()
+    async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
+        return error_response(request, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return GatewayError(e.status_code, str(e.detail), code).response()
+        return error_response(request, GatewayError(e.status_code, str(e.detail), code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected gateway error")
-        return GatewayError(
+        return error_response(request, GatewayError(
             500, f"internal error: {type(e).__name__}: {e}", "internal_error", type="server_error"
-        ).response()
+        ))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -181,6 +199,21 @@ def create_app(gateway: Gateway) -> FastAPI:
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
         return chat.respond(req, result)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Any:
+        """Anthropic Messages (plain or SSE), recorded token-in-token-out."""
+        session = authenticate_key(gateway, request.headers)
+        req, conversation = anthropic.parse(await request.body())
+        result = await unless_disconnected(request, gateway.complete(session, conversation),
+                                           gateway.counters)
+        return anthropic.respond(req, conversation, result, gateway)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> dict[str, int]:
+        """Anthropic token counting: the next call's prompt length; nothing recorded."""
+        session = authenticate_key(gateway, request.headers)
+        return anthropic.count_tokens(gateway, session, await request.body())
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -49,7 +49,8 @@ class Message:
 
     content: the text ("" for none). tool_calls: on assistant messages, in order.
     tool_call_id: on tool messages, the call this result answers. reasoning: an assistant
-    message's reasoning text, None when it has none.
+    message's reasoning text, None when it has none. reasoning_signature: the opaque signature a
+    client sent with that reasoning (Anthropic `thinking.signature`), kept as sent, never rendered.
     """
 
     role: Role
@@ -57,6 +58,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning: str | None = None
+    reasoning_signature: str | None = None
 
 
 @dataclass(frozen=True)

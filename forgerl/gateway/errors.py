@@ -1,9 +1,9 @@
 """Gateway errors and request-body validation, shared by the core and every protocol.
 
 A `GatewayError` carries an HTTP status and the OpenAI error fields; the app answers it as
-`{"error": {"message", "type", "param", "code"}}` (a protocol with another error shape, such as
-Anthropic's, renders the same fields its own way). Raised anywhere below the handlers, it means
-nothing was recorded by the failing call.
+`{"error": {"message", "type", "param", "code"}}`; on the Anthropic Messages routes as
+`{"type": "error", "error": {"type", "message"}}` (`anthropic_response`). Raised anywhere below
+the handlers, it means nothing was recorded by the failing call.
 """
 
 from __future__ import annotations
@@ -36,6 +36,19 @@ class GatewayError(Exception):
         """The OpenAI-shaped JSON error body with this error's HTTP status."""
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return JSONResponse({"error": body}, status_code=self.status)
+
+    def anthropic_response(self) -> JSONResponse:
+        """The Anthropic-shaped body `{"type": "error", "error": {"type", "message"}}` (the
+        Messages routes), its `type` named from the HTTP status."""
+        kind = ANTHROPIC_TYPES.get(self.status,
+                                   "api_error" if self.status >= 500 else "invalid_request_error")
+        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        return JSONResponse(body, status_code=self.status)
+
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 529: "overloaded_error"}
 
 
 def unsupported(param: str, message: str) -> GatewayError:
