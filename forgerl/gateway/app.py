@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError, parse_body
-from forgerl.gateway.protocols import anthropic, chat
+from forgerl.gateway.protocols import anthropic, chat, completions
 from forgerl.gateway.sessions import Session
 
 __all__ = ["Gateway", "GatewayError", "GatewayServer", "create_app"]
@@ -199,6 +199,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
         return chat.respond(req, result)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request) -> Any:
+        """OpenAI (legacy) completions of a text or token-id prompt, recorded as given."""
+        session = authenticate(gateway, request.headers.get("authorization"))
+        call = completions.parse(await request.body(), session, gateway.renderer)
+        result = await unless_disconnected(
+            request, gateway.complete(session, call.conversation, call.plan), gateway.counters)
+        return completions.respond(call, result, gateway.renderer)
 
     @app.post("/v1/messages")
     async def anthropic_messages(request: Request) -> Any:

@@ -246,16 +246,21 @@ class Gateway:
             raise GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
                                type="server_error") from e
 
-    async def complete(self, session: Session, conv: Conversation) -> Result:
+    async def complete(
+        self, session: Session, conv: Conversation, plan: PromptPlan | None = None
+    ) -> Result:
         """Render (TITO), dispatch, parse and record one call of `conv.n` choices.
 
         Each choice is its own `Completion` in the pool and its own turn of the session (n
-        sibling branches from the same prompt; choice i samples with seed + i). Raises
-        GatewayError (see `check`, `sampling_params`, `generate`; 409 when the trajectory takes
-        no completions); nothing of this call is recorded then.
+        sibling branches from the same prompt; choice i samples with seed + i). `plan`: prompt
+        ids built by the protocol (a raw prompt, protocols/completions.py; `conv` then has no
+        messages or tools), used instead of rendering. Raises GatewayError (see `check`,
+        `sampling_params`, `generate`; 409 when the trajectory takes no completions); nothing of
+        this call is recorded then.
         """
         tools = self.check(conv)
-        plan = session.plan(conv.messages, tools, self.renderer)
+        if plan is None:
+            plan = session.plan(conv.messages, tools, self.renderer)
         prefix = self.prefill(conv)
         prompt_ids = plan.prompt_ids + self.renderer.encode(prefix)
         base = self.sampling_params(session, conv, len(prompt_ids))

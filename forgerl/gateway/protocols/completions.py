@@ -1,0 +1,262 @@
+"""OpenAI (legacy) Completions over the gateway core: a raw prompt in, `text_completion` out.
+
+Data flow: POST /v1/completions body --`parse`--> `CompletionCall` (the validated request, a
+`Conversation` without messages and the `PromptPlan` of the prompt ids) --> `Gateway.complete`
+with that plan (core.py: nothing is rendered; it dispatches, cuts at stop strings, records) -->
+`respond`: a `text_completion` object, or its SSE chunks with `stream: true`.
+
+This is the token-native protocol. The prompt is recorded exactly as given: a list of token ids
+is sent to the engine as it is (control tokens included: the client renders its own template),
+and a text prompt is the tokenizer's encoding of the text with special-token strings split into
+ordinary ids, as the renderer encodes message content (`ChatMLRenderer.encode`; no BOS added).
+A prompt whose ids start with a recorded call's prompt + completion ids (a chat call's too)
+extends that call (`extends_previous`; the longest such call is its parent), so a multi-turn
+agent that appends the returned `token_ids` and its new ids trains as one trajectory; any other
+prompt starts a new branch, counted in `prefix_misses`. A text prompt is encoded from scratch:
+re-encoding sampled text may give other ids (CASES.md C01), so a text client extends only when
+the encoding happens to reproduce them; token-native clients send ids.
+
+Honoured: prompt (a string or a list of token ids; a batch of one of either), max_tokens
+(the session's, else the request's, else the gateway's default, clamped to the context; the
+official default is 16), temperature, top_p (< 1 refused for training sessions, C04), stop,
+seed, n (each choice its own recorded completion and branch, seed + i), logprobs 0 (the
+recorded behaviour logprob of every kept sampled id, end-of-turn id included, with `tokens`,
+`text_offset` and the sampled token as its only `top_logprobs` entry), echo (the prompt text
+before the completion; not with logprobs), best_of equal to n, stream,
+stream_options.include_usage, and vLLM's `return_token_ids` (each choice also carries
+`prompt_token_ids` and the recorded `token_ids`). Accepted without effect: user. Neutral values
+accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias empty. Refused with
+a 400 naming the field: several prompts in one request, an empty prompt, ids outside the
+vocabulary, prompts of max_model_len tokens or more, logprobs > 0 (the engines return only the
+sampled token's logprob), echo with logprobs (no prompt logprobs), suffix, unknown fields.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from forgerl.gateway.conversation import Conversation, Sampling
+from forgerl.gateway.core import Choice, Result
+from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.sessions import PromptPlan, Session
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a final usage chunk."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions body; see the module docstring for what each field does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: Prompt
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=128)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_error(cls, value: Any, handler: Any) -> Any:
+        # pydantic reports a failed union once per member ("prompt.str", ...): name `prompt`.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string, a list of token ids, or a list of one of "
+                             "those") from None
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """A parsed request: the wire body, its `Conversation` (no messages; sampling, n, logprobs)
+    and the plan of its prompt ids (which recorded call it extends)."""
+
+    request: CompletionRequest
+    conversation: Conversation
+    plan: PromptPlan
+
+
+# ---- request -> prompt ids, plan, Conversation ----------------------------------------------
+
+
+def _bad_prompt(message: str) -> GatewayError:
+    return GatewayError(400, f"prompt: {message}", "invalid_prompt", "prompt")
+
+
+def prompt_ids(prompt: Prompt, renderer: ChatMLRenderer) -> list[int]:
+    """The ids of a prompt: token ids as given, text encoded with special tokens split.
+
+    Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, or an id
+    outside the tokenizer's vocabulary [0, len(tokenizer)).
+    """
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > 1:
+            raise unsupported("prompt", f"{len(prompt)} prompts in one request; send one "
+                              "prompt per request (each is its own recorded completion)")
+        prompt = prompt[0]
+    ids = renderer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise _bad_prompt("the prompt is empty")
+    vocab = len(renderer.tokenizer)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise _bad_prompt(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def plan(session: Session, ids: list[int]) -> PromptPlan:
+    """The prompt `ids` as they are, and the recorded turn whose prompt + completion ids they
+    start with (the longest; the most recent of equals), if any. Cost: O(turns x prompt)."""
+    parent, longest = None, -1
+    for index, turn in enumerate(session.turns):
+        p, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.completion_ids)
+        if (longest <= end <= len(ids) and ids[:p] == turn.prompt_ids
+                and ids[p:end] == turn.completion_ids):
+            parent, longest = index, end
+    return PromptPlan(list(ids), parent, parent is not None)
+
+
+def _refuse_unsupported(req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise unsupported("suffix", "insertion (fill-in-the-middle) is not supported")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise unsupported(name, "only 0 is supported: the recorded logprobs are of the "
+                              "unpenalised distribution")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "only an empty bias is supported")
+    if req.best_of not in (None, req.n or 1):
+        raise unsupported("best_of", f"best_of ({req.best_of}) must equal n ({req.n or 1}): "
+                          "the gateway returns every sampled choice, it does not rank them")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which the "
+                          "rollout engine does not compute")
+
+
+def parse(raw: bytes, session: Session, renderer: ChatMLRenderer) -> CompletionCall:
+    """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
+    docstring). The core raises the rest: model, logprobs > 0, top_p, context length."""
+    req = parse_body(raw, CompletionRequest)
+    _refuse_unsupported(req)
+    ids = prompt_ids(req.prompt, renderer)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    conv = Conversation(
+        model=req.model,
+        messages=(),
+        sampling=Sampling(req.temperature, req.top_p, req.max_tokens, stop, req.seed),
+        n=req.n or 1,
+        top_logprobs=req.logprobs or 0,
+        param_names={"messages": "prompt", "top_logprobs": "logprobs"},
+    )
+    return CompletionCall(req, conv, plan(session, ids))
+
+
+# ---- Result -> response ---------------------------------------------------------------------
+
+
+def token_logprobs(renderer: ChatMLRenderer, c: Choice) -> dict[str, Any]:
+    """`logprobs` of a choice: every kept sampled id (end-of-turn included) with its recorded
+    logprob, its text (decoded alone; a special token spelled out) and its character offset
+    in the decoded completion (which may run past `text` when a stop string cut it).
+
+    A token decoded alone is exact for byte-level vocabularies; where it is not (a UTF-8
+    character split over tokens, SentencePiece word starts) its end comes from decoding the
+    prefix, so a split character's tokens share its offset.
+    """
+    ids, lps = c.completion.completion_ids, c.completion.logprobs
+    full = renderer.decode(ids)
+    tokens, offsets, pos = [], [], 0
+    for k, i in enumerate(ids):
+        tokens.append(renderer.tokenizer.decode([i], skip_special_tokens=False))
+        offsets.append(pos)
+        alone = renderer.decode([i])
+        if full.startswith(alone, pos):
+            pos += len(alone)
+        else:
+            pos = len(renderer.decode(ids[: k + 1]).rstrip("\ufffd"))
+    return {"tokens": tokens, "token_logprobs": list(lps), "text_offset": offsets,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)]}
+
+
+def _choices(call: CompletionCall, result: Result, renderer: ChatMLRenderer) -> list[dict]:
+    req = call.request
+    head = ""
+    if req.echo:
+        head = req.prompt if isinstance(req.prompt, str) else renderer.decode(call.plan.prompt_ids)
+    out = []
+    for c in result.choices:
+        choice: dict[str, Any] = {
+            "text": head + c.reply.content, "index": c.index, "finish_reason": c.finish_reason,
+            "logprobs": None if req.logprobs is None else token_logprobs(renderer, c)}
+        if req.return_token_ids:
+            choice |= {"prompt_token_ids": c.completion.prompt_ids,
+                       "token_ids": c.completion.completion_ids}
+        out.append(choice)
+    return out
+
+
+def _usage(result: Result) -> dict[str, int]:
+    p, n = result.prompt_tokens, result.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def completion_chunks(cid: str, model: str, result: Result, choices: list[dict],
+                      include_usage: bool) -> Iterator[str]:
+    """SSE lines of a `text_completion` stream: per choice its text (with its logprobs and
+    token ids), then its finish; then usage when asked; then `[DONE]`."""
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
+        obj = {"id": cid, "object": "text_completion", "created": int(result.started_at),
+               "model": model, "choices": [] if choice is None else [choice], **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    for c in choices:
+        if c["text"] or c["logprobs"]:
+            yield chunk({**c, "finish_reason": None})
+        yield chunk({"text": "", "index": c["index"], "logprobs": None,
+                     "finish_reason": c["finish_reason"]})
+    if include_usage:
+        yield chunk(None, usage=_usage(result))
+    yield "data: [DONE]\n\n"
+
+
+def respond(call: CompletionCall, result: Result,
+            renderer: ChatMLRenderer) -> JSONResponse | StreamingResponse:
+    """The HTTP answer: a `text_completion` object, or its SSE stream with `stream: true`."""
+    req, cid = call.request, f"cmpl-{uuid.uuid4().hex}"
+    choices = _choices(call, result, renderer)
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(completion_chunks(cid, req.model, result, choices, usage),
+                                 media_type="text/event-stream")
+    return JSONResponse({"id": cid, "object": "text_completion", "created": int(result.started_at),
+                         "model": req.model, "choices": choices, "usage": _usage(result)})
