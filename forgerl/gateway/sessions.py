@@ -98,7 +98,7 @@ class Session:
             turn = self.turns[index]
             n = len(turn.messages)
             if (
-                n < len(messages)
+                0 < n < len(messages)  # n = 0: a raw-prompt (/v1/completions) turn, no messages
                 and tuple(turn.tools) == tuple(tools)
                 and [message_key(m) for m in turn.messages] == keys[:n]
                 and message_key(turn.assistant) == keys[n]
