@@ -158,14 +158,16 @@ def test_stream_final_message_equals_create(serve, tokenizer, renderer, text):
 
     assert dump(final) == dump(plain)
     kinds = [e.type for e in events if e.type.startswith(("message", "content_block"))]
+    kinds = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]  # any chunking
     assert kinds == ["message_start", "content_block_start", "content_block_delta",
                      "content_block_stop", "message_delta", "message_stop"]
-    delta = next(e.delta for e in events if e.type == "content_block_delta")
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
     if text == CALL:
-        assert delta.type == "input_json_delta" and json.loads(delta.partial_json) == {
-            "city": "Paris"}
+        assert [d.type for d in deltas] == ["input_json_delta"]
+        assert json.loads(deltas[0].partial_json) == {"city": "Paris"}
     else:
-        assert delta.type == "text_delta" and delta.text == text
+        assert {d.type for d in deltas} == {"text_delta"}
+        assert "".join(d.text for d in deltas) == text
     a, b = (srv.pool.get_trajectory(t).completions[0] for t in (t1, t2))
     assert (a.prompt_ids, a.completion_ids, a.logprobs) == (
         b.prompt_ids, b.completion_ids, b.logprobs)
@@ -287,3 +289,16 @@ def test_c15_chat_and_anthropic_tool_render_identical_ids(serve, tokenizer, rend
     chat_prompt, anthropic_prompt = (call[0] for call in srv.engine.calls)
     assert chat_prompt == anthropic_prompt
     assert '"arguments": {"city": "Paris"}' in renderer.decode(anthropic_prompt)
+
+
+def test_engine_failure_in_a_stream_is_an_anthropic_error(serve, tokenizer):
+    """An engine error while streaming reaches the SDK as an Anthropic `api_error` (an `error`
+    event once the stream began, else a 500 body), and nothing is recorded."""
+    srv = serve(ScriptedEngine([RuntimeError("GPU fell off")]), tokenizer)
+    tid, key = srv.session()
+    with pytest.raises(anthropic.APIStatusError) as e, client(srv, key).messages.stream(
+            model="tiny", max_tokens=10, messages=USER) as s:
+        s.get_final_message()
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    assert "GPU fell off" in e.value.body["error"]["message"]
+    assert srv.pool.get_trajectory(tid).completions == []
