@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError, parse_body
-from forgerl.gateway.protocols import anthropic, chat, completions
+from forgerl.gateway.protocols import anthropic, chat, completions, responses
 from forgerl.gateway.sessions import Session
 
 __all__ = ["Gateway", "GatewayError", "GatewayServer", "create_app"]
@@ -223,6 +223,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         """Anthropic token counting: the next call's prompt length; nothing recorded."""
         session = authenticate_key(gateway, request.headers)
         return anthropic.count_tokens(gateway, session, await request.body())
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request) -> Any:
+        """OpenAI Responses (plain or SSE), recorded token-in-token-out."""
+        session = authenticate(gateway, request.headers.get("authorization"))
+        req, conversation = responses.parse(await request.body(), session)
+        result = await unless_disconnected(request, gateway.complete(session, conversation),
+                                           gateway.counters)
+        return responses.respond(req, session, result)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_n_bounds_and_unknown_routes_are_openai_errors(tmp_path):
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         n2 = await client.post("/chat/completions", headers=auth, json={**chat, "n": 2, "seed": 3})
         n129 = await client.post("/chat/completions", headers=auth, json={**chat, "n": 129})
-        missing = await client.post("/responses", headers=auth, json={})
+        missing = await client.post("/embeddings", headers=auth, json={})
         wrong_method = await client.get("/chat/completions", headers=auth)
         return session["session_id"], n2, n129, missing, wrong_method
 

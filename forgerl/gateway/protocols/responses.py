@@ -1,0 +1,400 @@
+"""OpenAI Responses over the gateway core: wire schema in, `Conversation`, wire JSON out.
+
+Data flow: POST /v1/responses body --`parse`--> (`ResponsesRequest`, `Conversation`) -->
+`Gateway.complete` (core.py) --`respond`--> a `response` object, or its SSE events.
+
+Stored responses are the session's turn tree, nothing else: `resp_<turn index><i|n><digest>`
+names one turn of the caller's session (digest over trajectory, turn and recorded ids; `i`: the
+turn began with `instructions`). `previous_response_id` puts that turn's messages (instructions
+dropped, as OpenAI does) and reply ahead of `input`; input repeating that context's tail is not
+added twice. `store: false` answers an id nothing can continue (the call is recorded anyway).
+Items: `message` (text parts), `function_call`, `function_call_output` (an unknown call_id is a
+400 naming it), `reasoning` (content, else summary text; `encrypted_content` is unreadable here).
+Consecutive assistant-side items are one assistant message, so a re-sent reply matches its
+recorded turn and its ids are reused (TITO). Honoured: instructions, function tools (flat;
+`strict` not enforced), tool_choice (none / auto / required / named), parallel_tool_calls,
+max_output_tokens, temperature, top_p (< 1 refused for training sessions, C04), top_logprobs 0,
+include "message.output_text.logprobs", stream, text.format "text", truncation "disabled".
+Accepted without effect: other `include` values, metadata, user, `IGNORED`, background false.
+Refused (400 naming the field): hosted tools, other tool_choice types, non-text parts, other
+item types, reasoning settings, text.format json_*, verbosity, truncation "auto", background
+true, `REFUSED`; unknown fields are a 400 "Unrecognized request argument".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from forgerl.gateway.conversation import (
+    Conversation,
+    ForcedTool,
+    Message,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
+from forgerl.gateway.core import Choice, Result
+from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.sessions import Session, message_key
+
+# ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Part(_Loose):
+    """A content part; input_text / output_text / refusal / summary_text / reasoning_text."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class Item(_Loose):
+    """One input item; which fields are required depends on `type` (checked in `_messages`)."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+    summary: list[Part] | None = None
+
+
+class FunctionTool(_Loose):
+    """A flat tool declaration `{type: "function", name, description, parameters, strict}`."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses body; see the module docstring for what each field does."""
+
+    model_config = ConfigDict(extra="allow")  # extras: REFUSED, IGNORED, else unknown (`parse`)
+
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+REFUSED = {
+    "conversation": "the Conversations API is not served; chain calls with previous_response_id",
+    "prompt": "stored prompt templates are not served",
+    "max_tool_calls": "not supported (parallel_tool_calls: false limits a reply to one call)",
+    "context_management": "the gateway never compacts a context (token-in-token-out)",
+    "moderation": "the gateway has no moderation",
+    "access_programs": "not supported",
+    "image": "the policy reads text only",
+    "background_options": "background responses are not supported",
+}
+IGNORED = {"safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+           "prompt_cache_options", "service_tier", "stream_options"}
+ID = re.compile(r"resp_(\d+)([in])([0-9a-f]{24})")
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name not in REFUSED and name not in IGNORED:
+            raise GatewayError(400, f"Unrecognized request argument supplied: {name}",
+                               "unknown_parameter", name)
+        if name in REFUSED and value is not None:
+            raise unsupported(name, REFUSED[name])
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise unsupported("reasoning", "the served policy has no reasoning controls")
+    text = req.text or {}
+    if (fmt := (text.get("format") or {}).get("type", "text")) != "text":
+        raise unsupported("text.format", f"{fmt!r} needs constrained decoding, which the rollout "
+                          'engine lacks; only "text" is supported')
+    if text.get("verbosity") is not None:
+        raise unsupported("text.verbosity", "the served policy has no verbosity control")
+    if req.truncation == "auto":
+        raise unsupported("truncation", '"auto" would drop context items; only "disabled"')
+    if req.background:
+        raise unsupported("background", "background responses are not supported")
+
+
+# ---- stored responses = turns of the session ------------------------------------------------
+
+
+def _digest(session: Session, index: int, flag: str) -> str:
+    turn = session.turns[index]
+    key = f"{session.trajectory_id}/{index}/{flag}/{turn.completion_ids}".encode()
+    return hashlib.blake2b(key, digest_size=12).hexdigest()
+
+
+def response_id(session: Session, index: int, instructions: bool) -> str:
+    """The id naming turn `index` of `session` (see the module docstring)."""
+    flag = "i" if instructions else "n"
+    return f"resp_{index}{flag}{_digest(session, index, flag)}"
+
+
+def previous_context(session: Session, rid: str) -> list[Message]:
+    """A stored response's turn messages (instructions dropped), then its reply. Raises
+    GatewayError 400 `previous_response_not_found` for an id naming no turn of this session."""
+    m = ID.fullmatch(rid)
+    index = int(m.group(1)) if m else -1
+    if not m or index >= len(session.turns) or _digest(session, index, m.group(2)) != m.group(3):
+        raise GatewayError(400, f"Previous response with id {rid!r} not found.",
+                           "previous_response_not_found", "previous_response_id")
+    turn = session.turns[index]
+    return [*turn.messages[1 if m.group(2) == "i" else 0:], turn.assistant]
+
+
+def _join(stored: list[Message], new: list[Message]) -> list[Message]:
+    """`stored + new`, minus the longest head of `new` that repeats the tail of `stored` (a
+    re-sent previous output or history); a re-sent function call without its message text
+    counts as the previous reply when all its call ids are the reply's."""
+    keys, fresh = [message_key(m) for m in stored], [message_key(m) for m in new]
+    for k in range(min(len(stored), len(new)), 0, -1):
+        if keys[-k:] == fresh[:k]:
+            return stored + new[k:]
+    if new and stored and new[0].tool_calls and (
+            {c.id for c in new[0].tool_calls} <= {c.id for c in stored[-1].tool_calls}):
+        return stored + new[1:]
+    return stored + new
+
+
+# ---- request -> Conversation ----------------------------------------------------------------
+
+
+def _need(value: Any, where: str) -> Any:
+    if value is None:
+        raise GatewayError(400, f"Missing required parameter: '{where}'.",
+                           "missing_required_parameter", where)
+    return value
+
+
+def _text(content: str | list[Part] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text", "refusal"):
+            raise unsupported(f"{where}.{j}.type",
+                              f"content part {part.type!r}: the policy reads text only")
+    return "".join(p.text or p.refusal or "" for p in content)
+
+
+def _assistant(out: list[Message], content: str = "", calls: tuple[ToolCall, ...] = (),
+               reasoning: str | None = None) -> None:
+    """Append assistant-side item parts, merged into a preceding assistant message."""
+    if out and out[-1].role == "assistant":
+        prev = out.pop()
+        if prev.reasoning is not None or reasoning is not None:
+            reasoning = "\n\n".join(r for r in (prev.reasoning, reasoning) if r is not None)
+        content, calls = prev.content + content, prev.tool_calls + calls
+    out.append(Message("assistant", content, calls, reasoning=reasoning))
+
+
+def _messages(items: str | list[Item], known: set[str]) -> list[Message]:
+    """Input items as messages; `known`: call ids a function_call_output may answer (grows)."""
+    if isinstance(items, str):
+        return [Message("user", items)]
+    out: list[Message] = []
+    for i, it in enumerate(items):
+        where = f"input.{i}"
+        if it.type == "message":
+            role, text = _need(it.role, f"{where}.role"), _text(it.content, f"{where}.content")
+            if role == "assistant":
+                _assistant(out, text)
+            else:
+                out.append(Message("system" if role == "developer" else role, text))
+        elif it.type == "function_call":
+            call_id = _need(it.call_id, f"{where}.call_id")
+            known.add(call_id)
+            _assistant(out, calls=(ToolCall(_need(it.name, f"{where}.name"),
+                                            it.arguments or "{}", call_id),))
+        elif it.type == "function_call_output":
+            call_id = _need(it.call_id, f"{where}.call_id")
+            if call_id not in known:
+                raise GatewayError(400, f"No tool call found for function call output with "
+                                   f"call_id {call_id!r}.", "invalid_value", f"{where}.call_id")
+            out.append(Message("tool", _text(_need(it.output, f"{where}.output"),
+                                             f"{where}.output"), tool_call_id=call_id))
+        elif it.type == "reasoning":
+            parts = it.content if isinstance(it.content, list) and it.content else it.summary
+            _assistant(out, reasoning="\n\n".join(p.text or "" for p in parts or ()))
+        else:
+            raise unsupported(f"{where}.type", f"input item {it.type!r} is not supported (message, "
+                              "function_call, function_call_output, reasoning are)")
+    return out
+
+
+def _tools(req: ResponsesRequest) -> tuple[Tool, ...]:
+    tools = []
+    for i, t in enumerate(req.tools or ()):
+        if t.type != "function":
+            raise unsupported(f"tools.{i}.type", f"{t.type!r} tools are not served (functions are)")
+        tools.append(Tool(_need(t.name, f"tools.{i}.name"), t.description, t.parameters))
+    return tuple(tools)
+
+
+def _tool_choice(req: ResponsesRequest) -> ToolChoice:
+    choice = req.tool_choice
+    if not isinstance(choice, dict):
+        return choice or "auto"
+    if choice.get("type") != "function":
+        raise unsupported("tool_choice", f"tool_choice type {choice.get('type')!r} is not "
+                          'supported ("none", "auto", "required" or {"type": "function", ...})')
+    return ForcedTool(_need(choice.get("name"), "tool_choice.name"))
+
+
+def to_conversation(req: ResponsesRequest, session: Session) -> Conversation:
+    """The internal form of a validated Responses request on `session`. Raises GatewayError 400
+    for a refused field, an unknown previous_response_id or call_id, a missing item field."""
+    _refuse_unsupported(req)
+    stored = previous_context(session, req.previous_response_id) if req.previous_response_id \
+        else []
+    known = {c.id for m in stored for c in m.tool_calls}
+    msgs = _join(stored, _messages(req.input, known))
+    msgs[:0] = [Message("system", req.instructions)] if req.instructions else []
+    if not msgs:
+        raise GatewayError(400, "input: at least one item is needed", "invalid_value", "input")
+    sampling = Sampling(req.temperature, req.top_p, req.max_output_tokens)
+    return Conversation(
+        req.model, tuple(msgs), _tools(req), _tool_choice(req),
+        req.parallel_tool_calls is not False, sampling, 1,
+        "message.output_text.logprobs" in (req.include or ()), req.top_logprobs or 0,
+        param_names={"messages": "input", "max_tokens": "max_output_tokens"})
+
+
+def parse(raw: bytes, session: Session) -> tuple[ResponsesRequest, Conversation]:
+    """Validate a body and translate it; raises GatewayError 400 (see `parse_body`)."""
+    req = parse_body(raw, ResponsesRequest)
+    return req, to_conversation(req, session)
+
+
+# ---- Result -> response ---------------------------------------------------------------------
+
+
+def _output(rid: str, c: Choice) -> list[dict[str, Any]]:
+    """The output items of a reply: reasoning, message (text, or nothing beside tool calls),
+    function calls; ids derived from the response id."""
+    tag, status = rid[5:], "incomplete" if c.finish_reason == "length" else "completed"
+    items: list[dict[str, Any]] = []
+    if (reply := c.reply).reasoning is not None:
+        items.append({"id": f"rs_{tag}", "type": "reasoning", "summary": [], "status": status,
+                      "content": [{"type": "reasoning_text", "text": reply.reasoning}]})
+    if reply.content or not reply.tool_calls:
+        lps = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                "top_logprobs": []} for t in c.logprobs or ()]
+        part = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": lps}
+        items.append({"id": f"msg_{tag}", "type": "message", "role": "assistant",
+                      "status": status, "content": [part]})
+    items += [{"id": f"fc_{tag}_{j}", "type": "function_call", "call_id": call.id,
+               "name": call.name, "arguments": call.arguments, "status": status}
+              for j, call in enumerate(reply.tool_calls)]
+    return items
+
+
+def response_json(req: ResponsesRequest, rid: str, result: Result | None) -> dict[str, Any]:
+    """A `response` object; `result` None: the in-progress shell a stream opens with."""
+    c = result.choices[0] if result else None
+    incomplete = c is not None and c.finish_reason == "length"
+    p, n = (result.prompt_tokens, result.completion_tokens) if result else (0, 0)
+    usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + n}
+    return {
+        "id": rid, "object": "response", "error": None,
+        "created_at": result.started_at if result else time.time(),
+        "status": "in_progress" if c is None else "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "model": req.model, "output": _output(rid, c) if c else [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "store": req.store is not False,
+        "temperature": req.temperature, "top_p": req.top_p,
+        "tool_choice": req.tool_choice or "auto",
+        "tools": [t.model_dump() for t in req.tools or ()], "text": {"format": {"type": "text"}},
+        "truncation": req.truncation or "disabled", "metadata": req.metadata or {},
+        "user": req.user, "reasoning": {"effort": None, "summary": None},
+        "usage": usage if result else None,
+    }
+
+
+def events(req: ResponsesRequest, rid: str, result: Result) -> Iterator[str]:
+    """SSE lines replaying the finished `result`: created, in_progress, per output item its
+    added / part / delta / done events, then completed (or incomplete), sequence_number from 0."""
+    seq = iter(range(1 << 62))
+
+    def event(kind: str, **fields: Any) -> str:
+        obj = {"type": kind, "sequence_number": next(seq), **fields}
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    shell = response_json(req, rid, None)
+    yield event("response.created", response=shell)
+    yield event("response.in_progress", response=shell)
+    for k, item in enumerate(_output(rid, result.choices[0])):
+        at = {"item_id": item["id"], "output_index": k}
+        opened = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            part = item["content"][0]
+            text, lps = part["text"], part["logprobs"]
+            opened["content"] = []
+            yield event("response.output_item.added", output_index=k, item=opened)
+            yield event("response.content_part.added", **at, content_index=0,
+                        part={**part, "text": "", "logprobs": []})
+            if text:
+                yield event("response.output_text.delta", **at, content_index=0, delta=text,
+                            logprobs=lps)
+            yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=lps)
+            yield event("response.content_part.done", **at, content_index=0, part=part)
+        elif item["type"] == "function_call":
+            yield event("response.output_item.added", output_index=k,
+                        item={**opened, "arguments": ""})
+            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **at, name=item["name"],
+                        arguments=item["arguments"])
+        else:  # reasoning: added whole, then done
+            yield event("response.output_item.added", output_index=k, item=opened)
+        yield event("response.output_item.done", output_index=k, item=item)
+    final = response_json(req, rid, result)
+    yield event(f"response.{final['status']}", response=final)
+
+
+def respond(req: ResponsesRequest, session: Session,
+            result: Result) -> JSONResponse | StreamingResponse:
+    """The HTTP answer to a call `Gateway.complete` recorded on `session`: JSON, or SSE with
+    `stream: true`. Its id names the recorded turn (`store: false`: an id naming nothing)."""
+    completion = result.choices[0].completion
+    # Its turn holds this very id list (other calls may have added turns since `complete`).
+    index = next(i for i in range(len(session.turns) - 1, -1, -1)
+                 if session.turns[i].completion_ids is completion.completion_ids)
+    rid = response_id(session, index, bool(req.instructions)) if req.store is not False \
+        else f"resp_{uuid.uuid4().hex}"
+    if not req.stream:
+        return JSONResponse(response_json(req, rid, result))
+    return StreamingResponse(events(req, rid, result), media_type="text/event-stream")
