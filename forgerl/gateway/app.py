@@ -196,6 +196,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
         req, conversation = chat.parse(await request.body())
+        if req.stream:
+            return chat.respond_stream(req, gateway.stream(session, conversation))
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
         return chat.respond(req, result)

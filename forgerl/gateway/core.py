@@ -1,11 +1,12 @@
 """The gateway core: one model call, whatever protocol asked for it, recorded token-in-token-out.
 
-Data flow: protocol module --`Conversation`--> `Gateway.complete`: render with TITO (the
-session's turn tree reuses the exact ids of earlier turns; sessions.py), prefill a forced tool
-call, clamp max_tokens to the context, dispatch the token ids to the rollout engine (n choices at
-once), cut each choice at its stop strings and parse its tool calls (replies.py), record every
-choice as a `Completion` in the data pool and as a turn of the session --> `Result` back to the
-protocol, which answers in its own wire format.
+Data flow: protocol module --`Conversation`--> `Gateway.complete` (or its token-streaming twin
+`Gateway.stream`): render with TITO (the session's turn tree reuses the exact ids of earlier
+turns; sessions.py), prefill a forced tool call, clamp max_tokens to the context, dispatch the
+token ids to the rollout engine (n choices at once), cut each choice at its stop strings and
+parse its tool calls (replies.py), record every choice as a `Completion` in the data pool and
+as a turn of the session --> `Result` back to the protocol, which answers in its own wire
+format.
 
 How a protocol plugs in (protocols/chat.py is the worked example; Responses, Anthropic
 Messages and Completions modules follow the same four steps):
@@ -23,9 +24,14 @@ Messages and Completions modules follow the same four steps):
    authentication (app.py). That call renders, dispatches, records and parses; a protocol never
    touches the engine, the pool or the renderer, and never records anything itself.
 4. Turn `result.choices` (each: `reply` message, `finish_reason`, `completion` for usage and
-   ids, `logprobs`) into the wire response, or into stream events. Streams currently replay a
-   finished `Result`; a token-streaming twin of `complete` will yield the same choices' deltas
-   and record once, at the end, from the ids.
+   ids, `logprobs`) into the wire response. For a stream, iterate `gateway.stream(session,
+   conversation)` instead: `Started` (prompt_tokens, as soon as the call is dispatched), then
+   `Delta`s (content text, or one whole tool call once its block closed; logprobs of the new
+   tokens; `sampled_at`), then the same `Result` `complete` would give, recorded once, at the
+   end, from the ids. Map each to the protocol's SSE events and hand the strings to
+   `protocols.chat.EventStream` (headers with the first event, errors before it as JSON,
+   client disconnect watched, the iterator closed at the end). Closing the iterator early
+   aborts the engine streams and records nothing.
 
 Errors: `GatewayError` (errors.py) with the status and OpenAI fields; when `complete` raises,
 nothing of that call is recorded and earlier records are untouched.
@@ -34,18 +40,20 @@ nothing of that call is recorded and earlier records are untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forgerl.datapool.base import DataPool
-from forgerl.engines.base import RolloutEngine
-from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool
+from forgerl.engines.base import RolloutEngine, TokenEvent
+from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
 from forgerl.gateway.errors import GatewayError, unsupported
-from forgerl.gateway.renderer import ChatMLRenderer
-from forgerl.gateway.replies import cut_at_stop, finish_reply
+from forgerl.gateway.renderer import CALL_OPEN, ChatMLRenderer
+from forgerl.gateway.replies import IncrementalDecoder, ReplyStream, cut_at_stop, finish_reply
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore, Turn
 from forgerl.types import Completion, GenerateOutput, SamplingParams
 
@@ -98,6 +106,89 @@ class Result:
     def completion_tokens(self) -> int:
         """Recorded completion ids over all choices (OpenAI's usage counts every choice)."""
         return sum(len(c.completion.completion_ids) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Started:
+    """First event of `Gateway.stream`: the call passed every check and was dispatched.
+
+    prompt_tokens: prompt length in ids (usage). started_at: time.time() at dispatch.
+    """
+
+    prompt_tokens: int
+    started_at: float
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of choice `index`: content text or one recognised tool call.
+
+    text: content delta ("" for a tool call); the deltas of a choice join to its reply content.
+    tool_call: a whole parsed call (id, name, arguments JSON text) once its block closed, the
+        `call_index`-th of the choice. logprobs: when the conversation asked for them, the
+        recorded entries of the sampled ids not yet covered (None: none new); the entries the
+        deltas did not carry are the tail of the Result's `Choice.logprobs`.
+    sampled_at: time.perf_counter() when the engine sampled the latest id in this delta.
+    """
+
+    index: int
+    text: str = ""
+    tool_call: ToolCall | None = None
+    call_index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    sampled_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One prepared model call (`Gateway.prepare`): what dispatch, cut, parse and record need.
+
+    prefix: prefilled reply text (its ids end prompt_ids). params: one per choice. closes: the
+    strings that end a choice and stay in its text. declared: names of the rendered tools (None:
+    no tool parsing). weight_version: the engine's version at dispatch.
+    """
+
+    conv: Conversation
+    tools: tuple[Tool, ...]
+    plan: PromptPlan
+    prefix: str
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    closes: tuple[str, ...]
+    declared: set[str] | None
+    started_at: float
+    weight_version: int
+
+
+async def _merged(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as they come (one task each; one source is read
+    directly). Closing this iterator cancels and closes every source."""
+    if len(sources) == 1:
+        async with contextlib.aclosing(sources[0]) as source:
+            async for item in source:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[Any]) -> None:
+        try:
+            async for item in source:
+                queue.put_nowait((False, item))
+            queue.put_nowait((True, None))
+        except Exception as e:
+            queue.put_nowait((True, e))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        for _ in tasks:
+            while not (item := await queue.get())[0]:
+                yield item[1]
+            if item[1] is not None:
+                raise item[1]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -246,6 +337,24 @@ class Gateway:
             raise GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
                                type="server_error") from e
 
+    def prepare(self, session: Session, conv: Conversation,
+                plan: PromptPlan | None = None) -> Call:
+        """Check, render (TITO) and parametrise one call; raises GatewayError (see `check`,
+        `sampling_params`). Nothing is dispatched or recorded."""
+        tools = self.check(conv)
+        if plan is None:
+            plan = session.plan(conv.messages, tools, self.renderer)
+        prefix = self.prefill(conv)
+        prompt_ids = plan.prompt_ids + self.renderer.encode(prefix)
+        base = self.sampling_params(session, conv, len(prompt_ids))
+        params = [base if base.seed is None else dataclasses.replace(
+            base, seed=(base.seed + i) % 2**63) for i in range(conv.n)]
+        closes = (self.renderer.call_close,) if tools and not conv.parallel_tool_calls else ()
+        declared = {t.name for t in tools} if tools else None
+        self.counters["requests"] += 1
+        return Call(conv, tools, plan, prefix, prompt_ids, params, closes, declared,
+                    time.time(), self.engine.weight_version)  # stamped right before dispatch
+
     async def complete(
         self, session: Session, conv: Conversation, plan: PromptPlan | None = None
     ) -> Result:
@@ -258,38 +367,139 @@ class Gateway:
         `sampling_params`, `generate`; 409 when the trajectory takes no completions); nothing of
         this call is recorded then.
         """
-        tools = self.check(conv)
-        if plan is None:
-            plan = session.plan(conv.messages, tools, self.renderer)
-        prefix = self.prefill(conv)
-        prompt_ids = plan.prompt_ids + self.renderer.encode(prefix)
-        base = self.sampling_params(session, conv, len(prompt_ids))
-        params = [base if base.seed is None else dataclasses.replace(
-            base, seed=(base.seed + i) % 2**63) for i in range(conv.n)]
-        self.counters["requests"] += 1
-        started_at = time.time()
-        weight_version = self.engine.weight_version  # stamped right before dispatch
-        outs = await self.generate(session, prompt_ids, params)
+        call = self.prepare(session, conv, plan)
+        outs = await self.generate(session, call.prompt_ids, call.params)
+        return self.finish(session, call, outs)
+
+    def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
+               streamed: Sequence[ReplyStream] | None = None) -> Result:
+        """Cut, parse and record the choices of `call` from the engine outputs (one per choice).
+
+        `streamed`: the stream state of each choice; its reply (content and tool calls, with the
+        call ids the client saw) replaces the parsed one, the finish reason stays the parse's.
+        Raises GatewayError 409 (see `record`).
+        """
         ended_at = time.time()
-        closes = (self.renderer.call_close,) if tools and not conv.parallel_tool_calls else ()
-        declared = {t.name for t in tools} if tools else None
         choices = []
-        for i, (out, p) in enumerate(zip(outs, params, strict=True)):
+        for i, (out, p) in enumerate(zip(outs, call.params, strict=True)):
             cut = cut_at_stop(self.renderer.decode, out.completion_ids,
-                              self.renderer.end_of_turn_id, prefix, conv.sampling.stop, closes)
-            reply, finish, errors = finish_reply(cut, out.finish_reason, declared)
+                              self.renderer.end_of_turn_id, call.prefix, call.conv.sampling.stop,
+                              call.closes)
+            reply, finish, errors = finish_reply(cut, out.finish_reason, call.declared)
+            if streamed is not None:
+                reply = Message("assistant", streamed[i].content, tuple(streamed[i].calls))
             self.counters["tool_parse_errors"] += len(errors)
             self.counters["tokens_after_stop"] += len(out.completion_ids) - cut.keep
             k = cut.keep
             completion = Completion(
-                prompt_ids=prompt_ids, completion_ids=list(out.completion_ids[:k]),
+                prompt_ids=call.prompt_ids, completion_ids=list(out.completion_ids[:k]),
                 logprobs=list(out.logprobs[:k]), weight_versions=list(out.weight_versions[:k]),
-                weight_version=weight_version, finish_reason=finish, sampling=p,
-                started_at=started_at, ended_at=ended_at, extends_previous=plan.extends_previous)
+                weight_version=call.weight_version, finish_reason=finish, sampling=p,
+                started_at=call.started_at, ended_at=ended_at,
+                extends_previous=call.plan.extends_previous)
             choices.append(Choice(i, completion, reply,
-                                  self.token_logprobs(completion) if conv.logprobs else None))
-        self.record(session, conv, tools, plan, choices)
-        return Result(choices, len(prompt_ids), started_at)
+                                  self.token_logprobs(completion) if call.conv.logprobs else None))
+        self.record(session, call.conv, call.tools, call.plan, choices)
+        return Result(choices, len(call.prompt_ids), call.started_at)
+
+    async def stream(
+        self, session: Session, conv: Conversation, plan: PromptPlan | None = None
+    ) -> AsyncIterator[Started | Delta | Result]:
+        """The token-streaming twin of `complete`: `Started`, then `Delta`s as the engine
+        samples, then the `Result`, recorded exactly as `complete` records it.
+
+        Each choice runs on `engine.stream` (an engine without it is replayed from `generate`).
+        A delta is sent once its text is certain (`ReplyStream`, `IncrementalDecoder`); a stop
+        string closes that choice's engine stream at once. Recording happens once, after every
+        choice ended, from the ids. Closing this iterator (or cancelling its consumer) before the
+        Result aborts every engine stream and records nothing: the sampled part of an aborted
+        call is never a trainable completion (the trainer trains every recorded completion), and
+        the agent's retry extends the previous turn as if the call never happened; it counts in
+        `client_disconnects`. Raises GatewayError as `complete` (before `Started` for a bad
+        request; 500 `engine_error` from the engine; 409 when recording).
+        """
+        call = self.prepare(session, conv, plan)
+        yield Started(len(call.prompt_ids), call.started_at)
+        states = [ReplyStream(call.prefix, conv.sampling.stop, call.closes, call.declared,
+                              CALL_OPEN,
+                              self.renderer.call_close) for _ in call.params]
+        outs: list[GenerateOutput | None] = [None] * len(states)
+        sources = [self._choice(session, i, call, s) for i, s in enumerate(states)]
+        try:
+            async with contextlib.aclosing(_merged(sources)) as events:
+                async for item in events:
+                    if isinstance(item, Delta):
+                        yield item
+                    else:
+                        outs[item[0]] = item[1]
+        except (asyncio.CancelledError, GeneratorExit):
+            self.counters["client_disconnects"] += 1
+            raise
+        yield self.finish(session, call, [o for o in outs if o is not None], states)
+
+    async def _choice(self, session: Session, i: int, call: Call, state: ReplyStream,
+                      ) -> AsyncIterator[Delta | tuple[int, GenerateOutput]]:
+        """One choice: engine events -> deltas, then (i, the output to cut and record)."""
+        decoder = IncrementalDecoder(self.renderer.decode)
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        sent = calls = 0  # tokens whose logprobs went out with a delta; tool calls sent
+        out: GenerateOutput | None = None
+        engine = self._engine_stream(call.prompt_ids, call.params[i])
+        try:
+            async with contextlib.aclosing(engine):
+                async for ev in engine:
+                    if isinstance(ev, GenerateOutput):
+                        out = ev
+                        pieces = state.feed(decoder.flush()) + state.finish()
+                    else:
+                        ids.append(ev.token_id)
+                        lps.append(ev.logprob)
+                        versions.append(ev.weight_version)
+                        pieces = state.feed(decoder.push(ev.token_id))
+                    eot = 1 if ids and ids[-1] == self.renderer.end_of_turn_id else 0
+                    at = ev.sampled_at if isinstance(ev, TokenEvent) else time.perf_counter()
+                    for piece in pieces:
+                        if isinstance(piece, ToolCall):
+                            yield Delta(i, "", piece, calls, None, at)
+                            calls += 1
+                            continue
+                        lp = None
+                        if call.conv.logprobs and not state.stopped and out is None:
+                            lp = tuple(self._token_logprob(t, x) for t, x in
+                                       zip(ids[sent:len(ids) - eot], lps[sent:], strict=False))
+                            sent = len(ids) - eot
+                        yield Delta(i, piece, None, 0, lp, at)
+                    if state.stopped:
+                        break  # closes the engine stream: no compute past a stop string
+        except Exception as e:
+            self.counters["engine_errors"] += 1
+            log.exception("engine failed on trajectory %s", session.trajectory_id)
+            raise GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
+                               type="server_error") from e
+        if out is None or state.stopped:
+            out = GenerateOutput(ids, lps, versions, "stop" if state.stopped else "abort")
+        yield i, out
+
+    def _engine_stream(self, prompt_ids: list[int], params: SamplingParams,
+                       ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        stream = getattr(self.engine, "stream", None)
+        return stream(prompt_ids, params) if stream is not None else self._replay(prompt_ids,
+                                                                                     params)
+
+    async def _replay(self, prompt_ids: list[int], params: SamplingParams,
+                      ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """A finished `generate` as a stream (engines without `stream`)."""
+        out = await self.engine.generate(prompt_ids, params)
+        now = time.perf_counter()
+        for t, lp, v in zip(out.completion_ids, out.logprobs, out.weight_versions, strict=True):
+            yield TokenEvent(t, lp, v, now)
+        yield out
+
+    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+        text = self.renderer.decode([token_id])
+        return TokenLogprob(text, logprob, tuple(text.encode()))
 
     def record(self, session: Session, conv: Conversation, tools: tuple[Tool, ...],
                plan: PromptPlan, choices: list[Choice]) -> None:

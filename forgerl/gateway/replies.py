@@ -8,6 +8,11 @@ the ids decoded past it are dropped from the record. That is what an engine that
 string records (the stopping rule depends only on the prefix, so the kept ids have the same
 distribution), and it keeps turn k+1's prompt an extension of what the agent saw at turn k.
 Every kept id stays in the loss, including those of the stop string itself.
+
+Streaming (`Gateway.stream`): `IncrementalDecoder` turns each sampled id into the text it makes
+decodable, and `ReplyStream` applies the same stop, close and tool-call rules to that text as it
+grows, so the client gets each delta once it is certain and the engine is stopped as soon as a
+stop string completes; the record is then cut by `cut_at_stop`, exactly as without streaming.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from forgerl.gateway.conversation import Message
+from forgerl.gateway.conversation import Message, ToolCall
 from forgerl.gateway.tool_parsers import parse_tool_calls
 
 
@@ -58,12 +63,7 @@ def cut_at_stop(
     """
     body = ids[:-1] if ids and ids[-1] == end_of_turn_id else ids
     full = prefix + decode(body)
-    best: tuple[int, int, bool] | None = None  # (end offset, start offset, text keeps match)
-    for strings, keeps in ((stops, False), (closes, True)):
-        for s in strings:
-            start = full.find(s, max(0, len(prefix) - len(s) + 1))  # must end in sampled text
-            if start >= 0 and (best is None or start + len(s) < best[0]):
-                best = (start + len(s), start, keeps)
+    best = first_stop(full, 0, len(prefix), stops, closes)
     if best is None:
         return Cut(len(ids), full, False)
     end, start, keeps = best
@@ -96,3 +96,158 @@ def finish_reply(
         finish = "tool_calls"
     errors = parsed.errors if finish != "length" else []
     return Message("assistant", parsed.content or "", tuple(parsed.tool_calls)), finish, errors
+
+
+def first_stop(
+    text: str, since: int, prefix_len: int, stops: Sequence[str], closes: Sequence[str]
+) -> tuple[int, int, bool] | None:
+    """The stop or close match of `text` that ends first: (end, start, text keeps match).
+
+    Only matches that end in sampled text (after `prefix_len` characters) and after `since` are
+    looked for (a stream passes the length it had already searched). None: no match.
+    """
+    best: tuple[int, int, bool] | None = None
+    for strings, keeps in ((stops, False), (closes, True)):
+        for s in strings:
+            start = text.find(s, max(0, prefix_len - len(s) + 1, since - len(s) + 1))
+            if start >= 0 and (best is None or start + len(s) < best[0]):
+                best = (start + len(s), start, keeps)
+    return best
+
+
+class IncrementalDecoder:
+    """Sampled ids -> text deltas, each as soon as it decodes to whole characters.
+
+    A delta is the decoding of a short window of ids minus the decoding of its first part (so a
+    tokenizer that drops a leading space at the start of a decode still spaces words right); a
+    window ending in U+FFFD (bytes of a character still to come) is held back until the next id
+    completes it, or `flush`. The deltas of a completion join to `decode(ids)`. Cost per id:
+    two decodes of a few ids.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self._prefix = self._read = 0  # ids[_prefix:_read] decoded already; ids[:_read] emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one sampled id; the text it makes decodable ("" while bytes are held back)."""
+        self.ids.append(token_id)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """The text of held-back ids (U+FFFD for bytes that never completed a character)."""
+        return self._delta(final=True) if self._read < len(self.ids) else ""
+
+    def _delta(self, final: bool) -> str:
+        done = self.decode(self.ids[self._prefix : self._read])
+        text = self.decode(self.ids[self._prefix :])
+        if len(text) > len(done) and (final or not text.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(done) :]
+        return ""
+
+
+class ReplyStream:
+    """Decoded text -> content deltas and tool calls, each as soon as it is certain.
+
+    The streaming twin of `cut_at_stop` + `finish_reply` (same stop, close, prefix and tool
+    rules): text that could still be the start of a stop string or (when tools are parsed) of
+    `<tool_call>` is held back; a `<tool_call>` block is held until it closes, then comes out as
+    one `ToolCall` when it parses and as text when it does not (or never closes). When tools are
+    parsed, whitespace at the end of the content is held back and dropped once a call is found,
+    as the non-streamed reply strips it. `stopped` turns True when a stop or close string
+    completes: everything after it is dropped and the caller stops the engine.
+
+    The content deltas join to the non-streamed reply's content for any chunking of the same
+    text; the one exception is whitespace at the very start of content that comes before a tool
+    call (already sent when the call appears; the non-streamed reply strips it; sessions compare
+    stripped content, so TITO reuse is unaffected).
+    """
+
+    def __init__(self, prefix: str, stops: Sequence[str], closes: Sequence[str],
+                 declared: set[str] | None, open_string: str, close_string: str):
+        self.text, self.prefix_len, self.done = prefix, len(prefix), 0
+        self.stops, self.closes, self.declared = tuple(stops), tuple(closes), declared
+        self.open, self.close = (open_string if declared is not None else ""), close_string
+        self.holds = self.stops + ((self.open,) if self.open else ())
+        self.stopped = False
+        self.content = ""  # the content sent so far
+        self.calls: list[ToolCall] = []
+        self._ws = ""  # whitespace held back (tools parsed)
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        """Add decoded text; the content pieces and tool calls now certain, in order."""
+        searched = len(self.text)
+        self.text += delta
+        match = first_stop(self.text, searched, self.prefix_len, self.stops, self.closes)
+        if match is not None:
+            end, start, keeps = match
+            self.stopped = True
+            return self._settle(max(end if keeps else start, self.done), final=True)
+        return self._settle(len(self.text) - self._partial(), final=False)
+
+    def finish(self) -> list[str | ToolCall]:
+        """The generation ended (not at a stop string): settle all that is held back."""
+        return [] if self.stopped else self._settle(len(self.text), final=True)
+
+    def _partial(self) -> int:
+        """Length of the longest suffix of the text that a held string could start with."""
+        longest = 0
+        for s in self.holds:
+            for k in range(min(len(s) - 1, len(self.text) - self.done), longest, -1):
+                if self.text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _settle(self, limit: int, final: bool) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        text, opener = self.text, self.open
+        while self.done < limit:
+            j = text.find(opener, self.done, limit) if opener else -1
+            if j < 0:
+                self._content(out, text[self.done : limit])
+                self.done = limit
+                break
+            self._content(out, text[self.done : j])
+            self.done = j
+            body = j + len(opener)
+            close, again = text.find(self.close, body, limit), text.find(opener, body, limit)
+            if again >= 0 and (close < 0 or again < close):  # a block opened inside: text
+                self._content(out, text[j:again])
+                self.done = again
+                continue
+            if close < 0:  # still open: held, or text when the reply ends here
+                if final:
+                    self._content(out, text[j:limit])
+                    self.done = limit
+                break
+            block = text[j : close + len(self.close)]
+            parsed = parse_tool_calls(block, self.declared)
+            if parsed.tool_calls:
+                self.calls.append(parsed.tool_calls[0])
+                out.append(parsed.tool_calls[0])
+            else:
+                self._content(out, block)
+            self.done = close + len(self.close)
+        if final and self._ws and not self.calls:
+            out.append(self._ws)
+            self.content += self._ws
+        if final:
+            self._ws = ""
+        return out
+
+    def _content(self, out: list[str | ToolCall], piece: str) -> None:
+        if not piece:
+            return
+        if self.declared is not None:
+            piece = self._ws + piece
+            if not self.content and self.calls:
+                piece = piece.lstrip()
+            body = piece.rstrip()
+            piece, self._ws = body, piece[len(body) :]
+            if not piece:
+                return
+        out.append(piece)
+        self.content += piece

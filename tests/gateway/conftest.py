@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
+from forgerl.engines.base import TokenEvent
 from forgerl.gateway.app import Gateway, GatewayServer
 from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderer import ChatMLRenderer
@@ -36,6 +37,8 @@ class Scripted:
     logprobs: list[float]
     delay_s: float = 0.0
     """Seconds the engine 'decodes' before answering (a slow generation that can be cancelled)."""
+    token_delay_s: float = 0.0
+    """stream() only: seconds before each token is 'sampled' (after delay_s)."""
 
 
 class ScriptedEngine:
@@ -43,7 +46,9 @@ class ScriptedEngine:
 
     A scripted item longer than params.max_tokens is cut there with finish "length"; otherwise
     finish is "stop" when the last id is a stop id. An Exception item is raised instead.
-    `cancelled` holds the time.monotonic() of every generate() cancelled during its delay.
+    `cancelled` holds the time.monotonic() of every generate() cancelled during its delay, and
+    of every stream() closed or cancelled before its GenerateOutput; `streamed` holds, per
+    stream() call, the TokenEvents it yielded so far (what the engine 'computed').
     """
 
     def __init__(self, script: list[Scripted | Exception], max_model_len: int = 4096):
@@ -52,6 +57,7 @@ class ScriptedEngine:
         self.weight_version = 0
         self.calls: list[tuple[list[int], SamplingParams]] = []
         self.cancelled: list[float] = []
+        self.streamed: list[list[TokenEvent]] = []
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         self.calls.append((list(prompt_ids), params))
@@ -68,6 +74,32 @@ class ScriptedEngine:
         ids, lps = item.ids[: params.max_tokens], item.logprobs[: params.max_tokens]
         finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
         return GenerateOutput(ids, lps, [self.weight_version] * len(ids), finish)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams):
+        """generate() token by token: each scripted id after `token_delay_s`, then the output."""
+        self.calls.append((list(prompt_ids), params))
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("prompt + max_tokens exceeds max_model_len")
+        item = self.script.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        events: list[TokenEvent] = []
+        self.streamed.append(events)
+        ids, lps = item.ids[: params.max_tokens], item.logprobs[: params.max_tokens]
+        done = False
+        try:
+            await asyncio.sleep(item.delay_s)
+            for t, lp in zip(ids, lps, strict=True):
+                if item.token_delay_s:
+                    await asyncio.sleep(item.token_delay_s)
+                events.append(TokenEvent(t, lp, self.weight_version, time.perf_counter()))
+                yield events[-1]
+            finish = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
+            done = True
+            yield GenerateOutput(ids, lps, [e.weight_version for e in events], finish)
+        finally:
+            if not done:
+                self.cancelled.append(time.monotonic())
 
     async def update_weights(self, state_dict, version: int) -> None:
         self.weight_version = version

@@ -2,7 +2,8 @@
 
 Data flow: POST /v1/chat/completions body --`parse`--> (`ChatRequest`, `Conversation`) -->
 `Gateway.complete` (core.py: renders, dispatches, records, parses) --`respond`--> a
-`chat.completion` object, or `chat.completion.chunk` SSE events with `stream: true`.
+`chat.completion` object; with `stream: true`, `Gateway.stream` --`respond_stream`-->
+`chat.completion.chunk` SSE events, each sent as soon as the engine sampled its tokens.
 
 Every request field of the official API is honoured or refused with a 400 naming it; a field the
 official API does not know is a 400 too ("Unrecognized request argument supplied", as OpenAI
@@ -27,12 +28,15 @@ web_search_options, functions / function_call (use tools), non-text content part
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.gateway.conversation import (
@@ -44,8 +48,10 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Result
-from forgerl.gateway.errors import parse_body, unsupported
+from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
+from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+
+log = logging.getLogger(__name__)
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
@@ -294,8 +300,7 @@ def message_json(reply: Message) -> dict[str, Any]:
 def _logprobs(c: Choice) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
-    content = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
-                "top_logprobs": []} for t in c.logprobs]
+    content = [_token_json(t) for t in c.logprobs]
     return {"content": content, "refusal": None}
 
 
@@ -313,38 +318,137 @@ def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
             "model": model, "choices": choices, "usage": _usage(result)}
 
 
-def chat_chunks(cid: str, model: str, result: Result, include_usage: bool) -> Iterator[str]:
-    """SSE lines of a `chat.completion.chunk` stream: per choice its role, content (with the
-    choice's logprobs; on the finish chunk when there is no content), tool calls and finish;
-    then usage when asked; then `[DONE]`."""
+class EventStream(Response):
+    """An SSE response over an async iterator of event strings, for any protocol.
+
+    Headers go out with the first event (a GatewayError before it is a plain JSON error answer,
+    through the app's handlers); a GatewayError or other failure after it becomes
+    `error_event(e)` and the stream ends. The client's disconnect (watched for the whole call,
+    the wait for the first event included) cancels the iteration; the iterator is closed when
+    the response ends, whatever the reason, so `Gateway.stream` aborts its engine streams at
+    once instead of at garbage collection.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], error_event: Callable[[GatewayError], str]):
+        self.status_code, self.background = 200, None
+        self.init_headers()  # no body: no Content-Length
+        self.events, self.error_event = events, error_event
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with contextlib.aclosing(self.events) as events:
+            pump = asyncio.ensure_future(self._pump(events, send))
+            watch = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watch.cancel()
+                if not pump.done():
+                    pump.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pump
+            if not pump.cancelled():
+                pump.result()  # a GatewayError before the first event: the app answers it
+
+    async def _pump(self, events: AsyncIterator[str], send: Any) -> None:
+        first = await anext(events, None)
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            if first is not None:
+                await send({"type": "http.response.body", "body": first.encode(),
+                            "more_body": True})
+            async for event in events:
+                await send({"type": "http.response.body", "body": event.encode(),
+                            "more_body": True})
+        except GatewayError as e:
+            await send({"type": "http.response.body", "body": self.error_event(e).encode(),
+                        "more_body": True})
+        except Exception as e:
+            log.exception("stream failed")
+            error = GatewayError(500, f"internal error: {type(e).__name__}: {e}",
+                                 "internal_error", type="server_error")
+            await send({"type": "http.response.body", "body": self.error_event(error).encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def error_event(e: GatewayError) -> str:
+    """A failure after the stream began, as the OpenAI API sends it (the SDK raises it)."""
+    return _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                           "code": e.code}})
+
+
+async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delta | Result],
+                      include_usage: bool) -> AsyncIterator[str]:
+    """SSE lines of a `chat.completion.chunk` stream from `Gateway.stream` events: per choice
+    its role (with its first delta), content deltas (each with the logprobs of its new
+    tokens), each tool call as one chunk (id, name, whole arguments), and its finish (with
+    the logprobs not sent yet); then usage when asked; then `[DONE]`."""
+    created = 0
+    opened: set[int] = set()
+    sent: dict[int, int] = {}
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": int(result.started_at),
-               "model": model, "choices": [] if choice is None else [choice], **extra}
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": [] if choice is None else [choice], **extra})
 
-    for c in result.choices:
-        def delta(d: dict[str, Any], finish: str | None = None, lp: Any = None,
-                  i: int = c.index) -> str:
-            return chunk({"index": i, "delta": d, "finish_reason": finish, "logprobs": lp})
+    def delta(i: int, d: dict[str, Any], finish: str | None = None, lp: Any = None) -> str:
+        head = "" if i in opened else chunk({"index": i, "delta": {"role": "assistant",
+                                             "content": ""}, "finish_reason": None,
+                                             "logprobs": None})
+        opened.add(i)
+        return head + chunk({"index": i, "delta": d, "finish_reason": finish, "logprobs": lp})
 
-        yield delta({"role": "assistant", "content": ""})
-        if c.reply.content:
-            yield delta({"content": c.reply.content}, lp=_logprobs(c))
-        for j, call in enumerate(_tool_calls(c.reply)):
-            yield delta({"tool_calls": [{"index": j, **call}]})
-        yield delta({}, c.finish_reason, None if c.reply.content else _logprobs(c))
-    if include_usage:
-        yield chunk(None, usage=_usage(result))
+    async with contextlib.aclosing(events) as stream:
+        async for ev in stream:
+            if isinstance(ev, Started):
+                created = int(ev.started_at)
+            elif isinstance(ev, Delta) and ev.tool_call is not None:
+                call = ev.tool_call  # whole once its block closed: one chunk per call
+                yield delta(ev.index, {"tool_calls": [{
+                    "index": ev.call_index, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]})
+            elif isinstance(ev, Delta):
+                lp = None
+                if ev.logprobs is not None:
+                    lp = {"content": [_token_json(t) for t in ev.logprobs], "refusal": None}
+                    sent[ev.index] = sent.get(ev.index, 0) + len(ev.logprobs)
+                yield delta(ev.index, {"content": ev.text}, lp=lp)
+            elif isinstance(ev, Result):
+                for c in ev.choices:
+                    lp = None
+                    if c.logprobs is not None:
+                        rest = c.logprobs[sent.get(c.index, 0):]
+                        lp = {"content": [_token_json(t) for t in rest], "refusal": None}
+                    yield delta(c.index, {}, c.finish_reason, lp)
+                if include_usage:
+                    yield chunk(None, usage=_usage(ev))
     yield "data: [DONE]\n\n"
 
 
-def respond(req: ChatRequest, result: Result) -> JSONResponse | StreamingResponse:
-    """The HTTP answer: JSON, or an SSE stream with `stream: true`. (A JSONResponse skips
-    FastAPI's per-field `jsonable_encoder` walk, which the plain dict would go through.)"""
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
-    if not req.stream:
-        return JSONResponse(chat_response(cid, req.model, result))
+def _token_json(t: TokenLogprob) -> dict[str, Any]:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": []}
+
+
+def respond(req: ChatRequest, result: Result) -> JSONResponse:
+    """The HTTP answer of a plain call. (A JSONResponse skips FastAPI's per-field
+    `jsonable_encoder` walk, which the plain dict would go through.)"""
+    return JSONResponse(chat_response(f"chatcmpl-{uuid.uuid4().hex}", req.model, result))
+
+
+def respond_stream(req: ChatRequest, events: AsyncIterator[Started | Delta | Result],
+                   ) -> EventStream:
+    """The HTTP answer of `stream: true`: `Gateway.stream` events as chat chunks."""
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(chat_chunks(cid, req.model, result, usage),
-                             media_type="text/event-stream")
+    return EventStream(chat_chunks(f"chatcmpl-{uuid.uuid4().hex}", req.model, events, usage),
+                       error_event)
