@@ -216,6 +216,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         """Anthropic Messages (plain or SSE), recorded token-in-token-out."""
         session = authenticate_key(gateway, request.headers)
         req, conversation = anthropic.parse(await request.body())
+        if req.stream:
+            return anthropic.respond_stream(req, conversation,
+                                            gateway.stream(session, conversation), gateway)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
         return anthropic.respond(req, conversation, result, gateway)

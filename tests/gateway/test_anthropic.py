@@ -8,8 +8,10 @@ Scripted engine, byte tokenizer (one id per ASCII character). Pins:
 - a full tool loop (tool_use -> tool_result -> answer): turn 2's prompt is turn 1's prompt +
   completion ids + the tool result, `extends_previous`, no prefix miss; tool_choice any / tool /
   none prefill or drop the tool section as chat's required / named / none do.
-- messages.stream (text; tool_use with input_json_delta): the SDK's final message equals the
-  non-streamed one, and the stream records the same ids.
+- messages.stream (text; tool_use with input_json_delta), token by token through Gateway.stream
+  (the first text_delta arrives while the engine samples): the SDK's final message equals the
+  non-streamed one for any chunking, and the stream records the same ids; an engine failure
+  mid-stream is an Anthropic `api_error` event.
 - auth by `x-api-key` (with `anthropic-version`) as well as `Authorization: Bearer`; errors are
   `{"type": "error", "error": {"type", "message"}}`: unknown key 401 authentication_error, bad or
   refused bodies 400 invalid_request_error naming the field, unknown model 404 not_found_error,
@@ -23,6 +25,7 @@ Scripted engine, byte tokenizer (one id per ASCII character). Pins:
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -31,7 +34,7 @@ import pytest
 from forgerl.gateway.protocols import anthropic as wire
 from forgerl.gateway.renderer import ChatMLRenderer
 
-from .conftest import ScriptedEngine, render, reply
+from .conftest import Scripted, ScriptedEngine, render, reply
 from .test_tito import WEATHER, tool_call_text
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -302,3 +305,28 @@ def test_engine_failure_in_a_stream_is_an_anthropic_error(serve, tokenizer):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
     assert "GPU fell off" in e.value.body["error"]["message"]
     assert srv.pool.get_trajectory(tid).completions == []
+
+
+def test_stream_sends_text_while_the_engine_decodes_then_tool_use(serve, tokenizer, renderer):
+    """messages.stream goes through Gateway.stream: the first text_delta reaches the client
+    while the engine still samples (~95 ids at 0.02 s each), a text block then a tool_use block,
+    and the record equals what the engine streamed."""
+    text = f"Let me check.{CALL}"
+    scripted = reply(renderer, text)
+    slow = Scripted(scripted.ids, scripted.logprobs, token_delay_s=0.02)
+    srv = serve(ScriptedEngine([slow]), tokenizer)
+    tid, key = srv.session()
+    with client(srv, key).messages.stream(model="tiny", max_tokens=200, messages=USER,
+                                          tools=[TOOL]) as s:
+        first = None
+        for event in s:
+            if event.type == "content_block_delta" and first is None:
+                first = time.perf_counter()
+        final = s.get_final_message()
+    (events,) = srv.engine.streamed
+    assert events[-1].sampled_at - first > 0.5  # ~80 ids after the first delta
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Let me check." and final.stop_reason == "tool_use"
+    assert final.content[1].input == {"city": "Paris"}
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    assert rec.completion_ids == scripted.ids and rec.logprobs == scripted.logprobs

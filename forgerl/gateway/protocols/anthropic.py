@@ -1,28 +1,23 @@
 """Anthropic Messages over the gateway core: wire schema in, `Conversation`, wire JSON out.
 
 Data flow: POST /v1/messages body --`parse`--> (`MessagesRequest`, `Conversation`) -->
-`Gateway.complete` (core.py: renders, dispatches, records, parses) --`respond`--> a `message`
-object, or with `stream: true` the SSE events message_start, content_block_start / _delta
-(`text_delta`, `input_json_delta`, `thinking_delta` + `signature_delta`) / _stop per block,
-message_delta (stop_reason, stop_sequence, usage), message_stop. POST /v1/messages/count_tokens
-answers the `input_tokens` the next call would render (`count_tokens`), recording nothing.
+`Gateway.complete` --`respond`--> a `message` object; with `stream: true`, `Gateway.stream`
+--`respond_stream`--> SSE events as tokens are sampled (message_start, content_block_start /
+_delta (`text_delta`, `input_json_delta`) / _stop, message_delta, message_stop).
+POST /v1/messages/count_tokens answers the next call's `input_tokens` and records nothing.
 
-Honoured: system (string or text blocks, joined by "\\n"), messages with content as a string or
-blocks: text, tool_use (id, name, input), tool_result (tool_use_id, content as a string or text
-blocks; `is_error: true` renders the result as "Error: {content}", ChatML having no error slot),
-thinking (the internal `reasoning`, its signature kept as sent, unchecked); tools with
-input_schema; tool_choice auto / any (a prefilled tool call) / tool (a named, prefilled call) /
-none, `disable_parallel_tool_use`; max_tokens (required); stop_sequences (stop_reason
-"stop_sequence" and the matched `stop_sequence`); temperature; top_p (< 1 refused for training
-sessions, C04); thinking disabled / adaptive (the policy decides; ChatML renders no reasoning).
-Accepted without effect: metadata, service_tier, speed, inference_geo, user_profile_id,
-workspace_id, cache_control (top level and on blocks; the engine keeps its own prefix cache),
-citations on text blocks, the `anthropic-version` and `anthropic-beta` headers.
-Refused with a 400 naming the field: top_k, thinking enabled (no thinking budget control),
-output_config format / effort, container, diagnostics, mcp_servers, context_management, server
-tools (a `type` other than "custom"), blocks other than the above (image, document,
-redacted_thinking, server tool blocks, ...), a final assistant message (prefill), and unknown
-top-level fields. Errors are Anthropic-shaped (errors.GatewayError.anthropic_response).
+Honoured: system (string or text blocks, joined by "\n"); content as a string or blocks text,
+tool_use, tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML
+having no error slot), thinking (the internal `reasoning`; its signature kept as sent,
+unchecked); tools with input_schema; tool_choice auto / any / tool (both prefill a tool call) /
+none, disable_parallel_tool_use; max_tokens; stop_sequences (stop_reason "stop_sequence" with
+the matched string); temperature; top_p (< 1 refused for training sessions, C04); thinking
+disabled / adaptive. Accepted without effect: metadata, service_tier, speed, inference_geo,
+user_profile_id, workspace_id, cache_control, citations, the anthropic-version / -beta headers.
+Refused with a 400 naming the field: top_k, thinking enabled, output_config format / effort,
+container, diagnostics, mcp_servers, context_management, server tools (type other than
+"custom"), other blocks (image, document, redacted_thinking, ...), a final assistant message
+(prefill), unknown top-level fields. Errors are Anthropic-shaped (GatewayError.anthropic_response).
 """
 
 from __future__ import annotations
@@ -30,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from forgerl.gateway.conversation import (
@@ -45,8 +40,9 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Gateway, Result
-from forgerl.gateway.errors import parse_body, unsupported
+from forgerl.gateway.core import Delta, Gateway, Result, Started
+from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.protocols.chat import EventStream
 from forgerl.gateway.sessions import Session
 
 # ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
@@ -99,22 +95,15 @@ Block = Annotated[
 ToolResultBlock.model_rebuild()
 
 
-def _as_blocks(v: Any) -> Any:
-    return [{"type": "text", "text": v}] if isinstance(v, str) else v
-
-
-class MessageIn(_Loose):
-    """One input message; a string `content` is one text block."""
-
+class MessageIn(_Loose):  # a string `content` is one text block
     role: Literal["user", "assistant"]
     content: list[Block]
 
-    _blocks = field_validator("content", mode="before")(_as_blocks)
+    _blocks = field_validator("content", mode="before")(
+        lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)
 
 
-class ToolDecl(_Loose):
-    """A declared tool; custom tools (type absent or "custom") need `input_schema`."""
-
+class ToolDecl(_Loose):  # custom tools (type absent or "custom") need input_schema
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
@@ -131,9 +120,7 @@ class ThinkingConfig(_Loose):
     type: str
 
 
-class PromptRequest(BaseModel):
-    """The fields POST /v1/messages/count_tokens takes (what renders the prompt)."""
-
+class PromptRequest(BaseModel):  # POST /v1/messages/count_tokens: what renders the prompt
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -296,9 +283,8 @@ def parse(raw: bytes) -> tuple[MessagesRequest, Conversation]:
 
 
 def count_tokens(gateway: Gateway, session: Session, raw: bytes) -> dict[str, int]:
-    """POST /v1/messages/count_tokens: the prompt ids the next call would send (with the
-    session's recorded ids reused, and a forced tool call's prefill), counted; nothing is
-    recorded or dispatched. Raises GatewayError (400 body / refused field, 404 model)."""
+    """POST /v1/messages/count_tokens: the length of the prompt ids the next call would send
+    (recorded ids reused, prefill included); nothing recorded. Raises GatewayError 400 / 404."""
     conv = to_conversation(parse_body(raw, PromptRequest))
     tools = gateway.check(conv)
     plan = session.plan(conv.messages, tools, gateway.renderer)
@@ -329,71 +315,84 @@ def content_blocks(reply: Message) -> list[dict[str, Any]]:
     return blocks
 
 
-def stop_reason(choice: Choice, stops: tuple[str, ...], text: str) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a choice; `text` is its kept ids decoded. A "stop"
-    finish is a stop sequence when one occurs in the text (the core cut it there), the one
-    completing first; else the end of the turn."""
-    named = {"tool_calls": "tool_use", "length": "max_tokens"}
-    if choice.finish_reason in named:
-        return named[choice.finish_reason], None
-    found = [(text.find(s) + len(s), s) for s in stops if s in text]
-    return ("stop_sequence", min(found)[1]) if found else ("end_turn", None)
-
-
-def message_json(mid: str, model: str, result: Result, reason: tuple[str, str | None]
-                 ) -> dict[str, Any]:
-    """An Anthropic `message` object for the single choice of `result`."""
+def ending(result: Result, stops: tuple[str, ...], decode: Callable[[list[int]], str]
+           ) -> dict[str, Any]:
+    """stop_reason, stop_sequence and usage of `result`'s choice: a "stop" finish whose kept ids
+    decode to text holding a stop string (the core cut there) is that "stop_sequence"."""
     c = result.choices[0]
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content":
-            content_blocks(c.reply), "stop_reason": reason[0], "stop_sequence": reason[1],
-            "usage": {"input_tokens": result.prompt_tokens,
-                      "output_tokens": len(c.completion.completion_ids)}}
+    ids = c.completion.completion_ids
+    text, sequence = decode(ids), None
+    reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(c.finish_reason, "end_turn")
+    found = [(text.find(s) + len(s), s) for s in stops if s in text]
+    if c.finish_reason == "stop" and found:
+        reason, sequence = "stop_sequence", min(found)[1]
+    return {"stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": len(ids)}}
+
+
+def _head(mid: str, model: str, prompt_tokens: int) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
 
 
 def _sse(kind: str, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-def _block_events(index: int, block: dict[str, Any]) -> Iterator[str]:
-    kind = block["type"]
-    if kind == "text":
-        start, deltas = {**block, "text": ""}, [{"type": "text_delta", "text": block["text"]}]
-    elif kind == "thinking":
-        start = {"type": "thinking", "thinking": "", "signature": ""}
-        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                  {"type": "signature_delta", "signature": block["signature"]}]
-    else:
-        start = {**block, "input": {}}
-        deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
-    yield _sse("content_block_start", index=index, content_block=start)
-    for d in deltas:
-        yield _sse("content_block_delta", index=index, delta=d)
-    yield _sse("content_block_stop", index=index)
+def error_event(e: GatewayError) -> str:
+    """A failure after the stream began, as the Messages API sends it (the SDK raises it)."""
+    return f"event: error\ndata: {bytes(e.anthropic_response().body).decode()}\n\n"
 
 
-def message_events(message: dict[str, Any]) -> Iterator[str]:
-    """The SSE events of a finished `message` object, in the order the Messages API sends
-    them; the SDK's accumulated final message equals `message`."""
-    usage = message["usage"]
-    head = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": usage["input_tokens"], "output_tokens": 0}}
-    yield _sse("message_start", message=head)
-    for i, block in enumerate(message["content"]):
-        yield from _block_events(i, block)
-    yield _sse("message_delta", delta={"stop_reason": message["stop_reason"],
-                                       "stop_sequence": message["stop_sequence"]}, usage=usage)
-    yield _sse("message_stop")
+async def message_events(mid: str, req: MessagesRequest, conv: Conversation,
+                         events: AsyncIterator[Started | Delta | Result],
+                         decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
+    """SSE events as `Gateway.stream` yields: message_start at `Started`; a text block opened
+    by the first content delta, closed by a tool call or the end; a tool_use block per call
+    (input in one `input_json_delta`); message_delta and message_stop at the `Result`."""
+    index, text_open = 0, False
+    async for item in events:
+        if isinstance(item, Started):
+            yield _sse("message_start", message=_head(mid, req.model, item.prompt_tokens))
+            continue
+        if isinstance(item, Delta) and item.tool_call is None:
+            if item.text and not text_open:
+                yield _sse("content_block_start", index=index,
+                           content_block={"type": "text", "text": ""})
+            if item.text:
+                text_open = True
+                yield _sse("content_block_delta", index=index,
+                           delta={"type": "text_delta", "text": item.text})
+            continue
+        if text_open:
+            yield _sse("content_block_stop", index=index)
+            index, text_open = index + 1, False
+        if isinstance(item, Delta):
+            call = item.tool_call
+            yield _sse("content_block_start", index=index, content_block={
+                "type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            yield _sse("content_block_delta", index=index, delta={
+                "type": "input_json_delta", "partial_json": json.dumps(_input(call.arguments))})
+            yield _sse("content_block_stop", index=index)
+            index += 1
+        else:
+            end = ending(item, conv.sampling.stop, decode)
+            yield _sse("message_delta", usage=end.pop("usage"), delta=end)
+            yield _sse("message_stop")
 
 
 def respond(req: MessagesRequest, conv: Conversation, result: Result, gateway: Gateway
-            ) -> JSONResponse | StreamingResponse:
-    """The HTTP answer: a `message` object, or with `stream: true` its SSE events (replayed
-    from the finished `Result`: the core has no token-streaming call yet)."""
-    c = result.choices[0]
-    text = gateway.renderer.decode(c.completion.completion_ids)
-    message = message_json(f"msg_{uuid.uuid4().hex}", req.model, result,
-                           stop_reason(c, conv.sampling.stop, text))
-    if not req.stream:
-        return JSONResponse(message)
-    return StreamingResponse(message_events(message), media_type="text/event-stream")
+            ) -> JSONResponse:
+    """The `message` object answering a non-streamed call."""
+    head = _head(f"msg_{uuid.uuid4().hex}", req.model, result.prompt_tokens)
+    return JSONResponse({**head, "content": content_blocks(result.choices[0].reply),
+                         **ending(result, conv.sampling.stop, gateway.renderer.decode)})
 
+
+def respond_stream(req: MessagesRequest, conv: Conversation,
+                   events: AsyncIterator[Started | Delta | Result], gateway: Gateway
+                   ) -> EventStream:
+    """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples."""
+    return EventStream(message_events(f"msg_{uuid.uuid4().hex}", req, conv, events,
+                                      gateway.renderer.decode), error_event)
