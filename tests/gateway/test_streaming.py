@@ -232,3 +232,34 @@ def test_engine_without_stream_is_replayed_from_generate(serve, tokenizer):
     plain, got, a, b = plain_and_streamed(srv, stop=["END"])
     assert_same_record(a, b)
     assert got["content"] == plain.message.content == "héllo "
+
+
+class FailingAfter(ScriptedEngine):
+    """stream() yields `n` tokens of its script, then the engine fails."""
+
+    def __init__(self, script, n: int):
+        super().__init__(script)
+        self.n = n
+
+    async def stream(self, prompt_ids, params):
+        k = 0
+        async for ev in super().stream(prompt_ids, params):
+            if k == self.n:
+                raise RuntimeError("forward failed")
+            k += 1
+            yield ev
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_engine_error_is_an_openai_error_and_records_nothing(serve, tokenizer, n):
+    import openai
+
+    r = ChatMLRenderer(tokenizer)
+    srv = serve(FailingAfter([reply(r, "hello there")], n), tokenizer)
+    tid, key = srv.session()
+    with pytest.raises(openai.APIError, match="engine error: RuntimeError: forward failed"):
+        collect(srv.client(key).chat.completions.create(model="tiny", messages=USER,
+                                                        stream=True))
+    assert srv.pool.get_trajectory(tid).completions == []
+    assert srv.gateway.counters["engine_errors"] == 1
+    assert srv.gateway.counters["client_disconnects"] == 0
