@@ -41,6 +41,8 @@ def _parse_block(body: str, declared: set[str] | None) -> tuple[ToolCall | None,
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None, "<tool_call> is not an object with a string 'name'"
     name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+    if args is None or args == "":  # a call with no arguments (CASES.md C14)
+        args = {}
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
