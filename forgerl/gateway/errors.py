@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Loose(BaseModel):
+    """A nested wire object: fields the protocol does not read are kept, not refused (only the
+    top level of a request forbids unknown fields)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class GatewayError(Exception):

@@ -41,43 +41,39 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.core import Delta, Gateway, Result, Started
-from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
 from forgerl.gateway.protocols.chat import EventStream
 from forgerl.gateway.sessions import Session
 
 # ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class TextBlock(_Loose):
+class TextBlock(Loose):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Loose):
+class ToolUseBlock(Loose):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Loose):
+class ToolResultBlock(Loose):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Block] | None = None
     is_error: bool | None = None
 
 
-class ThinkingBlock(_Loose):
+class ThinkingBlock(Loose):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class OtherBlock(_Loose):  # a block the gateway does not read (image, document, ...)
+class OtherBlock(Loose):  # a block the gateway does not read (image, document, ...)
     type: str
 
 
@@ -95,7 +91,7 @@ Block = Annotated[
 ToolResultBlock.model_rebuild()
 
 
-class MessageIn(_Loose):  # a string `content` is one text block
+class MessageIn(Loose):  # a string `content` is one text block
     role: Literal["user", "assistant"]
     content: list[Block]
 
@@ -103,20 +99,20 @@ class MessageIn(_Loose):  # a string `content` is one text block
         lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)
 
 
-class ToolDecl(_Loose):  # custom tools (type absent or "custom") need input_schema
+class ToolDecl(Loose):  # custom tools (type absent or "custom") need input_schema
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
 
 
-class ToolChoiceIn(_Loose):
+class ToolChoiceIn(Loose):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Loose):
+class ThinkingConfig(Loose):
     type: str
 
 

@@ -49,18 +49,14 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
-from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
 
 log = logging.getLogger(__name__)
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ContentPart(_Loose):
+class ContentPart(Loose):
     """One part of a list-valued `content`; "text" (and an assistant's "refusal") is read."""
 
     type: str
@@ -68,14 +64,14 @@ class ContentPart(_Loose):
     refusal: str | None = None
 
 
-class FunctionCall(_Loose):
+class FunctionCall(Loose):
     """A tool call's function: name and arguments (a JSON string or an object)."""
 
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Loose):
+class ToolCallIn(Loose):
     """An assistant message's tool call (OpenAI shape)."""
 
     id: str | None = None
@@ -83,7 +79,7 @@ class ToolCallIn(_Loose):
     function: FunctionCall
 
 
-class ChatMessage(_Loose):
+class ChatMessage(Loose):
     """One chat message; `tool_calls` on assistant turns, `tool_call_id` on tool turns;
     `reasoning_content` (or `reasoning`) is an assistant's reasoning text."""
 
@@ -95,7 +91,7 @@ class ChatMessage(_Loose):
     reasoning: str | None = None
 
 
-class FunctionDecl(_Loose):
+class FunctionDecl(Loose):
     """A declared tool: name, description, JSON-schema parameters (`strict` is not enforced)."""
 
     name: str
@@ -104,29 +100,29 @@ class FunctionDecl(_Loose):
     strict: bool | None = None
 
 
-class ToolDecl(_Loose):
+class ToolDecl(Loose):
     """`{"type": "function", "function": {...}}` in the request's `tools`."""
 
     type: Literal["function"] = "function"
     function: FunctionDecl
 
 
-class NamedFunction(_Loose):
+class NamedFunction(Loose):
     name: str
 
 
-class NamedToolChoice(_Loose):
+class NamedToolChoice(Loose):
     """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
 
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class ResponseFormat(_Loose):
+class ResponseFormat(Loose):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class StreamOptions(_Loose):
+class StreamOptions(Loose):
     """`stream_options`: `include_usage` adds a final usage chunk."""
 
     include_usage: bool = False

@@ -44,17 +44,13 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.core import Choice, Result
-from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
 from forgerl.gateway.sessions import Session, message_key
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Part(_Loose):
+class Part(Loose):
     """A content part; input_text / output_text / refusal / summary_text / reasoning_text."""
 
     type: str
@@ -62,7 +58,7 @@ class Part(_Loose):
     refusal: str | None = None
 
 
-class Item(_Loose):
+class Item(Loose):
     """One input item; which fields are required depends on `type` (checked in `_messages`)."""
 
     type: str = "message"
@@ -75,7 +71,7 @@ class Item(_Loose):
     summary: list[Part] | None = None
 
 
-class FunctionTool(_Loose):
+class FunctionTool(Loose):
     """A flat tool declaration `{type: "function", name, description, parameters, strict}`."""
 
     type: str
