@@ -15,6 +15,7 @@ import itertools
 import pytest
 
 from .conftest import ScriptedEngine, reply
+from .test_local_engine import Recording
 from .test_responses import CALL, FLAT, tool_turn
 
 local = pytest.importorskip("forgerl.engines.local", reason="forgerl.engines.local not importable")
@@ -50,23 +51,6 @@ def test_openai_agents_tool_loop(serve, tokenizer):
         srv, call_id, "sunny")
     assert second.extends_previous
     assert srv.gateway.sessions.get(key).prefix_misses == 0
-
-
-class Recording:
-    """Wraps an engine and keeps every (prompt_ids, GenerateOutput) it produced."""
-
-    def __init__(self, engine):
-        self.engine, self.outputs = engine, []
-        self.max_model_len = engine.max_model_len
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    async def generate(self, prompt_ids, params):
-        out = await self.engine.generate(prompt_ids, params)
-        self.outputs.append((list(prompt_ids), out))
-        return out
 
 
 def test_tiny_model_tool_conversation_via_previous_response_id(serve, tokenizer, tiny_model):
