@@ -51,6 +51,13 @@ class GatewayConfig(_Section):
     """0 picks a free port."""
     model_name: str = "policy"
     """The model id the gateway serves at /v1/models and accepts in requests."""
+    admin_key: str | None = Field(None, min_length=1)
+    """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
+    <admin_key>` (else 401); the sessions' own keys still authenticate model calls."""
+    session_idle_timeout_s: float | None = Field(None, gt=0)
+    """Seconds without a model call after which a session opened over HTTP expires: its
+    trajectory is failed, its key stops working. None: never. Controller rollouts never expire
+    here (they have `rollout.timeout_s`)."""
 
 
 class SQLitePoolConfig(_Section):

@@ -411,7 +411,8 @@ async def start_services(config: Config, agent: Agent | None = None,
     gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
-                      controller_tasks=training)
+                      controller_tasks=training, admin_key=config.gateway.admin_key,
+                      session_idle_timeout_s=config.gateway.session_idle_timeout_s)
     server = await gateway.serve(config.gateway.host, config.gateway.port)
     if agent is None and config.agent is not None:
         command = list(config.agent.command)

@@ -7,7 +7,9 @@ protocol module (wire JSON or SSE) --> agent. Routes are a few lines each; nothi
 Endpoints: POST /v1/chat/completions (plain and `stream: true`), POST /v1/messages (Anthropic,
 plain and `stream: true`; auth also by `x-api-key`), POST /v1/messages/count_tokens, GET /v1/models,
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
-negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened).
+negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened);
+both need `Authorization: Bearer <admin_key>` when the gateway has one. Sessions opened there
+expire after `session_idle_timeout_s` without a model call (a sweep, `Gateway.expire_idle`).
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, Anthropic-shaped on
 /v1/messages routes; no traceback body.
 A model call whose client disconnects is cancelled down to the engine and records nothing.
@@ -19,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import uvicorn
@@ -71,6 +74,21 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
         msg = "missing API key" if not authorization else "unknown or closed API key"
         raise GatewayError(401, msg, "invalid_api_key")
     return session
+
+
+def require_admin(gateway: Gateway, authorization: str | None) -> None:
+    """Check `Authorization: Bearer <admin_key>` when the gateway has an `admin_key`.
+
+    Raises GatewayError 401 `invalid_api_key` (missing or wrong key); nothing recorded then.
+    """
+    if gateway.admin_key is None:
+        return
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+            key.strip().encode(), gateway.admin_key.encode()):
+        msg = "missing admin key" if not authorization else "wrong admin key"
+        raise GatewayError(401, f"{msg}: the sessions API needs Authorization: Bearer "
+                           "<admin_key>", "invalid_api_key")
 
 
 def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
@@ -247,6 +265,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, str]:
         """Open a session for an external agent: {session_id, api_key}."""
+        require_admin(gateway, request.headers.get("authorization"))
         body = parse_body(await request.body(), SessionRequest)
         trajectory_id, api_key = open_external(gateway, body)
         return {"session_id": trajectory_id, "api_key": api_key}
@@ -254,6 +273,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
         """Finish an externally opened session's trajectory with its reward."""
+        require_admin(gateway, request.headers.get("authorization"))
         body = parse_body(await request.body(), RewardRequest)
         reward_external(gateway, session_id, body.reward)
         return {"session_id": session_id, "status": "finished", "reward": body.reward}
@@ -300,12 +320,26 @@ class GatewayServer:
     taken address raises OSError at once; every accepted connection has TCP_NODELAY (`listen`).
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 sweep: Callable[[], Any] | None = None, sweep_every_s: float = 1.0):
         self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self.server = _Server(config)
         self._task: asyncio.Task[None] | None = None
+        self._sweep, self._sweep_every_s = sweep, sweep_every_s
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def _sweeping(self) -> None:
+        """Call `sweep` (e.g. `Gateway.expire_idle`) every `sweep_every_s` seconds; a failure
+        is logged and the sweep goes on."""
+        assert self._sweep is not None
+        while True:
+            await asyncio.sleep(self._sweep_every_s)
+            try:
+                self._sweep()
+            except Exception:
+                log.exception("gateway sweep failed")
 
     @property
     def base_url(self) -> str:
@@ -319,9 +353,16 @@ class GatewayServer:
             if self._task.done():
                 self._task.result()  # re-raise the startup failure
             await asyncio.sleep(0.01)
+        if self._sweep is not None:
+            self._sweeper = asyncio.create_task(self._sweeping())
 
     async def stop(self) -> None:
         """Stop serving and wait for open requests to end; idempotent."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         if self._task is not None:
             self.server.should_exit = True
             await self._task

@@ -44,7 +44,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -217,10 +217,16 @@ class Gateway:
     """True while a controller trains on this pool (`forgerl train`): every task index >= 0 is
     one of its training groups, so POST /v1/sessions refuses `task_index >= 0` (403) and outside
     sessions take negative (ad-hoc) indices. False (`forgerl gateway`): any index is accepted."""
+    admin_key: str | None = None
+    """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
+    <admin_key>` (401 `invalid_api_key` otherwise); session keys still authenticate model calls."""
+    session_idle_timeout_s: float | None = None
+    """When set (> 0), a session opened over HTTP with no model call for this many seconds is
+    expired (`expire_idle`): trajectory failed, session closed. Controller sessions never are."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
-             "engine_errors", "client_disconnects", "tokens_after_stop"), 0
+             "engine_errors", "client_disconnects", "tokens_after_stop", "sessions_expired"), 0
         )
     )
 
@@ -251,6 +257,44 @@ class Gateway:
         session = self.sessions.find(trajectory_id)
         if session is not None:
             self.sessions.close(session.api_key)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Expire the idle sessions opened over HTTP; returns their trajectory ids.
+
+        Idle: no model call running and none started or ended for `session_idle_timeout_s`
+        seconds (time.monotonic(); `now` defaults to it). Each one's trajectory is marked failed
+        with error "session expired after N s idle", its session closed (its key then gets 401),
+        logged (warning) and counted in `sessions_expired`. Controller rollouts (not in
+        `external`) are never expired here. A no-op when the timeout is None.
+        """
+        timeout = self.session_idle_timeout_s
+        if timeout is None:
+            return []
+        now = time.monotonic() if now is None else now
+        expired = []
+        for s in self.sessions.open():
+            if (s.trajectory_id not in self.external or s.in_flight
+                    or now - s.last_active < timeout):
+                continue
+            self.sessions.close(s.api_key)
+            with contextlib.suppress(KeyError, ValueError):  # already ended: just close it
+                self.pool.finish_trajectory(s.trajectory_id, "failed",
+                                            error=f"session expired after {timeout:g} s idle")
+            self.counters["sessions_expired"] += 1
+            log.warning("session %s expired after %g s idle", s.trajectory_id, timeout)
+            expired.append(s.trajectory_id)
+        return expired
+
+    @contextlib.contextmanager
+    def _active(self, session: Session) -> Iterator[None]:
+        """Mark one model call of `session` running (never expired meanwhile)."""
+        session.in_flight += 1
+        session.last_active = time.monotonic()
+        try:
+            yield
+        finally:
+            session.in_flight -= 1
+            session.last_active = time.monotonic()
 
     def check(self, conv: Conversation) -> tuple[Tool, ...]:
         """The tools to render for `conv`, after the checks that need no rendering.
@@ -367,9 +411,10 @@ class Gateway:
         `sampling_params`, `generate`; 409 when the trajectory takes no completions); nothing of
         this call is recorded then.
         """
-        call = self.prepare(session, conv, plan)
-        outs = await self.generate(session, call.prompt_ids, call.params)
-        return self.finish(session, call, outs)
+        with self._active(session):
+            call = self.prepare(session, conv, plan)
+            outs = await self.generate(session, call.prompt_ids, call.params)
+            return self.finish(session, call, outs)
 
     def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
                streamed: Sequence[ReplyStream] | None = None) -> Result:
@@ -418,6 +463,14 @@ class Gateway:
         `client_disconnects`. Raises GatewayError as `complete` (before `Started` for a bad
         request; 500 `engine_error` from the engine; 409 when recording).
         """
+        with self._active(session):
+            async with contextlib.aclosing(self._stream(session, conv, plan)) as events:
+                async for event in events:
+                    yield event
+
+    async def _stream(
+        self, session: Session, conv: Conversation, plan: PromptPlan | None
+    ) -> AsyncIterator[Started | Delta | Result]:
         call = self.prepare(session, conv, plan)
         yield Started(len(call.prompt_ids), call.started_at)
         states = [ReplyStream(call.prefix, conv.sampling.stop, call.closes, call.declared,
@@ -534,6 +587,9 @@ class Gateway:
         """Start the HTTP app (app.py) inside the running event loop; port 0 picks a free port."""
         from forgerl.gateway.app import GatewayServer, create_app
 
-        server = GatewayServer(create_app(self), host, port)
+        timeout = self.session_idle_timeout_s
+        server = GatewayServer(create_app(self), host, port,
+                               sweep=None if timeout is None else self.expire_idle,
+                               sweep_every_s=min(1.0, (timeout or 1.0) / 4))
         await server.start()
         return server

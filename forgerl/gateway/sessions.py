@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,8 @@ class Session:
         2**63): the same session replays the same per-turn seeds (reproducible rollouts).
     training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
     prefix_misses: requests on a session with turns that matched no recorded turn.
+    last_active: time.monotonic() of the latest model call's start or end (or the opening).
+    in_flight: model calls of this session now running (an idle sweep never expires those).
     """
 
     api_key: str
@@ -85,6 +88,8 @@ class Session:
     seed: int | None = None
     turns: list[Turn] = field(default_factory=list)
     prefix_misses: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
 
     def plan(
         self, messages: Sequence[Message], tools: Sequence[Tool], renderer: ChatMLRenderer
@@ -149,6 +154,10 @@ class SessionStore:
     def close(self, api_key: str) -> Session | None:
         """Forget a session (its key stops working); returns it, or None if unknown."""
         return self._by_key.pop(api_key, None)
+
+    def open(self) -> list[Session]:
+        """Every open session (a snapshot: closing one while iterating is safe)."""
+        return list(self._by_key.values())
 
     def __len__(self) -> int:
         return len(self._by_key)
