@@ -85,16 +85,9 @@ def test_family_without_sdpa_loads_eager_and_trains(tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from forgerl.trainer.trainer import Trainer
+    from tests.trainer.test_model_families import DIMS
 
-    config = Gemma2Config(
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=64,
-        head_dim=8,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = Gemma2Config(**DIMS | {"vocab_size": 259, "head_dim": 8})
     Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     build_byte_tokenizer().save_pretrained(tmp_path)
     model, _ = load_pretrained(str(tmp_path))

@@ -199,7 +199,8 @@ class Gateway:
     strict_model: refuse (404) model names other than `model_name`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
     engine_errors, client_disconnects (calls cancelled because their client went away),
-    tokens_after_stop (sampled ids decoded past a stop string and dropped from the record).
+    tokens_after_stop (sampled ids decoded past a stop string and dropped from the record),
+    sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call).
     """
 
     renderer: ChatMLRenderer
