@@ -21,11 +21,15 @@ the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01-
 
 The extension check is done here token-for-token, independent of the gateway's
 `extends_previous` flag, and every branch is counted (never silently patched).
+
+Before advantages, `drop_retry_orphans` removes the turns an SDK retry superseded (CASES.md
+C17): the client timed out on call R1, re-sent it and continued from the second answer, so the
+first answer is no part of what the agent did.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from forgerl.types import Completion, Sample, Trajectory
 
@@ -94,6 +98,31 @@ def _append_turn(sample: TrainingSample, turn: Completion, advantage: float) -> 
     trained = turn.token_exact and not greedy
     _append(sample, turn.completion_ids, turn if trained else None, advantage)
     return turn.token_exact and greedy
+
+
+def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
+    """`traj` without its retry orphans, and how many turns were dropped (CASES.md C17).
+
+    Turn k is a retry orphan when a later call (another `started_at`, so not a sibling choice
+    of the same n > 1 call) sent the same prompt_ids, and no later turn's prompt extends turn
+    k's prompt + completion (the agent never continued from it). Of identical retries the
+    latest call is kept. `turn_rewards`, when set, lose the same entries. Returns `traj` itself
+    when nothing is dropped.
+    """
+    turns = traj.completions
+    orphans = set()
+    for k, turn in enumerate(turns):
+        done = turn.prompt_ids + turn.completion_ids
+        later = turns[k + 1 :]
+        retried = any(t.prompt_ids == turn.prompt_ids and t.started_at != turn.started_at
+                      for t in later)
+        if retried and not any(_extends(done, t.prompt_ids) for t in later):
+            orphans.add(k)
+    if not orphans:
+        return traj, 0
+    keep = [k for k in range(len(turns)) if k not in orphans]
+    rewards = None if traj.turn_rewards is None else [traj.turn_rewards[k] for k in keep]
+    return replace(traj, completions=[turns[k] for k in keep], turn_rewards=rewards), len(orphans)
 
 
 def trajectory_to_samples_with_stats(

@@ -13,7 +13,7 @@ whatever mix of temperatures a batch holds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -26,7 +26,11 @@ from forgerl.trainer.attention import (
 )
 from forgerl.trainer.losses import LossFn, cispo_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
-from forgerl.trainer.samples import TrainingSample, trajectory_to_samples_with_stats
+from forgerl.trainer.samples import (
+    TrainingSample,
+    drop_retry_orphans,
+    trajectory_to_samples_with_stats,
+)
 from forgerl.types import Group
 
 
@@ -141,9 +145,12 @@ class Trainer:
         """Advantages → samples → prefix tree, plus the global loss-token count N."""
         samples: list[TrainingSample] = []
         rewards: list[float] = []
-        skipped = extensions = branches = greedy = 0
-        for group in groups:
-            rewards += [t.reward for t in group.trajectories if t.reward is not None]
+        skipped = extensions = branches = greedy = orphans = 0
+        for recorded in groups:
+            rewards += [t.reward for t in recorded.trajectories if t.reward is not None]
+            cleaned = [drop_retry_orphans(t) for t in recorded.trajectories]
+            orphans += sum(n for _, n in cleaned)
+            group = replace(recorded, trajectories=[t for t, _ in cleaned])
             members = group_trajectory_advantages(group, self.normalize_std, self.failed_reward)
             if all(a == 0.0 for _, advs in members for a in advs):
                 skipped += 1  # no learning signal: contributes no loss tokens
@@ -178,6 +185,7 @@ class Trainer:
             "prefix_extensions": float(extensions),
             "prefix_branches": float(branches),
             "greedy_turns": float(greedy),
+            "retry_orphans": float(orphans),
             "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
             "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
         }
