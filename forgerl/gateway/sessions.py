@@ -78,6 +78,8 @@ class Session:
     prefix_misses: requests on a session with turns that matched no recorded turn.
     last_active: time.monotonic() of the latest model call's start or end (or the opening).
     in_flight: model calls of this session now running (an idle sweep never expires those).
+    response_ids: ids a protocol answered with -> the index of the turn each names (Responses
+        `previous_response_id`; a streamed answer's id is bound once its turn is recorded).
     """
 
     api_key: str
@@ -90,6 +92,7 @@ class Session:
     prefix_misses: int = 0
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    response_ids: dict[str, int] = field(default_factory=dict)
 
     def plan(
         self, messages: Sequence[Message], tools: Sequence[Tool], renderer: ChatMLRenderer
