@@ -307,7 +307,9 @@ class LocalEngine:
     prefix_cache_tokens: bound of the prefix (KV reuse) cache in tokens, 0 disables it; memory
     is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
-    "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused).
+    "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused),
+    plus the configured "max_batch_size" and "queued_peak", the most requests ever waiting
+    behind that limit (requests beyond it queue in arrival order; none is refused or dropped).
     """
 
     def __init__(
@@ -335,7 +337,8 @@ class LocalEngine:
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0}
+        self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
+                      "max_batch_size": max_batch_size, "queued_peak": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
         self._thread.start()
@@ -524,6 +527,7 @@ class LocalEngine:
                 _fail(rows, exc)
         free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        self.stats["queued_peak"] = max(self.stats["queued_peak"], len(self._waiting))
         newcomers = [r for r in newcomers if not r.cancelled]  # skip consumers that left
         if not newcomers:
             return

@@ -586,3 +586,20 @@ def test_prefix_cache_option(tiny_model, request):
     engine = LocalEngine(tiny_model, max_model_len=64, prefix_cache_tokens=100)
     assert engine.prefix_cache.max_tokens == (0 if off else 100)
     run(engine.close())
+
+
+def test_requests_beyond_the_batch_limit_queue_and_are_counted(tiny_model):
+    """CASES.md C20 at the engine: 5 requests at once with max_batch_size 2 all finish (none
+    refused); 3 waited behind the configured limit, which the stats (and so the step metrics,
+    as engine_max_batch_size / engine_queued_peak) show."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)  # no stop ids: 64 tokens each
+
+    async def burst() -> tuple[list[GenerateOutput], dict]:
+        engine = LocalEngine(tiny_model, max_model_len=256, max_batch_size=2)
+        outs = await asyncio.gather(*[engine.generate([5, 6, i], params) for i in range(5)])
+        await engine.close()
+        return outs, engine.stats
+
+    outs, stats = run(burst())
+    assert [len(o.completion_ids) for o in outs] == [64] * 5
+    assert (stats["max_batch_size"], stats["queued_peak"]) == (2, 3)
