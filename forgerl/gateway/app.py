@@ -252,6 +252,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         """OpenAI Responses (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
         req, conversation = responses.parse(await request.body(), session)
+        if req.stream:
+            return responses.respond_stream(req, session, gateway.stream(session, conversation))
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
         return responses.respond(req, session, result)

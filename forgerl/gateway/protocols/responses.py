@@ -1,13 +1,16 @@
 """OpenAI Responses over the gateway core: wire schema in, `Conversation`, wire JSON out.
 
 Data flow: POST /v1/responses body --`parse`--> (`ResponsesRequest`, `Conversation`) -->
-`Gateway.complete` (core.py) --`respond`--> a `response` object, or its SSE events.
+`Gateway.complete` (core.py) --`respond`--> a `response` object; with `stream: true`,
+`Gateway.stream` --`respond_stream`--> the OpenAI SSE events as the engine samples (see
+`stream_events`).
 
-Stored responses are the session's turn tree, nothing else: `resp_<turn index><i|n><digest>`
-names one turn of the caller's session (digest over trajectory, turn and recorded ids; `i`: the
-turn began with `instructions`). `previous_response_id` puts that turn's messages (instructions
-dropped, as OpenAI does) and reply ahead of `input`; input repeating that context's tail is not
-added twice. `store: false` answers an id nothing can continue (the call is recorded anyway).
+Stored responses are the session's turn tree, nothing else: an id `resp_<i|n><32 hex>` is
+allocated before the call (`i`: the request had `instructions`) and bound to the recorded turn in
+`Session.response_ids`, so a streamed response names its turn exactly as a plain one does.
+`previous_response_id` puts that turn's messages (instructions dropped, as OpenAI does) and reply
+ahead of `input`; input repeating that context's tail is not added twice. `store: false` answers
+an id nothing can continue (the call is recorded anyway).
 Items: `message` (text parts), `function_call`, `function_call_output` (an unknown call_id is a
 400 naming it), `reasoning` (content, else summary text; `encrypted_content` is unreadable here).
 Consecutive assistant-side items are one assistant message, so a re-sent reply matches its
@@ -23,15 +26,14 @@ true, `REFUSED`; unknown fields are a 400 "Unrecognized request argument".
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import itertools
 import json
-import re
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.gateway.conversation import (
@@ -43,8 +45,9 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Result
+from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
+from forgerl.gateway.protocols.chat import EventStream, error_event
 from forgerl.gateway.sessions import Session, message_key
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
@@ -119,7 +122,6 @@ REFUSED = {
 }
 IGNORED = {"safety_identifier", "prompt_cache_key", "prompt_cache_retention",
            "prompt_cache_options", "service_tier", "stream_options"}
-ID = re.compile(r"resp_(\d+)([in])([0-9a-f]{24})")
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
@@ -146,28 +148,29 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 # ---- stored responses = turns of the session ------------------------------------------------
 
 
-def _digest(session: Session, index: int, flag: str) -> str:
-    turn = session.turns[index]
-    key = f"{session.trajectory_id}/{index}/{flag}/{turn.completion_ids}".encode()
-    return hashlib.blake2b(key, digest_size=12).hexdigest()
+def new_id(req: ResponsesRequest) -> str:
+    """A fresh response id (bound to a turn by `bind`; the flag says whether it dropped
+    instructions when continued)."""
+    return f"resp_{'i' if req.instructions else 'n'}{uuid.uuid4().hex}"
 
 
-def response_id(session: Session, index: int, instructions: bool) -> str:
-    """The id naming turn `index` of `session` (see the module docstring)."""
-    flag = "i" if instructions else "n"
-    return f"resp_{index}{flag}{_digest(session, index, flag)}"
+def bind(req: ResponsesRequest, session: Session, rid: str, result: Result) -> None:
+    """Name the turn `result` recorded on `session` `rid` (nothing with `store: false`)."""
+    ids = result.choices[0].completion.completion_ids
+    if req.store is not False:  # its turn holds this very id list (others may have come since)
+        session.response_ids[rid] = next(i for i in range(len(session.turns) - 1, -1, -1)
+                                         if session.turns[i].completion_ids is ids)
 
 
 def previous_context(session: Session, rid: str) -> list[Message]:
     """A stored response's turn messages (instructions dropped), then its reply. Raises
     GatewayError 400 `previous_response_not_found` for an id naming no turn of this session."""
-    m = ID.fullmatch(rid)
-    index = int(m.group(1)) if m else -1
-    if not m or index >= len(session.turns) or _digest(session, index, m.group(2)) != m.group(3):
+    index = session.response_ids.get(rid)
+    if index is None:
         raise GatewayError(400, f"Previous response with id {rid!r} not found.",
                            "previous_response_not_found", "previous_response_id")
     turn = session.turns[index]
-    return [*turn.messages[1 if m.group(2) == "i" else 0:], turn.assistant]
+    return [*turn.messages[1 if rid.startswith("resp_i") else 0:], turn.assistant]
 
 
 def _join(stored: list[Message], new: list[Message]) -> list[Message]:
@@ -305,9 +308,8 @@ def _output(rid: str, c: Choice) -> list[dict[str, Any]]:
         items.append({"id": f"rs_{tag}", "type": "reasoning", "summary": [], "status": status,
                       "content": [{"type": "reasoning_text", "text": reply.reasoning}]})
     if reply.content or not reply.tool_calls:
-        lps = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
-                "top_logprobs": []} for t in c.logprobs or ()]
-        part = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": lps}
+        part = {"type": "output_text", "text": reply.content, "annotations": [],
+                "logprobs": _logprobs(c.logprobs)}
         items.append({"id": f"msg_{tag}", "type": "message", "role": "assistant",
                       "status": status, "content": [part]})
     items += [{"id": f"fc_{tag}_{j}", "type": "function_call", "call_id": call.id,
@@ -316,7 +318,8 @@ def _output(rid: str, c: Choice) -> list[dict[str, Any]]:
     return items
 
 
-def response_json(req: ResponsesRequest, rid: str, result: Result | None) -> dict[str, Any]:
+def response_json(req: ResponsesRequest, rid: str, result: Result | None,
+                  started_at: float = 0.0) -> dict[str, Any]:
     """A `response` object; `result` None: the in-progress shell a stream opens with."""
     c = result.choices[0] if result else None
     incomplete = c is not None and c.finish_reason == "length"
@@ -325,7 +328,7 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None) -> dic
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + n}
     return {
         "id": rid, "object": "response", "error": None,
-        "created_at": result.started_at if result else time.time(),
+        "created_at": result.started_at if result else started_at,
         "status": "in_progress" if c is None else "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -341,56 +344,88 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None) -> dic
     }
 
 
-def events(req: ResponsesRequest, rid: str, result: Result) -> Iterator[str]:
-    """SSE lines replaying the finished `result`: created, in_progress, per output item its
-    added / part / delta / done events, then completed (or incomplete), sequence_number from 0."""
-    seq = iter(range(1 << 62))
+async def stream_events(req: ResponsesRequest, session: Session,
+                        events: AsyncIterator[Started | Delta | Result]) -> AsyncIterator[str]:
+    """SSE lines as `Gateway.stream` yields. `Started`: response.created, .in_progress. First
+    text delta: the message item's output_item.added + content_part.added; each text delta: an
+    output_text.delta (with its tokens' logprobs when asked). A recognised tool call: its
+    function_call item added, arguments delta (whole) and done. `Result`: the id is bound to the
+    recorded turn, then per item (text / part done and) output_item.done with the final item,
+    then response.completed (or .incomplete) with usage. output_index is the order items opened
+    (generation order: a message opened after a call follows it in `output` too); the final
+    items equal the plain call's; sequence_number counts from 0."""
+    rid, seq, opened = new_id(req), itertools.count(), {}  # opened: item id -> output_index
+    msg = f"msg_{rid[5:]}"
 
     def event(kind: str, **fields: Any) -> str:
         obj = {"type": kind, "sequence_number": next(seq), **fields}
         return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    shell = response_json(req, rid, None)
-    yield event("response.created", response=shell)
-    yield event("response.in_progress", response=shell)
-    for k, item in enumerate(_output(rid, result.choices[0])):
-        at = {"item_id": item["id"], "output_index": k}
-        opened = {**item, "status": "in_progress"}
+    def add(item: dict[str, Any]) -> Iterator[str]:
+        k = opened[item["id"]] = len(opened)
+        empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
+        yield event("response.output_item.added", output_index=k,
+                    item={**item, **empty, "status": "in_progress"})
         if item["type"] == "message":
-            part = item["content"][0]
-            text, lps = part["text"], part["logprobs"]
-            opened["content"] = []
-            yield event("response.output_item.added", output_index=k, item=opened)
-            yield event("response.content_part.added", **at, content_index=0,
-                        part={**part, "text": "", "logprobs": []})
-            if text:
-                yield event("response.output_text.delta", **at, content_index=0, delta=text,
-                            logprobs=lps)
-            yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=lps)
-            yield event("response.content_part.done", **at, content_index=0, part=part)
-        elif item["type"] == "function_call":
-            yield event("response.output_item.added", output_index=k,
-                        item={**opened, "arguments": ""})
-            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **at, name=item["name"],
-                        arguments=item["arguments"])
-        else:  # reasoning: added whole, then done
-            yield event("response.output_item.added", output_index=k, item=opened)
-        yield event("response.output_item.done", output_index=k, item=item)
-    final = response_json(req, rid, result)
-    yield event(f"response.{final['status']}", response=final)
+            yield event("response.content_part.added", item_id=item["id"], output_index=k,
+                        content_index=0, part={"type": "output_text", "text": "",
+                                               "annotations": [], "logprobs": []})
+
+    async with contextlib.aclosing(events) as stream:
+        async for ev in stream:
+            if isinstance(ev, Started):
+                shell = response_json(req, rid, None, ev.started_at)
+                yield event("response.created", response=shell)
+                yield event("response.in_progress", response=shell)
+            elif isinstance(ev, Delta) and (call := ev.tool_call) is not None:
+                fid = f"fc_{rid[5:]}_{ev.call_index}"
+                for line in add({"id": fid, "type": "function_call", "call_id": call.id,
+                                 "name": call.name}):
+                    yield line
+                at = {"item_id": fid, "output_index": opened[fid]}
+                yield event("response.function_call_arguments.delta", **at, delta=call.arguments)
+                yield event("response.function_call_arguments.done", **at, name=call.name,
+                            arguments=call.arguments)
+            elif isinstance(ev, Delta) and ev.text:  # ReplyStream sends no empty pieces
+                if msg not in opened:
+                    for line in add({"id": msg, "type": "message", "role": "assistant"}):
+                        yield line
+                yield event("response.output_text.delta", item_id=msg, output_index=opened[msg],
+                            content_index=0, delta=ev.text, logprobs=_logprobs(ev.logprobs))
+            elif isinstance(ev, Result):
+                bind(req, session, rid, ev)
+                final = response_json(req, rid, ev)
+                for item in final["output"]:
+                    if item["id"] not in opened:  # a message with no text at all
+                        for line in add(item):
+                            yield line
+                final["output"].sort(key=lambda it: opened[it["id"]])
+                for k, item in enumerate(final["output"]):
+                    if item["type"] == "message":
+                        at = {"item_id": item["id"], "output_index": k, "content_index": 0}
+                        part = item["content"][0]
+                        yield event("response.output_text.done", **at, text=part["text"],
+                                    logprobs=part["logprobs"])
+                        yield event("response.content_part.done", **at, part=part)
+                    yield event("response.output_item.done", output_index=k, item=item)
+                yield event(f"response.{final['status']}", response=final)
 
 
-def respond(req: ResponsesRequest, session: Session,
-            result: Result) -> JSONResponse | StreamingResponse:
-    """The HTTP answer to a call `Gateway.complete` recorded on `session`: JSON, or SSE with
-    `stream: true`. Its id names the recorded turn (`store: false`: an id naming nothing)."""
-    completion = result.choices[0].completion
-    # Its turn holds this very id list (other calls may have added turns since `complete`).
-    index = next(i for i in range(len(session.turns) - 1, -1, -1)
-                 if session.turns[i].completion_ids is completion.completion_ids)
-    rid = response_id(session, index, bool(req.instructions)) if req.store is not False \
-        else f"resp_{uuid.uuid4().hex}"
-    if not req.stream:
-        return JSONResponse(response_json(req, rid, result))
-    return StreamingResponse(events(req, rid, result), media_type="text/event-stream")
+def _logprobs(lps: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": []}
+            for t in lps or ()]
+
+
+def respond(req: ResponsesRequest, session: Session, result: Result) -> JSONResponse:
+    """The `response` object answering a plain call `Gateway.complete` recorded on `session`;
+    its id names the recorded turn (`store: false`: an id naming nothing)."""
+    rid = new_id(req)
+    bind(req, session, rid, result)
+    return JSONResponse(response_json(req, rid, result))
+
+
+def respond_stream(req: ResponsesRequest, session: Session,
+                   events: AsyncIterator[Started | Delta | Result]) -> EventStream:
+    """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples (a client
+    that leaves aborts the engine streams; nothing is recorded then, as for chat)."""
+    return EventStream(stream_events(req, session, events), error_event)
