@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from forgerl.rewards.composite import RewardWeights
+
 
 class ConfigError(ValueError):
     """A bad config file or override; the message is one line naming the field."""
@@ -228,6 +230,24 @@ class TrainerConfig(_Section):
     Tree rows use FlexAttention on CUDA, sdpa (or eager) with a dense mask on CPU."""
 
 
+class RewardConfig(_Section):
+    """[reward]: the composite reward (Forge §4.2; formula in `forgerl.rewards.composite`)."""
+
+    outcome: float = Field(1.0, allow_inf_nan=False)
+    """Weight of the verifier's score (the outcome reward)."""
+    completion_time: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of the completion-time reward: a successful rollout faster than its group's
+    successful median earns up to +weight, a slower one down to -weight; 0 = off."""
+    process: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = {}
+    """Reward per unit of each process event kind on the turn it was recorded on, e.g.
+    `{ invalid_tool_call = -0.1 }` (the gateway's built-in kinds: invalid_tool_call,
+    undeclared_tool; agents add their own with POST /v1/sessions/{id}/events)."""
+
+    def weights(self) -> RewardWeights:
+        """These settings as the trainer's `RewardWeights`."""
+        return RewardWeights(self.outcome, self.completion_time, dict(self.process))
+
+
 class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
@@ -250,6 +270,7 @@ class Config(_Section):
     """The black-box agent command; may be omitted when an agent callable is passed to `run`."""
     tasks: TasksConfig = TasksConfig()
     trainer: TrainerConfig = TrainerConfig()
+    reward: RewardConfig = RewardConfig()
 
     @model_validator(mode="after")
     def _check(self) -> Config:

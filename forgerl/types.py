@@ -97,6 +97,20 @@ class Completion:
             )
 
 
+@dataclass(frozen=True)
+class Event:
+    """A process event on one turn of a trajectory (Forge §4.2 process rewards).
+
+    turn: 0-based index into the trajectory's completions. kind: a name such as
+    "invalid_tool_call" (the gateway's built-ins) or any name an agent reports; `[reward]
+    process` maps kinds to a reward per unit. value: units (default 1.0, e.g. one bad call).
+    """
+
+    turn: int
+    kind: str
+    value: float = 1.0
+
+
 @dataclass
 class Trajectory:
     """The ordered completions of one rollout plus its reward and status.
@@ -104,7 +118,8 @@ class Trajectory:
     id: unique string (also the gateway session id). task_index: position in the generation
     queue. rollout_index: 0..G-1 within the group. reward: outcome reward (None until scored).
     turn_rewards: optional per-turn process rewards (len == len(completions)), added to the
-    outcome reward for reward-to-go. started_at / ended_at: wall-clock seconds.
+    outcome reward for reward-to-go. events: process events by turn (`Event`), weighted into
+    per-turn rewards by `[reward] process`. started_at / ended_at: wall-clock seconds.
     """
 
     id: str
@@ -117,6 +132,7 @@ class Trajectory:
     error: str | None = None
     started_at: float = 0.0
     ended_at: float = 0.0
+    events: list[Event] = field(default_factory=list)
 
 
 @dataclass

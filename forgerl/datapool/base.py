@@ -35,6 +35,12 @@ class DataPool(Protocol):
         """
         ...
 
+    def add_event(self, trajectory_id: str, kind: str, value: float = 1.0,
+                  turn: int | None = None) -> int:
+        """Record a process event on a turn of a running trajectory (None: the latest turn);
+        returns that turn. Raises KeyError / ValueError like add_completion."""
+        ...
+
     def finish_trajectory(
         self,
         trajectory_id: str,

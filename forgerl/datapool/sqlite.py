@@ -25,6 +25,7 @@ Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajec
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import sys
 import threading
@@ -37,7 +38,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
-from forgerl.types import Completion, Group, SamplingParams, Trajectory, TrajectoryStatus
+from forgerl.types import (
+    Completion,
+    Event,
+    Group,
+    SamplingParams,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 TaskStatus = Literal["queued", "running", "finished", "trained"]
 _ENDED: tuple[str, ...] = ("finished", "failed", "aborted")
@@ -79,6 +87,13 @@ CREATE TABLE IF NOT EXISTS completions (
     extends_previous INTEGER NOT NULL,
     PRIMARY KEY (trajectory_id, turn)
 );
+CREATE TABLE IF NOT EXISTS events (
+    trajectory_id TEXT NOT NULL,
+    turn INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    value REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_trajectory ON events (trajectory_id, turn);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -219,6 +234,27 @@ class SQLitePool:
                  c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
                  int(c.token_exact), int(c.extends_previous)),
             )
+        return turn
+
+    def add_event(self, trajectory_id: str, kind: str, value: float = 1.0,
+                  turn: int | None = None) -> int:
+        """Record a process event on a running trajectory; returns the turn it is on.
+
+        turn: 0-based completion index; None = the latest recorded turn. Raises KeyError for
+        an unknown trajectory, ValueError when it is no longer running, has no such turn (or
+        no turn yet), or `value` is not finite.
+        """
+        if not math.isfinite(value):
+            raise ValueError(f"event value must be finite, got {value}")
+        with self._tx() as db:
+            self._require_running(db, trajectory_id)
+            turns = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
+                               (trajectory_id,)).fetchone()[0]
+            turn = turns - 1 if turn is None else turn
+            if not 0 <= turn < turns:
+                raise ValueError(f"trajectory {trajectory_id} has {turns} turns, no turn {turn}")
+            db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                       (trajectory_id, turn, kind, float(value)))
         return turn
 
     def finish_trajectory(
@@ -452,8 +488,10 @@ class SQLitePool:
             )
             for r in rows
         ]
+        events = [Event(*r) for r in self._read(
+            "SELECT turn, kind, value FROM events WHERE trajectory_id=? ORDER BY rowid", (tid,))]
         return Trajectory(
             id=tid, task_index=task_index, rollout_index=rollout_index, completions=completions,
             reward=reward, turn_rewards=None if turn_rewards is None else json.loads(turn_rewards),
-            status=status, error=error, started_at=start, ended_at=end,
+            status=status, error=error, started_at=start, ended_at=end, events=events,
         )

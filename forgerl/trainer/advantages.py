@@ -6,7 +6,9 @@ rewards into one advantage per turn of each trajectory, which `samples.py` sprea
 turn's completion tokens.
 
 Formula (DESIGN.md "Advantage", Forge §4.1). Trajectory j of a group has an outcome reward o_j
-and process rewards p_{j,0} .. p_{j,T_j-1} (zero if absent); its return is R_j = o_j + Σ_t p_{j,t}.
+and process rewards p_{j,0} .. p_{j,T_j-1} (zero if absent), both composite
+(`forgerl.rewards.composite`: weighted score + completion-time reward; agent turn rewards +
+weighted process events); its return is R_j = o_j + Σ_t p_{j,t}.
 The advantage of its turn t is
 
     Â_{j,t} = (o_j - mean_G(o)) + (g_{j,t} - mean_{i: T_i > t}(g_{i,t})),  g_{j,t} = Σ_{p≥t} p_{j,p}
@@ -26,6 +28,12 @@ from __future__ import annotations
 import math
 import statistics
 
+from forgerl.rewards.composite import (
+    RewardWeights,
+    completion_time_rewards,
+    duration_s,
+    process_turn_rewards,
+)
 from forgerl.types import Group, Trajectory
 
 
@@ -62,20 +70,6 @@ def reward_to_go(turn_rewards: list[float]) -> list[float]:
     return out
 
 
-def process_rewards(traj: Trajectory) -> list[float]:
-    """Per-turn process rewards of one trajectory (zeros when it has none), one per completion.
-
-    Raises ValueError when `turn_rewards` has a different length than `completions`.
-    """
-    n = len(traj.completions)
-    process = list(traj.turn_rewards) if traj.turn_rewards is not None else [0.0] * n
-    if len(process) != n:
-        raise ValueError(
-            f"trajectory {traj.id}: len(turn_rewards) ({len(process)}) != len(completions) ({n})"
-        )
-    return process
-
-
 def outcome_reward(traj: Trajectory, failed_reward: float | None = None) -> float:
     """o_j: the trajectory's reward; `failed_reward` for a failed one; 0.0 when unscored."""
     if traj.status == "failed" and failed_reward is not None:
@@ -83,19 +77,40 @@ def outcome_reward(traj: Trajectory, failed_reward: float | None = None) -> floa
     return traj.reward if traj.reward is not None else 0.0
 
 
+def composite_rewards(
+    trajectories: list[Trajectory], weights: RewardWeights, failed_reward: float | None = None
+) -> tuple[list[float], list[list[float]], dict[str, float]]:
+    """(o_j, p_{j,t}, component sums) of one group under `weights` (rewards/composite.py).
+
+    The sums: "outcome" (Σ w_o · score), "completion_time" (Σ r^time), "process" (Σ p) and
+    "seconds" (Σ rollout wall-clock seconds), for per-step means. Raises ValueError like
+    `process_turn_rewards`.
+    """
+    scores = [outcome_reward(t, failed_reward) for t in trajectories]
+    seconds = [duration_s(t) for t in trajectories]
+    speed = completion_time_rewards(seconds, scores, weights.completion_time)
+    outcome_G = [weights.outcome * s + r for s, r in zip(scores, speed, strict=True)]
+    process_G_T = [process_turn_rewards(t, weights.process) for t in trajectories]
+    sums = {"outcome": weights.outcome * sum(scores), "completion_time": sum(speed),
+            "process": sum(map(sum, process_G_T)), "seconds": sum(seconds)}
+    return outcome_G, process_G_T, sums
+
+
 def trajectory_advantages(
     trajectories: list[Trajectory], normalize_std: bool = False, std_floor: float = 1e-6,
-    failed_reward: float | None = None,
+    failed_reward: float | None = None, weights: RewardWeights | None = None,
 ) -> list[list[float]]:
     """Per-turn advantages Â_{j,t} (module docstring) for the trajectories of one group.
 
     Returns one list per trajectory, each of length len(traj.completions). The caller picks
     which trajectories form the group (`group_trajectory_advantages`); a failed one among them
-    gets outcome `failed_reward` (None: its reward, or 0.0). Raises ValueError on a non-finite
-    reward or mismatched `turn_rewards`.
+    gets outcome `failed_reward` (None: its reward, or 0.0). `weights`: the composite reward
+    (default: outcome weight 1, no time reward, events unweighted). Raises ValueError on a
+    non-finite reward or mismatched `turn_rewards`.
     """
-    outcome_G = [outcome_reward(t, failed_reward) for t in trajectories]
-    rtg_G_T = [reward_to_go(process_rewards(t)) for t in trajectories]
+    outcome_G, process_G_T, _ = composite_rewards(
+        trajectories, weights or RewardWeights(), failed_reward)
+    rtg_G_T = [reward_to_go(p) for p in process_G_T]
     adv_G_T = [[a] * len(rtg) for a, rtg in zip(group_advantages(outcome_G), rtg_G_T, strict=True)]
     for t in range(max(map(len, rtg_G_T), default=0)):
         alive = [j for j, rtg in enumerate(rtg_G_T) if len(rtg) > t]
@@ -110,12 +125,14 @@ def trajectory_advantages(
 
 
 def group_trajectory_advantages(
-    group: Group, normalize_std: bool = False, failed_reward: float | None = 0.0
+    group: Group, normalize_std: bool = False, failed_reward: float | None = 0.0,
+    weights: RewardWeights | None = None,
 ) -> list[tuple[Trajectory, list[float]]]:
     """The group's members with their per-turn advantages: every finished trajectory, plus the
     failed ones with outcome `failed_reward` (None: failed ones are dropped from the loss and
     the baseline). Aborted attempts are never members."""
     statuses = ("finished",) if failed_reward is None else ("finished", "failed")
     members = [t for t in group.trajectories if t.status in statuses]
-    advs = trajectory_advantages(members, normalize_std=normalize_std, failed_reward=failed_reward)
+    advs = trajectory_advantages(members, normalize_std=normalize_std, failed_reward=failed_reward,
+                                 weights=weights)
     return list(zip(members, advs, strict=True))

@@ -106,7 +106,8 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
     Turn k is a retry orphan when a later call (another `started_at`, so not a sibling choice
     of the same n > 1 call) sent the same prompt_ids, and no later turn's prompt extends turn
     k's prompt + completion (the agent never continued from it). Of identical retries the
-    latest call is kept. `turn_rewards`, when set, lose the same entries. Returns `traj` itself
+    latest call is kept. `turn_rewards` and `events` lose the orphans' entries (events are
+    re-indexed to the kept turns). Returns `traj` itself
     when nothing is dropped.
     """
     turns = traj.completions
@@ -122,7 +123,10 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
         return traj, 0
     keep = [k for k in range(len(turns)) if k not in orphans]
     rewards = None if traj.turn_rewards is None else [traj.turn_rewards[k] for k in keep]
-    return replace(traj, completions=[turns[k] for k in keep], turn_rewards=rewards), len(orphans)
+    new_turn = {k: i for i, k in enumerate(keep)}
+    events = [replace(e, turn=new_turn[e.turn]) for e in traj.events if e.turn in new_turn]
+    kept = replace(traj, completions=[turns[k] for k in keep], turn_rewards=rewards, events=events)
+    return kept, len(orphans)
 
 
 def trajectory_to_samples_with_stats(

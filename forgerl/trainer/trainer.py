@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from forgerl.trainer.advantages import group_trajectory_advantages
+from forgerl.rewards.composite import RewardWeights
+from forgerl.trainer.advantages import composite_rewards, group_trajectory_advantages
 from forgerl.trainer.attention import (
     attn_implementation,
     check_tree_support,
@@ -69,6 +70,8 @@ class Trainer:
         failed_reward: outcome reward of a failed rollout, which then counts in its group's
             baseline and the loss; None drops failed rollouts from both; aborted ones are never
             trained (`advantages.group_trajectory_advantages`).
+        rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
+            outcome alone, plus any agent turn rewards).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
             FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
             CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
@@ -91,6 +94,7 @@ class Trainer:
         normalize_std: bool = False,
         failed_reward: float | None = 0.0,
         device: str = "auto",
+        rewards: RewardWeights | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).train()
@@ -106,6 +110,7 @@ class Trainer:
         self.merge_prefixes = merge_prefixes
         self.normalize_std = normalize_std
         self.failed_reward = failed_reward
+        self.rewards = rewards or RewardWeights()
         self.step = 0
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -116,8 +121,11 @@ class Trainer:
         ratio_max / clip_frac, token_off_policy_lag_mean / _max (self.step - weight_versions
         over loss tokens; the scheduler logs the per-group lag), groups_skipped (all advantages
         0), prefix_extensions / prefix_branches, greedy_turns (temperature-0 turns kept out of
-        the loss, `samples`), step_seconds, tokens_per_second (tree tokens through
-        forward+backward per second).
+        the loss, `samples`), retry_orphans (`samples.drop_retry_orphans`), the composite
+        reward's per-member means over the step's groups (reward_outcome_mean,
+        reward_process_mean summed over turns, reward_completion_time_mean,
+        rollout_seconds_mean), events_<kind> (summed event values), step_seconds,
+        tokens_per_second (tree tokens through forward+backward per second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged.
         """
@@ -146,12 +154,21 @@ class Trainer:
         samples: list[TrainingSample] = []
         rewards: list[float] = []
         skipped = extensions = branches = greedy = orphans = 0
+        parts: dict[str, float] = {}
+        events: dict[str, float] = {}
         for recorded in groups:
             rewards += [t.reward for t in recorded.trajectories if t.reward is not None]
             cleaned = [drop_retry_orphans(t) for t in recorded.trajectories]
             orphans += sum(n for _, n in cleaned)
             group = replace(recorded, trajectories=[t for t, _ in cleaned])
-            members = group_trajectory_advantages(group, self.normalize_std, self.failed_reward)
+            members = group_trajectory_advantages(group, self.normalize_std, self.failed_reward,
+                                                  self.rewards)
+            trajs = [t for t, _ in members]
+            for key, total in composite_rewards(trajs, self.rewards, self.failed_reward)[2].items():
+                parts[key] = parts.get(key, 0.0) + total
+            parts["members"] = parts.get("members", 0.0) + len(trajs)
+            for e in (e for t in trajs for e in t.events):
+                events[e.kind] = events.get(e.kind, 0.0) + e.value
             if all(a == 0.0 for _, advs in members for a in advs):
                 skipped += 1  # no learning signal: contributes no loss tokens
                 continue
@@ -186,6 +203,11 @@ class Trainer:
             "prefix_branches": float(branches),
             "greedy_turns": float(greedy),
             "retry_orphans": float(orphans),
+            **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
+                ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),
+                ("reward_completion_time_mean", "completion_time"),
+                ("rollout_seconds_mean", "seconds"))},
+            **{f"events_{kind}": v for kind, v in sorted(events.items())},
             "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
             "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
         }
