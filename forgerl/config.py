@@ -220,6 +220,10 @@ class TrainerConfig(_Section):
     (the baseline then reflects only the survivors). Counted per step as `rollouts_failed`."""
     failed_reward: float = Field(0.0, allow_inf_nan=False)
     """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
+    truncated_turns: Literal["train", "mask"] = "train"
+    """A turn that ended at max_tokens (finish "length", CASES.md C09): "train" it like any
+    other turn, or "mask" it (context only, counted as truncated_turns_masked). To penalise it
+    instead, set `[reward] process = { truncated = -0.5 }`."""
     checkpoint_every: int = Field(5, ge=1)
     """Save a resumable checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = Field(1, ge=1)

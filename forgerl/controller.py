@@ -393,7 +393,8 @@ async def start_services(config: Config, agent: Agent | None = None,
                       max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
                       normalize_std=tc.normalize_std, device=tc.device,
                       failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
-                      rewards=config.reward.weights())
+                      rewards=config.reward.weights(),
+                      mask_truncated=tc.truncated_turns == "mask")
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
     if (ckpt := latest_checkpoint(run_dir)) is not None:

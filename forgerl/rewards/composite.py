@@ -8,6 +8,8 @@ group with weights (w_o, w_time, w_k per event kind):
 
     outcome  o_j = w_o · score_j + r_j^time
     process  p_{j,t} = turn_rewards_{j,t} + Σ_{events e on turn t} w_{kind(e)} · value(e)
+             (a turn that ended at max_tokens, finish "length", counts as one "truncated"
+             event: CASES.md C09's "penalised" option)
     time     r_j^time = w_time · clip((m - d_j) / m, -1, 1)  for a successful j (score_j > 0),
              d_j = ended_at - started_at (wall-clock seconds: model calls, tool execution and
              sub-agents), m the median d over the group's successful members; 0 for the
@@ -65,8 +67,8 @@ def completion_time_rewards(
 
 def process_turn_rewards(traj: Trajectory, weights: Mapping[str, float]) -> list[float]:
     """p_{j,t} for each turn: the agent's `turn_rewards` (zeros if none) plus its weighted
-    events. Raises ValueError on a turn_rewards length mismatch, an event on a missing turn or
-    a non-finite result."""
+    events, plus weights["truncated"] on each finish-"length" turn. Raises ValueError on a
+    turn_rewards length mismatch, an event on a missing turn or a non-finite result."""
     n = len(traj.completions)
     out = list(traj.turn_rewards) if traj.turn_rewards is not None else [0.0] * n
     if len(out) != n:
@@ -76,6 +78,9 @@ def process_turn_rewards(traj: Trajectory, weights: Mapping[str, float]) -> list
         if not 0 <= e.turn < n:
             raise ValueError(f"trajectory {traj.id}: event {e.kind!r} on turn {e.turn} of {n}")
         out[e.turn] += weights.get(e.kind, 0.0) * e.value
+    for t, turn in enumerate(traj.completions):
+        if turn.finish_reason == "length":
+            out[t] += weights.get("truncated", 0.0)
     if not all(math.isfinite(x) for x in out):
         raise ValueError(f"trajectory {traj.id}: non-finite process rewards {out}")
     return out

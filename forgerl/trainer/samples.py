@@ -56,11 +56,15 @@ class TrainingSample(Sample):
 class PrefixStats:
     """How a trajectory's turns were joined: `extensions` turns appended to the previous
     sample, `branches` turns that started a new sample (the first turn counts as neither);
-    `greedy_turns` token-exact turns sampled at temperature 0, kept out of the loss."""
+    `greedy_turns` token-exact turns sampled at temperature 0, kept out of the loss;
+    `truncated_turns` turns that ended at max_tokens (finish "length"), `truncated_masked` those
+    of them kept out of the loss (`mask_truncated`)."""
 
     extensions: int = 0
     branches: int = 0
     greedy_turns: int = 0
+    truncated_turns: int = 0
+    truncated_masked: int = 0
 
 
 def _extends(prev_ids: list[int], prompt_ids: list[int]) -> bool:
@@ -90,14 +94,18 @@ def _append(sample: TrainingSample, ids: list[int], turn: Completion | None, adv
         sample.temperatures += [turn.sampling.temperature] * n
 
 
-def _append_turn(sample: TrainingSample, turn: Completion, advantage: float) -> bool:
+def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
+                 stats: PrefixStats, mask_truncated: bool) -> None:
     """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion
-    (mask 1 when token-exact and sampled at T > 0). Returns True for a greedy token-exact turn."""
+    (mask 1 when token-exact, sampled at T > 0 and not a masked truncated turn)."""
     _append(sample, turn.prompt_ids[len(sample.input_ids) :], None, 0.0)
     greedy = turn.sampling.temperature <= 0
-    trained = turn.token_exact and not greedy
+    truncated = turn.finish_reason == "length"
+    trained = turn.token_exact and not greedy and not (truncated and mask_truncated)
     _append(sample, turn.completion_ids, turn if trained else None, advantage)
-    return turn.token_exact and greedy
+    stats.greedy_turns += turn.token_exact and greedy
+    stats.truncated_turns += truncated
+    stats.truncated_masked += truncated and mask_truncated
 
 
 def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
@@ -130,9 +138,14 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
 
 
 def trajectory_to_samples_with_stats(
-    traj: Trajectory, advantages_per_turn: list[float]
+    traj: Trajectory, advantages_per_turn: list[float], mask_truncated: bool = False
 ) -> tuple[list[TrainingSample], PrefixStats]:
-    """Like `trajectory_to_samples`, also returning the prefix extension / branch counts."""
+    """Like `trajectory_to_samples`, also returning the prefix extension / branch counts.
+
+    mask_truncated: a turn that ended at max_tokens (finish "length", CASES.md C09) is context
+    only (loss mask 0) instead of trained with its turn's advantage; penalise such turns
+    instead with `[reward] process = { truncated = ... }`.
+    """
     if len(advantages_per_turn) != len(traj.completions):
         raise ValueError(
             f"trajectory {traj.id}: {len(advantages_per_turn)} advantages for "
@@ -146,7 +159,7 @@ def trajectory_to_samples_with_stats(
         else:
             stats.branches += int(k > 0)
             samples.append(_new_sample(traj))
-        stats.greedy_turns += _append_turn(samples[-1], turn, adv)
+        _append_turn(samples[-1], turn, adv, stats, mask_truncated)
     for s in samples:
         if s.loss_mask and s.loss_mask[0]:
             # Position 0 has no preceding logits to predict it from (empty prompt).

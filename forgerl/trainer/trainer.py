@@ -72,6 +72,7 @@ class Trainer:
             trained (`advantages.group_trajectory_advantages`).
         rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
             outcome alone, plus any agent turn rewards).
+        mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
             FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
             CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
@@ -95,6 +96,7 @@ class Trainer:
         failed_reward: float | None = 0.0,
         device: str = "auto",
         rewards: RewardWeights | None = None,
+        mask_truncated: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).train()
@@ -111,6 +113,7 @@ class Trainer:
         self.normalize_std = normalize_std
         self.failed_reward = failed_reward
         self.rewards = rewards or RewardWeights()
+        self.mask_truncated = mask_truncated
         self.step = 0
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -121,11 +124,13 @@ class Trainer:
         ratio_max / clip_frac, token_off_policy_lag_mean / _max (self.step - weight_versions
         over loss tokens; the scheduler logs the per-group lag), groups_skipped (all advantages
         0), prefix_extensions / prefix_branches, greedy_turns (temperature-0 turns kept out of
-        the loss, `samples`), retry_orphans (`samples.drop_retry_orphans`), the composite
-        reward's per-member means over the step's groups (reward_outcome_mean,
-        reward_process_mean summed over turns, reward_completion_time_mean,
-        rollout_seconds_mean), events_<kind> (summed event values), step_seconds,
-        tokens_per_second (tree tokens through forward+backward per second).
+        the loss, `samples`), truncated_turns / truncated_turns_masked (finish "length"
+        turns of trained groups, and those kept out of the loss), retry_orphans
+        (`samples.drop_retry_orphans`), the composite reward's per-member means over the step's
+        groups (reward_outcome_mean, reward_process_mean summed over turns,
+        reward_completion_time_mean, rollout_seconds_mean), events_<kind> (summed event
+        values), step_seconds, tokens_per_second (tree tokens through forward+backward per
+        second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged.
         """
@@ -153,7 +158,7 @@ class Trainer:
         """Advantages → samples → prefix tree, plus the global loss-token count N."""
         samples: list[TrainingSample] = []
         rewards: list[float] = []
-        skipped = extensions = branches = greedy = orphans = 0
+        skipped = extensions = branches = greedy = orphans = truncated = masked = 0
         parts: dict[str, float] = {}
         events: dict[str, float] = {}
         for recorded in groups:
@@ -173,10 +178,13 @@ class Trainer:
                 skipped += 1  # no learning signal: contributes no loss tokens
                 continue
             for traj, advs in members:
-                traj_samples, stats = trajectory_to_samples_with_stats(traj, advs)
+                traj_samples, stats = trajectory_to_samples_with_stats(traj, advs,
+                                                                       self.mask_truncated)
                 samples += [s for s in traj_samples if any(s.loss_mask)]
                 extensions, branches = extensions + stats.extensions, branches + stats.branches
                 greedy += stats.greedy_turns
+                truncated += stats.truncated_turns
+                masked += stats.truncated_masked
         tree = build_tree_batch(
             [s.input_ids for s in samples],
             self.max_row_tokens,
@@ -202,6 +210,8 @@ class Trainer:
             "prefix_extensions": float(extensions),
             "prefix_branches": float(branches),
             "greedy_turns": float(greedy),
+            "truncated_turns": float(truncated),
+            "truncated_turns_masked": float(masked),
             "retry_orphans": float(orphans),
             **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
                 ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),

@@ -109,3 +109,26 @@ def test_events_survive_the_pool_and_the_trainer_logs_each_component(tmp_path, t
     assert m["rollout_seconds_mean"] == pytest.approx(35 / 3)
     assert m["events_invalid_tool_call"] == 3.0
     pool.close()
+
+
+def test_a_truncated_turn_is_trained_masked_or_penalised(tiny_model):
+    """CASES.md C09: a turn cut at max_tokens (finish "length") is counted; [trainer]
+    truncated_turns = "mask" keeps it out of the loss, [reward] process.truncated penalises it
+    (on its own turn, reward-to-go from there), and the finished episode keeps its score."""
+    from forgerl.trainer.samples import trajectory_to_samples_with_stats
+
+    t = _traj("A", 2, 1.0, 1.0)
+    t.completions[0] = Completion([1, 2, 3], [4, 5], [-0.5, -0.6], [0, 0], 0, "length",
+                                  sampling=SamplingParams(temperature=1.0))
+    assert process_turn_rewards(t, {"truncated": -0.5}) == [-0.5, 0.0]
+    (trained,), stats = trajectory_to_samples_with_stats(t, [0.3, 0.3])
+    (masked,), mstats = trajectory_to_samples_with_stats(t, [0.3, 0.3], mask_truncated=True)
+    assert trained.input_ids == [1, 2, 3, 4, 5, 4, 5]  # turn 2's prompt is 1 2 3 4 5
+    assert trained.loss_mask == [0, 0, 0, 1, 1, 1, 1]
+    assert masked.loss_mask == [0, 0, 0, 0, 0, 1, 1]
+    assert (stats.truncated_turns, stats.truncated_masked) == (1, 0)
+    assert (mstats.truncated_turns, mstats.truncated_masked) == (1, 1)
+    other = _traj("B", 2, 0.0, 1.0)
+    m = Trainer(tiny_model, device="cpu", mask_truncated=True).prepare([Group(0, [t, other])])
+    assert (m.metrics["truncated_turns"], m.metrics["truncated_turns_masked"]) == (1.0, 1.0)
+    assert m.metrics["reward_outcome_mean"] == 0.5
