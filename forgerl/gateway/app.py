@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway.core import Gateway
@@ -189,9 +190,38 @@ async def unless_disconnected(
                        "client_disconnected")
 
 
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": chat.ChatRequest, "/v1/completions": completions.CompletionRequest,
+    "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens":
+    anthropic.PromptRequest, "/v1/responses": responses.ResponsesRequest,
+    "/v1/sessions": SessionRequest, "/v1/sessions/{session_id}/reward": RewardRequest}
+"""The JSON body model of each POST route, for the OpenAPI document only: handlers parse the
+raw body themselves (so errors keep the OpenAI/Anthropic shapes, never FastAPI's 422)."""
+
+
+def declare_bodies(app: FastAPI) -> None:
+    """Declare every POST route's request body (`BODIES`) in `app.openapi()`."""
+    refs, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                    ref_template="#/components/schemas/{model}")
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = build()
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            for path, model in BODIES.items():
+                content = {"application/json": {"schema": refs[(model, "validation")]}}
+                spec["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                              "content": content}
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
     app = FastAPI(title="ForgeRL gateway")
+    declare_bodies(app)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
