@@ -60,6 +60,14 @@ class GatewayConfig(_Section):
     """Seconds without a model call after which a session opened over HTTP expires: its
     trajectory is failed, its key stops working. None: never. Controller rollouts never expire
     here (they have `rollout.timeout_s`)."""
+    renderer: Literal["auto", "chatml_hermes", "hf_template"] = "auto"
+    """How messages become token ids: "chatml_hermes" = ChatML with the gateway's Hermes tool
+    section (SmolLM2); "hf_template" = the model folder's own chat template; "auto" =
+    chatml_hermes when the tokenizer has <|im_start|>/<|im_end|> and its template no tool
+    section, else hf_template."""
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """The tool-call format replies are parsed in; "auto" reads it from the chat template
+    (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""
 
 
 class SQLitePoolConfig(_Section):

@@ -375,7 +375,7 @@ async def start_services(config: Config, agent: Agent | None = None,
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.engines.local import LocalEngine
     from forgerl.gateway.app import Gateway
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.templates import build_renderer
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -384,6 +384,8 @@ async def start_services(config: Config, agent: Agent | None = None,
     tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
+    gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
+    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
@@ -410,7 +412,7 @@ async def start_services(config: Config, agent: Agent | None = None,
                          max_batch_size=config.engine.max_batch_size,
                          prefix_cache_tokens=config.engine.prefix_cache_tokens)
     engine.weight_version = trainer.step
-    gateway = Gateway(ChatMLRenderer(tokenizer, default_system=system), engine, pool,
+    gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
                       controller_tasks=training, admin_key=config.gateway.admin_key,

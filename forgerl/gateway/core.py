@@ -52,9 +52,16 @@ from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
 from forgerl.gateway.errors import GatewayError, unsupported
-from forgerl.gateway.renderer import CALL_OPEN, ChatMLRenderer
-from forgerl.gateway.replies import IncrementalDecoder, ReplyStream, cut_at_stop, finish_reply
+from forgerl.gateway.renderer import Renderer
+from forgerl.gateway.replies import (
+    Cut,
+    IncrementalDecoder,
+    ReplyStream,
+    cut_at_stop,
+    finish_reply,
+)
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore, Turn
+from forgerl.gateway.tool_parsers import HeldReply
 from forgerl.types import Completion, GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -203,7 +210,7 @@ class Gateway:
     sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call).
     """
 
-    renderer: ChatMLRenderer
+    renderer: Renderer
     engine: RolloutEngine
     pool: DataPool
     model_name: str
@@ -351,17 +358,23 @@ class Gateway:
         seed = s.seed if s.seed is not None or session.seed is None else (
             (session.seed + len(session.turns)) % 2**63)
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(wanted, room),
-                              stop_token_ids=(self.renderer.end_of_turn_id,), seed=seed)
+                              stop_token_ids=self.renderer.stop_ids, seed=seed)
 
     def prefill(self, conv: Conversation) -> str:
         """Reply text put after the generation prompt: the opening of a tool call when
         tool_choice is "required" or names a tool, else "". Its ids are prompt ids (never
         trained); the engine cannot constrain the rest, so a malformed call comes back as text
-        and counts in `tool_parse_errors`."""
+        and counts in `tool_parse_errors`. Raises GatewayError 400 when the renderer's tool-call
+        format cannot be forced (mistral)."""
         choice = conv.tool_choice
-        if choice == "required":
-            return self.renderer.tool_call_prefix(None)
-        return self.renderer.tool_call_prefix(choice.name) if isinstance(choice, ForcedTool) else ""
+        if choice != "required" and not isinstance(choice, ForcedTool):
+            return ""
+        prefix = self.renderer.tool_call_prefix(choice.name if isinstance(choice, ForcedTool)
+                                                else None)
+        if prefix is None:
+            raise unsupported(conv.param("tool_choice"), f"the {self.renderer.parser.name} "
+                              "tool-call format cannot be forced")
+        return prefix
 
     async def generate(
         self, session: Session, prompt_ids: list[int], params: list[SamplingParams]
@@ -394,7 +407,11 @@ class Gateway:
         base = self.sampling_params(session, conv, len(prompt_ids))
         params = [base if base.seed is None else dataclasses.replace(
             base, seed=(base.seed + i) % 2**63) for i in range(conv.n)]
-        closes = (self.renderer.call_close,) if tools and not conv.parallel_tool_calls else ()
+        close, parser = self.renderer.call_close, self.renderer.parser
+        closes = (close,) if tools and not conv.parallel_tool_calls and close else ()
+        if tools and not conv.parallel_tool_calls and close is None and parser.multiple:
+            raise unsupported(conv.param("parallel_tool_calls"), f"false cannot be honoured: a "
+                              f"{parser.name} reply cannot be stopped after one tool call")
         declared = {t.name for t in tools} if tools else None
         self.counters["requests"] += 1
         return Call(conv, tools, plan, prefix, prompt_ids, params, closes, declared,
@@ -418,7 +435,7 @@ class Gateway:
             return self.finish(session, call, outs)
 
     def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
-               streamed: Sequence[ReplyStream] | None = None) -> Result:
+               streamed: Sequence[ReplyStream | HeldReply] | None = None) -> Result:
         """Cut, parse and record the choices of `call` from the engine outputs (one per choice).
 
         `streamed`: the stream state of each choice; its reply (content and tool calls, with the
@@ -431,7 +448,7 @@ class Gateway:
             cut = cut_at_stop(self.renderer.decode, out.completion_ids,
                               self.renderer.end_of_turn_id, call.prefix, call.conv.sampling.stop,
                               call.closes)
-            reply, finish, errors = finish_reply(cut, out.finish_reason, call.declared)
+            reply, finish, errors = self.parse_reply(cut, out.finish_reason, call.declared)
             if streamed is not None:
                 reply = Message("assistant", streamed[i].content, tuple(streamed[i].calls))
             self.counters["tool_parse_errors"] += len(errors)
@@ -447,6 +464,29 @@ class Gateway:
                                   self.token_logprobs(completion) if call.conv.logprobs else None))
         self.record(session, call.conv, call.tools, call.plan, choices)
         return Result(choices, len(call.prompt_ids), call.started_at)
+
+    def parse_reply(self, cut: Cut, engine_finish: str, declared: set[str] | None,
+                    ) -> tuple[Message, str, list[str]]:
+        """`replies.finish_reply` with the renderer's tool-call parser (the reply, the finish
+        reason and the parse errors of one choice)."""
+        reply, finish, _ = finish_reply(cut, engine_finish, None)
+        if declared is None:
+            return reply, finish, []
+        parsed = self.renderer.parser.parse(cut.text, declared)
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        errors = parsed.errors if finish != "length" else []
+        return Message("assistant", parsed.content or "", tuple(parsed.tool_calls)), finish, errors
+
+    def reply_stream(self, call: Call) -> ReplyStream | HeldReply:
+        """The stream state of one choice: hermes calls are sent as each block closes; formats
+        without a closing string (llama3_json, mistral) are parsed when the reply ends."""
+        parser, stops = self.renderer.parser, call.conv.sampling.stop
+        if call.declared is not None and parser.open is None:
+            return HeldReply(ReplyStream(call.prefix, stops, call.closes, None, "", ""), parser,
+                             call.declared)
+        return ReplyStream(call.prefix, stops, call.closes, call.declared, parser.open or "",
+                           parser.close or "")
 
     async def stream(
         self, session: Session, conv: Conversation, plan: PromptPlan | None = None
@@ -474,9 +514,7 @@ class Gateway:
     ) -> AsyncIterator[Started | Delta | Result]:
         call = self.prepare(session, conv, plan)
         yield Started(len(call.prompt_ids), call.started_at)
-        states = [ReplyStream(call.prefix, conv.sampling.stop, call.closes, call.declared,
-                              CALL_OPEN,
-                              self.renderer.call_close) for _ in call.params]
+        states = [self.reply_stream(call) for _ in call.params]
         outs: list[GenerateOutput | None] = [None] * len(states)
         sources = [self._choice(session, i, call, s) for i, s in enumerate(states)]
         try:
@@ -491,7 +529,7 @@ class Gateway:
             raise
         yield self.finish(session, call, [o for o in outs if o is not None], states)
 
-    async def _choice(self, session: Session, i: int, call: Call, state: ReplyStream,
+    async def _choice(self, session: Session, i: int, call: Call, state: ReplyStream | HeldReply,
                       ) -> AsyncIterator[Delta | tuple[int, GenerateOutput]]:
         """One choice: engine events -> deltas, then (i, the output to cut and record)."""
         decoder = IncrementalDecoder(self.renderer.decode)
@@ -512,7 +550,7 @@ class Gateway:
                         lps.append(ev.logprob)
                         versions.append(ev.weight_version)
                         pieces = state.feed(decoder.push(ev.token_id))
-                    eot = 1 if ids and ids[-1] == self.renderer.end_of_turn_id else 0
+                    eot = 1 if ids and ids[-1] in self.renderer.stop_ids else 0
                     at = ev.sampled_at if isinstance(ev, TokenEvent) else time.perf_counter()
                     for piece in pieces:
                         if isinstance(piece, ToolCall):
@@ -579,7 +617,7 @@ class Gateway:
     def token_logprobs(self, completion: Completion) -> list[TokenLogprob]:
         """The recorded logprob of every kept sampled id, a final end-of-turn id excluded."""
         ids, lps = completion.completion_ids, completion.logprobs
-        if ids and ids[-1] == self.renderer.end_of_turn_id:
+        if ids and ids[-1] in self.renderer.stop_ids:
             ids, lps = ids[:-1], lps[:-1]
         texts = [self.renderer.decode([i]) for i in ids]
         return [TokenLogprob(t, lp, tuple(t.encode())) for t, lp in zip(texts, lps, strict=True)]

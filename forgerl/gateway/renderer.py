@@ -18,7 +18,10 @@ tool JSON) is tokenised on its own with special tokens split, so a control strin
 (`<|im_end|>\n<|im_start|>assistant` in a tool result) becomes ordinary text ids and can never
 forge a turn, and it decodes back to the same text. A rendering is the concatenation of its
 turns' ids; token-in-token-out (sessions.py) relies on that to append new turns after recorded
-ids without re-encoding them.
+ids without re-encoding them (`continuation`).
+
+`Renderer` is what the gateway core and sessions use of a chat format; `ChatMLRenderer` is one,
+the model's own jinja template (templates.py, `HFTemplateRenderer`) the other.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
+from forgerl.gateway.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
 
 START, END = "<|im_start|>", "<|im_end|>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 TOOLS_HEADER = (
     "# Tools\n\n"
@@ -48,16 +51,18 @@ TOOLS_FOOTER = (
 )
 
 
-def tool_call_json(call: ToolCall) -> str:
-    """One tool call as the Hermes JSON object `{"name": ..., "arguments": {...}}`.
-
-    `arguments` (JSON text) is parsed back to an object so the rendering matches what the model
-    is asked to emit (an unparsable string is kept as is).
-    """
+def call_arguments(call: ToolCall) -> Any:
+    """A tool call's arguments as the object the model is asked to emit: its JSON text parsed
+    ("" is {}; an unparsable string is kept as is)."""
     args: Any = call.arguments
     with contextlib.suppress(json.JSONDecodeError):
         args = json.loads(args) if args.strip() else {}
-    return json.dumps({"name": call.name, "arguments": args}, ensure_ascii=False)
+    return args
+
+
+def tool_call_json(call: ToolCall) -> str:
+    """One tool call as the Hermes JSON object `{"name": ..., "arguments": {...}}`."""
+    return json.dumps({"name": call.name, "arguments": call_arguments(call)}, ensure_ascii=False)
 
 
 def tool_signature(tool: Tool) -> dict[str, Any]:
@@ -76,7 +81,58 @@ def tools_section(tools: Sequence[Tool]) -> str:
     return TOOLS_HEADER + "\n".join(sigs) + TOOLS_FOOTER
 
 
-class ChatMLRenderer:
+class Renderer:
+    """Messages (+ tools) <-> token ids in one chat format, and the tool-call format that goes
+    with it (`parser`). Subclasses set `tokenizer`, `parser`, `end_of_turn_id` (the id the
+    format closes an assistant turn with) and `stop_ids` (every id that ends a reply, that one
+    first), and implement `decode`, `render` and `continuation`."""
+
+    tokenizer: PreTrainedTokenizerBase
+    parser: ToolParser
+    end_of_turn_id: int
+    stop_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, no BOS/EOS added; special-token strings in `text` are split
+        into ordinary ids (message content never becomes a control token)."""
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of completion ids (for parsing and the client only)."""
+        raise NotImplementedError
+
+    def render(self, messages: Sequence[Message], tools: Sequence[Tool] = (),
+               add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids of a whole conversation (ending with the assistant generation header
+        when `add_generation_prompt`)."""
+        raise NotImplementedError
+
+    def continuation(self, history: Sequence[Message], new: Sequence[Message],
+                     tools: Sequence[Tool], completion_ids: list[int]) -> list[int] | None:
+        """Ids to append after a recorded turn's prompt + completion ids so the sequence is
+        this format's rendering of `history + new` with the generation prompt (token-in-token-
+        out, sessions.py). `history`: that turn's request messages and its reply (last);
+        `completion_ids`: its sampled ids (an end-of-turn id is added when they lack one).
+        None when the format does not extend the earlier rendering (it rewrites earlier turns)."""
+        raise NotImplementedError
+
+    def tool_call_prefix(self, name: str | None) -> str | None:
+        """The reply text that opens a tool call (of tool `name`, or of any tool when None): a
+        prefill after the generation prompt that makes the model's reply a tool call, the way
+        the format asks for it (`tool_choice` "required" or a named tool). None: the format
+        cannot be forced."""
+        return self.parser.call_prefix(name)
+
+    @property
+    def call_close(self) -> str | None:
+        """The text that closes one tool call (a reply limited to one call stops after it);
+        None when the format has none."""
+        return self.parser.close
+
+
+class ChatMLRenderer(Renderer):
     """Renders conversation messages (+ tools) to ChatML token ids.
 
     Args:
@@ -94,6 +150,8 @@ class ChatMLRenderer:
         self.default_system = default_system
         self.start_of_turn_id = self._special_id(START)
         self.end_of_turn_id = self._special_id(END)
+        self.stop_ids = (self.end_of_turn_id,)
+        self.parser = HERMES
         self.newline_ids = self.encode("\n")
         self.generation_prompt_ids = [self.start_of_turn_id, *self.encode("assistant\n")]
         if self.start_of_turn_id in self.encode(START):
@@ -105,13 +163,6 @@ class ChatMLRenderer:
         if len(ids) != 1:
             raise ValueError(f"tokenizer has no single special token {token!r} (got ids {ids})")
         return ids[0]
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text, no BOS/EOS added; special-token strings in `text` are split
-        into ordinary ids (message content never becomes a control token)."""
-        if not text:
-            return []
-        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids, special tokens dropped (for parsing and the client only)."""
@@ -168,13 +219,9 @@ class ChatMLRenderer:
         ids = self.render_turns(self.with_system(messages, tools))
         return ids + self.generation_prompt_ids if add_generation_prompt else ids
 
-    def tool_call_prefix(self, name: str | None) -> str:
-        """The reply text that opens a tool call (of tool `name`, or of any tool when None): a
-        prefill after the generation prompt that makes the model's reply a tool call, the way
-        the tool section asks for it (`tool_choice` "required" or a named tool)."""
-        if name is None:
-            return f"{CALL_OPEN}\n"
-        return f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-
-    call_close = CALL_CLOSE
-    """The text that closes one tool call (a reply limited to one call stops after it)."""
+    def continuation(self, history: Sequence[Message], new: Sequence[Message],
+                     tools: Sequence[Tool], completion_ids: list[int]) -> list[int]:
+        """ChatML always extends: (`<|im_end|>` if missing) "\\n", the new turns, the header."""
+        closed = bool(completion_ids) and completion_ids[-1] == self.end_of_turn_id
+        return ([] if closed else [self.end_of_turn_id]) + self.newline_ids + self.render_turns(
+            new) + self.generation_prompt_ids

@@ -6,9 +6,11 @@ turn tree (a call with n choices adds n sibling turns). Messages are the interna
 (conversation.py), whatever protocol the agent speaks. For a new request the session looks for
 the most recent turn whose request messages are a message-level prefix of the new messages and
 whose parsed reply equals the next new message; the new prompt is then that turn's exact prompt
-+ completion ids followed by the rendering of the remaining messages, so sampled ids are never
-re-encoded (CASES.md C01, C02). When no turn matches (first call, or the agent rewrote its
-context) the prompt is rendered from scratch: a new branch of the tree, counted in
++ completion ids followed by the renderer's continuation (`Renderer.continuation`: the rendering
+of the remaining messages), so sampled ids are never re-encoded (CASES.md C01, C02). When no turn
+matches (first call, or the agent rewrote its context), or the chat template does not extend
+its earlier rendering (it rewrites earlier turns, e.g. drops their reasoning; logged once per
+session), the prompt is rendered from scratch: a new branch of the tree, counted in
 `Session.prefix_misses` once the session has turns (C02: counted and reported, never silently
 patched).
 """
@@ -16,6 +18,7 @@ patched).
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import Sequence
@@ -23,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forgerl.gateway.conversation import Message, Tool
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderer import Renderer
+
+log = logging.getLogger(__name__)
 
 
 def _normal_args(arguments: str) -> Any:
@@ -93,9 +98,11 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
+    template_miss_logged: bool = False
+    """A prompt of this session became a new branch because the template rewrote a turn."""
 
     def plan(
-        self, messages: Sequence[Message], tools: Sequence[Tool], renderer: ChatMLRenderer
+        self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
     ) -> PromptPlan:
         """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix.
 
@@ -111,11 +118,16 @@ class Session:
                 and [message_key(m) for m in turn.messages] == keys[:n]
                 and message_key(turn.assistant) == keys[n]
             ):
-                ids = turn.prompt_ids + turn.completion_ids
-                if not turn.completion_ids or turn.completion_ids[-1] != renderer.end_of_turn_id:
-                    ids.append(renderer.end_of_turn_id)  # finish "length": close the turn
-                ids += renderer.newline_ids + renderer.render_turns(messages[n + 1 :])
-                return PromptPlan(ids + renderer.generation_prompt_ids, index, True)
+                tail = renderer.continuation(messages[: n + 1], messages[n + 1 :], tools,
+                                             turn.completion_ids)
+                if tail is not None:
+                    ids = turn.prompt_ids + turn.completion_ids + tail
+                    return PromptPlan(ids, index, True)
+                if not self.template_miss_logged:
+                    self.template_miss_logged = True
+                    log.warning("session %s: the chat template rewrites earlier turns; the "
+                                "prompt is a new branch (counted in prefix_misses)",
+                                self.trajectory_id)
         return PromptPlan(renderer.render(messages, tools), None, False)
 
     def record(self, turns: Sequence[Turn], extends_previous: bool) -> None:

@@ -1,0 +1,148 @@
+"""The model's own chat template as the gateway renderer (Qwen, Llama, Mistral families ...).
+
+Data flow: `build_renderer` (called where the controller builds the gateway) picks the renderer
+for `[gateway] renderer` / `tool_parser`: ChatML with our Hermes tool section (renderer.py) for
+SmolLM2-like tokenizers whose template has no tool section, else `HFTemplateRenderer`, which
+renders with `tokenizer.apply_chat_template`. The template sees what an OpenAI-style client
+sends: tools as `{"type": "function", "function": {name, description, parameters}}`, assistant
+tool calls with `arguments` as an object (the client-visible message keeps the JSON text,
+CASES.md C15) and reasoning as `reasoning_content`. Control-token strings inside messages and
+tools are encoded as plain text (`sanitize_control_tokens`), so content never forges a turn.
+
+Token-in-token-out (sessions.py): `continuation` renders the history with and without the new
+messages and appends the difference after the recorded ids only when each rendering extends the
+previous one id for id; a template that rewrites earlier turns (e.g. drops reasoning from
+history) gives None, and the session starts a counted new branch instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from forgerl.config import ConfigError
+from forgerl.gateway.conversation import Message, Tool
+from forgerl.gateway.errors import GatewayError, unsupported
+from forgerl.gateway.renderer import END, START, ChatMLRenderer, Renderer, call_arguments
+from forgerl.gateway.renderer import tool_signature as _signature
+from forgerl.gateway.tool_parsers import PARSERS, ToolParser, detect_parser
+
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+"""Tokens that end a reply wherever a tokenizer has them (besides eos and the template's own)."""
+
+
+def template_text(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's chat template source ("" when it has none; named templates joined)."""
+    t = tokenizer.chat_template
+    return "\n".join(t.values()) if isinstance(t, dict) else (t or "")
+
+
+def template_message(m: Message) -> dict[str, Any]:
+    """One message as an OpenAI-style dict for the template (tool call arguments as objects)."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+            "name": c.name, "arguments": call_arguments(c)}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.reasoning is not None:
+        d["reasoning_content"] = m.reasoning
+    return d
+
+
+class HFTemplateRenderer(Renderer):
+    """Renders conversations with the tokenizer's own jinja chat template.
+
+    Args:
+        tokenizer: a HF tokenizer with a `chat_template`.
+        parser: the tool-call format; default `detect_parser(template)`.
+
+    end_of_turn_id: the special token the template puts right after an assistant message's
+    content; stop_ids: it, eos and `END_OF_TURN_TOKENS` the tokenizer has. Raises ValueError
+    when the tokenizer has no chat template or the template closes assistant turns with no
+    special token.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None):
+        self.tokenizer, self.template = tokenizer, template_text(tokenizer)
+        if not self.template:
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
+        self.parser = parser or detect_parser(self.template)
+        added = tokenizer.get_added_vocab()
+        probe = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}],
+            tokenize=False)
+        after = str(probe)[str(probe).rfind("PROBE") + 5 :]
+        found = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t in after)
+        if not found:
+            raise ValueError("the chat template ends assistant turns with no special token")
+        self.end_of_turn_id = added.get(found[0][1], tokenizer.convert_tokens_to_ids(found[0][1]))
+        extra = [tokenizer.eos_token_id, *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
+        self.stop_ids = tuple(dict.fromkeys([self.end_of_turn_id, *(i for i in extra
+                                                                     if i is not None)]))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of completion ids without the stop ids; other special tokens are kept as text
+        (the tool parsers read `<|python_tag|>`, `[TOOL_CALLS]`)."""
+        kept = [i for i in ids if i not in self.stop_ids]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
+
+    def render(self, messages: Sequence[Message], tools: Sequence[Tool] = (),
+               add_generation_prompt: bool = True) -> list[int]:
+        """`tokenizer.apply_chat_template` ids of the conversation (control strings in content
+        are plain text). Raises GatewayError 400 when the template refuses it (its
+        `raise_exception`) or tools are given to a template without a tool section."""
+        if tools and "tools" not in self.template:
+            raise unsupported("tools", "this model's chat template has no tool section")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [template_message(m) for m in messages],
+                tools=[{"type": "function", "function": _signature(t)} for t in tools] or None,
+                add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True,
+                return_dict=False)
+        except TemplateError as e:
+            raise GatewayError(400, f"the model's chat template refused the conversation: {e}",
+                               "invalid_request_error", "messages") from None
+        return list(ids)
+
+    def continuation(self, history: Sequence[Message], new: Sequence[Message],
+                     tools: Sequence[Tool], completion_ids: list[int]) -> list[int] | None:
+        """The ids after the reply's end-of-turn id: what the template puts after it, then the
+        new messages and the generation prompt (render(all) minus render(history)). None unless
+        render(history[:-1]) + the reply's rendering + that tail is each rendering's prefix."""
+        prompt = self.render(history[:-1], tools)
+        before = self.render(history, tools, add_generation_prompt=False)
+        after = self.render([*history, *new], tools)
+        if before[: len(prompt)] != prompt or after[: len(before)] != before:
+            return None
+        ends = [k for k in range(len(prompt), len(before)) if before[k] in self.stop_ids]
+        if not ends:
+            return None
+        closed = bool(completion_ids) and completion_ids[-1] in self.stop_ids
+        return ([] if closed else [before[ends[-1]]]) + before[ends[-1] + 1 :] + after[len(before):]
+
+
+def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
+                   tool_parser: str = "auto", default_system: str | None = None) -> Renderer:
+    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig).
+
+    "auto": `ChatMLRenderer` (Hermes tools, `default_system`) when the tokenizer has
+    `<|im_start|>`/`<|im_end|>` and its template has no tool section (SmolLM2), else
+    `HFTemplateRenderer`. Raises ConfigError (one line) when the choice cannot be built.
+    """
+    text, added = template_text(tokenizer), tokenizer.get_added_vocab()
+    if renderer == "auto":
+        chatml = START in added and END in added and "tools" not in text
+        renderer = "chatml_hermes" if chatml else "hf_template"
+    parser = None if tool_parser == "auto" else PARSERS[tool_parser]
+    try:
+        if renderer == "hf_template":
+            return HFTemplateRenderer(tokenizer, parser)
+        if parser not in (None, PARSERS["hermes"]):
+            raise ValueError(f"its tool section asks for hermes calls, not {tool_parser!r}")
+        return ChatMLRenderer(tokenizer, default_system=default_system)
+    except ValueError as e:
+        raise ConfigError(f"gateway.renderer: {renderer!r} cannot be used: {e}") from None
