@@ -72,10 +72,13 @@ class HFTemplateRenderer(Renderer):
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.parser = parser or detect_parser(self.template)
         added = tokenizer.get_added_vocab()
-        probe = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}],
-            tokenize=False)
-        after = str(probe)[str(probe).rfind("PROBE") + 5 :]
+        try:
+            probe = str(tokenizer.apply_chat_template(
+                [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}],
+                tokenize=False))
+        except TemplateError as e:
+            raise ValueError(f"the chat template fails on a user + assistant turn: {e}") from None
+        after = probe[probe.rfind("PROBE") + 5 :]
         found = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t in after)
         if not found:
             raise ValueError("the chat template ends assistant turns with no special token")
@@ -103,7 +106,7 @@ class HFTemplateRenderer(Renderer):
                 tools=[{"type": "function", "function": _signature(t)} for t in tools] or None,
                 add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True,
                 return_dict=False)
-        except TemplateError as e:
+        except (TemplateError, ValueError) as e:  # ValueError: e.g. an empty conversation
             raise GatewayError(400, f"the model's chat template refused the conversation: {e}",
                                "invalid_request_error", "messages") from None
         return list(ids)

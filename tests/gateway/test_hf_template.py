@@ -340,3 +340,19 @@ def test_build_renderer_choices():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"--gateway.{key}", "jinja"])
         assert f"gateway.{key}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_template_refusal_is_a_400():
+    """A template's own `raise_exception` (Mistral: call ids of 9 characters) is a 400 naming
+    `messages`, and tools for a template without a tool section are refused, never a 500."""
+    from forgerl.gateway.errors import GatewayError
+
+    r = HFTemplateRenderer(family_tokenizer("mistral"))
+    with pytest.raises(GatewayError) as e:
+        r.render(chat.messages(history("call_1")[1:]), chat.tools([WEATHER]))
+    assert e.value.status == 400 and e.value.param == "messages" and "9 characters" in str(e.value)
+    chatml = build_byte_tokenizer()
+    chatml.chat_template = CHATML
+    with pytest.raises(GatewayError) as e:
+        HFTemplateRenderer(chatml).render(chat.messages(USER), chat.tools([WEATHER]))
+    assert e.value.status == 400 and e.value.param == "tools"
