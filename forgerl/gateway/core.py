@@ -131,10 +131,12 @@ class Delta:
     """One streamed piece of choice `index`: content text or one recognised tool call.
 
     text: content delta ("" for a tool call); the deltas of a choice join to its reply content.
-    tool_call: a whole parsed call (id, name, arguments JSON text) once its block closed, the
-        `call_index`-th of the choice. logprobs: when the conversation asked for them, the
-        recorded entries of the sampled ids not yet covered (None: none new); the entries the
-        deltas did not carry are the tail of the Result's `Choice.logprobs`.
+    tool_call: a whole parsed call (id, name, arguments JSON text) once its block closed (for
+        formats without a closing string, llama3_json and mistral: once the reply ended, its
+        content then one delta), the `call_index`-th of the choice. logprobs: when the
+        conversation asked for them, the recorded entries of the sampled ids not yet covered
+        (None: none new); the entries the deltas did not carry are the tail of the Result's
+        `Choice.logprobs`.
     sampled_at: time.perf_counter() when the engine sampled the latest id in this delta.
     """
 
