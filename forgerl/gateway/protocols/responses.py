@@ -363,7 +363,8 @@ async def stream_events(req: ResponsesRequest, session: Session,
 
     def add(item: dict[str, Any]) -> Iterator[str]:
         k = opened[item["id"]] = len(opened)
-        empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
+        empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(
+            item["type"], {})
         yield event("response.output_item.added", output_index=k,
                     item={**item, **empty, "status": "in_progress"})
         if item["type"] == "message":
