@@ -212,8 +212,11 @@ class Services:
 
         Counts `failed_streak`: groups in a row in which no rollout finished (e.g. every
         agent call rejected), with the last such rollout's error in `last_rollout_error`;
-        groups whose rollouts all ran before a resume do not count.
+        groups whose rollouts all ran before a resume do not count. Adds the trained rollouts'
+        tool use, turns and prefix reuse (`metrics.rollout_stats`).
         """
+        from forgerl.metrics import rollout_stats
+
         groups = [self.pool.get_group(i) for i in task_indices]
         for i, group in zip(task_indices, groups, strict=True):
             if i not in self.rollout_seconds:
@@ -227,6 +230,8 @@ class Services:
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
+        metrics |= rollout_stats([t for g in groups for t in g.trajectories],
+                                 self.gateway.renderer.decode)
         self.trained_tasks += task_indices
         metrics |= self.duration_bias()
         self.scheduler.on_trained(task_indices, self.trainer.step)
@@ -446,7 +451,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     last agent error, once no rollout finished in max(16, 4k) groups in a row (a systematic
     failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
-    from forgerl.metrics import ProgressBar
+    from forgerl.metrics import ProgressBar, agent_summary
     from forgerl.trainer.checkpoint import checkpoint_step
 
     if agent is None and config.agent is None:
@@ -488,7 +493,8 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 step_seconds.append(seconds)
                 bar.update(completed=step, in_flight=len(s.rollouts) * config.rollout.group_size,
                            reward=f"{metrics['reward_mean']:.3f}", acc=acc,
-                           sps=f"{sum(step_seconds) / len(step_seconds):.1f}")
+                           sps=f"{sum(step_seconds) / len(step_seconds):.1f}",
+                           agent=agent_summary(metrics))
                 start, no_signal = time.time(), 0
                 tokens = s.gateway.counters["completion_tokens"]
         print(summary(s.logger.records, s.trainer.step, time.time() - began), flush=True)

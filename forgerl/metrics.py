@@ -1,5 +1,6 @@
-"""Run logging: metrics as JSONL and TensorBoard event files in the run directory, and a rich
-progress bar (steps, rollouts in flight, reward, seconds per step)."""
+"""Run logging: metrics as JSONL and TensorBoard event files in the run directory, a rich
+progress bar (steps, rollouts in flight, reward, seconds per step), and the per-step agent
+statistics of the trained groups (`rollout_stats`: tool use, turns, prefix reuse)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,48 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from forgerl.gateway.tool_parsers import parse_tool_calls
+from forgerl.types import Trajectory
+
+
+def rollout_stats(trajectories: Sequence[Trajectory],
+                  decode: Callable[[list[int]], str]) -> dict[str, float]:
+    """How the agent used the model in these rollouts (one step's trained groups), from the
+    recorded completions alone; aborted trajectories are left out. `decode`: completion ids →
+    text (the gateway renderer's `decode`), re-parsed with the gateway's Hermes parser.
+
+    tool_call_rate: fraction of rollouts with >= 1 parsed tool call in any completion.
+    tool_calls / tool_call_attempts: parsed calls / `<tool_call>` blocks written (parsed + kept
+    as text: bad JSON, no name, unclosed or cut by max_tokens); tool_call_valid_rate: their
+    ratio (NaN without attempts; logged as null). Any tool name counts as parsed (the request's
+    declared names are not recorded).
+    turns_per_trajectory: mean model calls per rollout.
+    prefix_hits / prefix_misses: later calls whose prompt extended the previous call's prompt +
+    completion token for token (`Completion.extends_previous`) / that did not (a branch).
+    Empty input gives zeros (and NaN for the valid rate).
+    """
+    trajectories = [t for t in trajectories if t.status != "aborted"]
+    calls = attempts = with_call = hits = misses = 0
+    for traj in trajectories:
+        parsed = [parse_tool_calls(decode(c.completion_ids)) for c in traj.completions]
+        n = sum(len(p.tool_calls) for p in parsed)
+        calls, with_call = calls + n, with_call + (n > 0)
+        attempts += n + sum(len(p.errors) for p in parsed)
+        hits += sum(c.extends_previous for c in traj.completions)
+        misses += sum(not c.extends_previous for c in traj.completions[1:])
+    rollouts = max(len(trajectories), 1)
+    return {"tool_call_rate": with_call / rollouts, "tool_calls": float(calls),
+            "tool_call_attempts": float(attempts),
+            "tool_call_valid_rate": calls / attempts if attempts else math.nan,
+            "turns_per_trajectory": sum(len(t.completions) for t in trajectories) / rollouts,
+            "prefix_hits": float(hits), "prefix_misses": float(misses)}
 
 
 class MetricsLogger:
@@ -79,10 +117,24 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def agent_summary(metrics: dict[str, Any]) -> str:
+    """The console's view of `rollout_stats` values, e.g. `tools 0.44 valid 0.88 turns 1.44
+    prefix 7/0` (tool-call rate, valid-call rate or "-", model calls per rollout, prefix
+    hits/misses); "-" for any value missing."""
+    def show(key: str, spec: str) -> str:
+        value = metrics.get(key)
+        return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+    return (f"tools {show('tool_call_rate', '.2f')} valid {show('tool_call_valid_rate', '.2f')} "
+            f"turns {show('turns_per_trajectory', '.2f')} prefix {show('prefix_hits', '.0f')}/"
+            f"{show('prefix_misses', '.0f')}")
+
+
 class ProgressBar:
     """A rich progress bar over optimizer steps with live rollout/reward fields; when stdout is
     not a terminal (a log file, `nohup`, CI) one plain line per step instead, e.g.
-    `step 3/12  in flight 16  reward 0.500  acc -  31.2 s/step  0:01:34`."""
+    `step 3/12  in flight 16  reward 0.500  acc -  tools 0.44 valid 0.88 turns 1.44 prefix 7/0
+    31.2 s/step  0:01:34` (the agent fields: `agent_summary`)."""
 
     def __init__(self, total_steps: int, done: int, enabled: bool = True) -> None:
         self._console = Console()
@@ -95,13 +147,15 @@ class ProgressBar:
             TextColumn("in flight {task.fields[in_flight]}"),
             TextColumn("reward {task.fields[reward]}"),
             TextColumn("acc {task.fields[acc]}"),
+            TextColumn("{task.fields[agent]}"),
             TextColumn("{task.fields[sps]} s/step"),
             TimeElapsedColumn(),
             console=self._console,
             disable=not enabled or self._lines,
         )
         self._task = self._progress.add_task(
-            "train", total=total_steps, completed=done, in_flight=0, reward="-", acc="-", sps="-"
+            "train", total=total_steps, completed=done, in_flight=0, reward="-", acc="-", agent="",
+            sps="-"
         )
 
     def __enter__(self) -> ProgressBar:
@@ -112,13 +166,13 @@ class ProgressBar:
         self._progress.stop()
 
     def update(self, **fields: Any) -> None:
-        """Set `completed` (steps done) and any of in_flight, reward, acc, sps (seconds per
-        step: the caller passes the mean)."""
+        """Set `completed` (steps done) and any of in_flight, reward, acc, agent (the
+        `agent_summary` text), sps (seconds per step: the caller passes the mean)."""
         completed = fields.pop("completed", None)
         self._progress.update(self._task, completed=completed, **fields)
         if self._lines:
             f = self._progress.tasks[0].fields
             elapsed = int(time.time() - self._start)
             print(f"step {completed}/{self._total}  in flight {f['in_flight']}  reward "
-                  f"{f['reward']}  acc {f['acc']}  {f['sps']} s/step  "
+                  f"{f['reward']}  acc {f['acc']}  {f['agent']}  {f['sps']} s/step  "
                   f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", flush=True)
