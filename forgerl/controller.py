@@ -94,6 +94,7 @@ class Services:
             cwd = cfg.agent.cwd if cfg.agent is not None else None
             env = {"FORGERL_MAX_TURNS": str(cfg.agent.max_turns if cfg.agent else 1),
                    "OPENAI_MODEL": cfg.gateway.model_name,
+                   "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
                    **(self.reaper.env() if self.reaper else {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
         task = {"question": task["question"]}  # the agent never sees the reference answer

@@ -8,7 +8,9 @@ Endpoints: POST /v1/chat/completions (plain and `stream: true`), POST /v1/messag
 plain and `stream: true`; auth also by `x-api-key`), POST /v1/messages/count_tokens, GET /v1/models,
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
 negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened);
-both need `Authorization: Bearer <admin_key>` when the gateway has one. Sessions opened there
+both need `Authorization: Bearer <admin_key>` when the gateway has one; POST
+/v1/sessions/{id}/events (a process event the session's own agent reports, with its key;
+`FORGERL_SESSION_ID` names the session to a controller's agent). Sessions opened there
 expire after `session_idle_timeout_s` without a model call (a sweep, `Gateway.expire_idle`).
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, Anthropic-shaped on
 /v1/messages routes; no traceback body.
@@ -65,6 +67,33 @@ class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward: float = Field(allow_inf_nan=False, strict=True)
+
+
+class EventRequest(BaseModel):
+    """POST /v1/sessions/{id}/events body: one process event on a turn of the session's
+    trajectory (`forgerl.types.Event`; `[reward] process` weights it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    value: float = Field(1.0, allow_inf_nan=False)
+    turn: int | None = Field(None, ge=0, lt=2**31)
+    """0-based model call of the session; None = its latest."""
+
+
+def add_event(gateway: Gateway, session_id: str, session: Session, req: EventRequest) -> int:
+    """POST /v1/sessions/{id}/events: record the event; returns its turn.
+
+    Raises GatewayError 403 when the key's session is another one, 409 when the trajectory
+    has no such turn (or no model call yet) or is no longer running. Nothing is recorded then.
+    """
+    if session.trajectory_id != session_id:
+        raise GatewayError(403, f"this API key belongs to another session than {session_id!r}",
+                           "permission_denied", "session_id")
+    try:
+        return gateway.pool.add_event(session_id, req.kind, req.value, req.turn)
+    except ValueError as e:
+        raise GatewayError(409, str(e), "invalid_turn", "turn") from None
 
 
 def authenticate(gateway: Gateway, authorization: str | None) -> Session:
@@ -194,7 +223,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": chat.ChatRequest, "/v1/completions": completions.CompletionRequest,
     "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens":
     anthropic.PromptRequest, "/v1/responses": responses.ResponsesRequest,
-    "/v1/sessions": SessionRequest, "/v1/sessions/{session_id}/reward": RewardRequest}
+    "/v1/sessions": SessionRequest, "/v1/sessions/{session_id}/reward": RewardRequest,
+    "/v1/sessions/{session_id}/events": EventRequest}
 """The JSON body model of each POST route, for the OpenAPI document only: handlers parse the
 raw body themselves (so errors keep the OpenAI/Anthropic shapes, never FastAPI's 422)."""
 
@@ -309,6 +339,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = parse_body(await request.body(), RewardRequest)
         reward_external(gateway, session_id, body.reward)
         return {"session_id": session_id, "status": "finished", "reward": body.reward}
+
+    @app.post("/v1/sessions/{session_id}/events")
+    async def event(session_id: str, request: Request) -> dict[str, Any]:
+        """Record a process event that the session's own agent reports (Bearer: its key)."""
+        session = authenticate(gateway, request.headers.get("authorization"))
+        body = parse_body(await request.body(), EventRequest)
+        turn = add_event(gateway, session_id, session, body)
+        return {"session_id": session_id, "turn": turn, "kind": body.kind, "value": body.value}
 
     return app
 

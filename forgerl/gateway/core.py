@@ -80,6 +80,13 @@ class TokenLogprob:
     bytes: tuple[int, ...]
 
 
+def tool_error_kind(error: str) -> str:
+    """The process-event kind of a tool-call parse error (tool_parsers.ParsedReply.errors):
+    "undeclared_tool" for a call of a tool the request did not declare, else
+    "invalid_tool_call" (bad JSON, no name, arguments not an object, unclosed block)."""
+    return "undeclared_tool" if "was not declared" in error else "invalid_tool_call"
+
+
 @dataclass
 class Choice:
     """One sampled continuation, as recorded and as answered.
@@ -94,6 +101,8 @@ class Choice:
     completion: Completion
     reply: Message
     logprobs: list[TokenLogprob] | None = None
+    tool_errors: tuple[str, ...] = ()
+    """The choice's tool-call parse errors; each becomes a process event of its turn."""
 
     @property
     def finish_reason(self) -> str:
@@ -463,7 +472,8 @@ class Gateway:
                 started_at=call.started_at, ended_at=ended_at,
                 extends_previous=call.plan.extends_previous)
             choices.append(Choice(i, completion, reply,
-                                  self.token_logprobs(completion) if call.conv.logprobs else None))
+                                  self.token_logprobs(completion) if call.conv.logprobs else None,
+                                  tuple(errors)))
         self.record(session, call.conv, call.tools, call.plan, choices)
         return Result(choices, len(call.prompt_ids), call.started_at)
 
@@ -599,11 +609,17 @@ class Gateway:
                plan: PromptPlan, choices: list[Choice]) -> None:
         """Add every choice to the trajectory in the pool, then to the session's turn tree.
 
+        Each tool-call parse error of a choice is a process event on its turn (kind
+        `tool_error_kind`: "undeclared_tool" or "invalid_tool_call"), which `[reward] process`
+        may weight.
+
         Raises GatewayError 409 when the pool refuses (the trajectory ended meanwhile).
         """
         for c in choices:
             try:
-                self.pool.add_completion(session.trajectory_id, c.completion)
+                turn = self.pool.add_completion(session.trajectory_id, c.completion)
+                for err in c.tool_errors:
+                    self.pool.add_event(session.trajectory_id, tool_error_kind(err), 1.0, turn)
             except (KeyError, ValueError) as e:
                 raise GatewayError(409, f"trajectory {session.trajectory_id} takes no "
                                    f"completions: {e}", "trajectory_not_running") from e
