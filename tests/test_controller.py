@@ -320,3 +320,40 @@ async def test_a_run_without_learning_signal_stops(tmp_path):
                                            r"reward 0\.000\)"):
         await run(config, agent=agent, progress=False)
     assert 64 <= next(calls) <= 64 + 4  # the stop comes at the 64th trained group
+
+
+@sync
+async def test_step_records_and_console_line_carry_the_agent_statistics(tmp_path, capsys):
+    """Per step, `rollout_stats` of the trained groups is in the metrics record and the console
+    line. Per group of 4 the agent makes 1, 2 (extending the first call: a prefix hit), 1 and 2
+    (a rewritten first message: a miss) model calls, so turns = 6/4, hits = misses = 1 per
+    group; the random tiny model writes no `<tool_call>`, so the tool-call rate is 0 and the
+    valid-call rate has no attempts (null)."""
+    counters: dict[str, itertools.count] = {}
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        n = next(counters.setdefault(task["question"], itertools.count()))
+        messages = [{"role": "user", "content": task["question"]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                     max_tokens=8)
+        if n % 2 == 1:
+            if n % 4 == 1:
+                messages += [reply.choices[0].message.model_dump(include={"role", "content"}),
+                             {"role": "user", "content": "Sure?"}]
+            else:
+                messages = [{"role": "user", "content": "Rewritten: " + task["question"]}]
+            await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        return _solve(task["question"]) if n % 2 == 0 else "wrong"
+
+    run_dir = tmp_path / "run"
+    await run(tiny_config(run_dir, "--max_steps", "1", "--tasks.eval_size", "0"), agent=agent)
+    [record] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if json.loads(x)["step"] == 1]
+    assert record["turns_per_trajectory"] == 1.5
+    assert (record["prefix_hits"], record["prefix_misses"]) == (2.0, 2.0)
+    assert (record["tool_call_rate"], record["tool_calls"], record["tool_call_attempts"]) == (
+        0.0, 0.0, 0.0)
+    assert record["tool_call_valid_rate"] is None  # NaN (no attempts) is written as null
+    out = capsys.readouterr().out
+    assert "tools 0.00 valid - turns 1.50 prefix 2/2" in out.splitlines()[0], out

@@ -28,7 +28,8 @@ QUESTION = "State the final answer to the following arithmetic problem: 1663 - 5
 CALL = {
     "id": "call_1",
     "type": "function",
-    "function": {"name": "calculator", "arguments": json.dumps({"expression": "1663 - 5242 + 9376"})},
+    "function": {"name": "calculator",
+                 "arguments": json.dumps({"expression": "1663 - 5242 + 9376"})},
 }
 
 
