@@ -155,14 +155,38 @@ def check_tree_support(model: torch.nn.Module, max_row_tokens: int) -> None:
 
 
 @torch.no_grad()
-def _probe_difference(model: torch.nn.Module, name: str) -> float:
-    """Max |tree - alone| logprob over a 2-branch probe row (see `check_tree_support`)."""
+def supports_chunked_logprobs(model: torch.nn.Module) -> bool:
+    """Whether chunked logprobs (`forward_logprobs` with chunk_tokens > 0, from the decoder's
+    hidden states and `prefix_tree.head_logits`) equal the model's own forward's on the probe
+    row of `check_tree_support`, within 1e-5 (fp32) or 0.1 (16-bit weights); False for a
+    family whose forward transforms its logits in a way `head_logits` does not reproduce, or
+    whose decoder cannot be called alone. Runs in eval mode without gradients."""
+    training = model.training
+    model.eval()
+    try:
+        (row,) = build_tree_batch(_probe_sequences(model), 32).rows
+        diff = (forward_logprobs(model, row, 5) - forward_logprobs(model, row)).abs().max()
+    except Exception:  # any failure of the decoder-only path means "not supported"
+        return False
+    finally:
+        model.train(training)
+    return bool(diff <= (1e-5 if next(model.parameters()).dtype == torch.float32 else 0.1))
+
+
+def _probe_sequences(model: torch.nn.Module) -> list[list[int]]:
+    """Two 16-token sequences sharing their first 8 tokens, within the model's vocabulary."""
     vocab = model.get_input_embeddings().num_embeddings
     shared = [(7 * i + 3) % vocab for i in range(8)]
-    seqs = [
+    return [
         shared + [(11 * i + 5) % vocab for i in range(8)],
         shared + [(13 * i + 1) % vocab for i in range(8)],
     ]
+
+
+@torch.no_grad()
+def _probe_difference(model: torch.nn.Module, name: str) -> float:
+    """Max |tree - alone| logprob over a 2-branch probe row (see `check_tree_support`)."""
+    seqs = _probe_sequences(model)
     device = next(model.parameters()).device
     training = model.training
     model.eval()

@@ -269,7 +269,7 @@ def _make_row(
     )
 
 
-def forward_logprobs(model: torch.nn.Module, row: TreeRow) -> torch.Tensor:
+def forward_logprobs(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0) -> torch.Tensor:
     """Policy logprobs of a row's predictions: one forward over the row (differentiable).
 
     Returns (K,) fp32 on the model's device: prediction k's
@@ -281,6 +281,14 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow) -> torch.Tensor:
     that does not hold. The decoder runs over all N row tokens with the ancestor mask and depth
     position ids; the lm_head runs only at the distinct pred_pos (full-row logits would be
     N x vocab) and log_softmax at the distinct (pred_pos, temperature) pairs.
+
+    chunk_tokens > 0 takes the decoder's final hidden states instead and runs lm_head, the
+    family's logit transform (`head_logits`), temperature, log_softmax and gather over chunks
+    of that many distinct pairs, each under `torch.utils.checkpoint` (the backward recomputes
+    the chunk's logits), so at most one chunk's (chunk_tokens, V) logits live at a time instead
+    of (U, V) logits, log-probs and their gradients. Same values and gradients as
+    chunk_tokens = 0 up to float rounding; `attention.supports_chunked_logprobs` says whether a
+    family's transform is reproduced (the trainer falls back to 0 when not).
     """
     from forgerl.trainer.attention import tree_attention_mask
 
@@ -291,6 +299,8 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow) -> torch.Tensor:
     pairs, pair_of = torch.unique(
         torch.stack([pos.double(), temp.double()], 1), dim=0, return_inverse=True
     )  # (U, 2): distinct (pred_pos, T)
+    if chunk_tokens > 0:
+        return _chunked_logprobs(model, row, pairs, pair_of, chunk_tokens)
     positions, pos_of = torch.unique(pairs[:, 0].long(), return_inverse=True)  # (P,)
     logits = (
         model(
@@ -306,3 +316,57 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow) -> torch.Tensor:
     scaled = logits[pos_of] / pairs[:, 1:].float()  # (U, V); float32 T, as the engine divides
     logprobs = torch.log_softmax(scaled, dim=-1)
     return logprobs[pair_of, row.target_ids.to(device)]
+
+
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """(C, V) logits, in the model's dtype, from (C, H) final hidden states: the output embedding
+    plus the logit transforms transformers families apply after it (Cohere `logit_scale`,
+    Granite `logits_scaling`, Gemma2/3 `final_logit_softcapping`). A family with another
+    transform gives other logits than its own forward: `attention.supports_chunked_logprobs`."""
+    logits = model.get_output_embeddings()(hidden)
+    config = model.config
+    if getattr(model, "logit_scale", None) is not None:
+        logits = logits * model.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        logits = logits / config.logits_scaling
+    if (cap := getattr(config, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _chunk_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, temp: torch.Tensor, local: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """(k,) logprobs of `targets` at rows `local` of one chunk's (C, H) hidden states."""
+    scaled = head_logits(model, hidden).float() / temp[:, None]  # (C, V)
+    return torch.log_softmax(scaled, dim=-1)[local, targets]
+
+
+def _chunked_logprobs(
+    model: torch.nn.Module, row: TreeRow, pairs: torch.Tensor, pair_of: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """`forward_logprobs` over chunks of `chunk` distinct (pred_pos, T) pairs (`pairs` (U, 2)
+    float64 sorted, `pair_of` (K,) the pair of each prediction)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from forgerl.trainer.attention import tree_attention_mask
+
+    device = pairs.device
+    hidden = model.get_decoder()(
+        input_ids=row.input_ids.to(device)[None],
+        position_ids=row.position_ids.to(device)[None],
+        attention_mask=tree_attention_mask(model, row),
+        use_cache=False,
+    ).last_hidden_state[0]  # (N, H)
+    at, temp = hidden[pairs[:, 0].long()], pairs[:, 1].float()  # (U, H), (U,)
+    order = torch.argsort(pair_of, stable=True)  # predictions grouped by pair: (K,)
+    targets, grouped = row.target_ids.to(device)[order], pair_of[order]
+    ends = torch.cumsum(torch.bincount(pair_of, minlength=len(pairs)), 0).tolist()
+    parts = []
+    for lo in range(0, len(pairs), chunk):
+        hi = min(lo + chunk, len(pairs))
+        a, b = ends[lo - 1] if lo else 0, ends[hi - 1]
+        parts.append(checkpoint(_chunk_logprobs, model, at[lo:hi], temp[lo:hi],
+                                grouped[a:b] - lo, targets[a:b], use_reentrant=False))
+    return torch.cat(parts)[torch.argsort(order)]  # back to prediction order: (K,)

@@ -12,6 +12,7 @@ whatever mix of temperatures a batch holds.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +25,7 @@ from forgerl.trainer.attention import (
     attn_implementation,
     check_tree_support,
     preferred_attn_implementation,
+    supports_chunked_logprobs,
 )
 from forgerl.trainer.losses import LossFn, cispo_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
@@ -33,6 +35,8 @@ from forgerl.trainer.samples import (
     trajectory_to_samples_with_stats,
 )
 from forgerl.types import Group
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,14 +77,23 @@ class Trainer:
         rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
             outcome alone, plus any agent turn rewards).
         mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
+        logprob_chunk_tokens: policy logprobs from the final hidden states in chunks of this
+            many predictions, recomputed in the backward (`prefix_tree.forward_logprobs`): no
+            (tokens, vocab) logits are held. 0 = the model's own forward over all predictions;
+            a family whose logit transform the chunked head does not reproduce falls back to
+            0 (`attention.supports_chunked_logprobs`, logged).
+        activation_checkpointing: "off"; "full" recomputes every decoder layer in the backward
+            (only layer inputs are kept); "selective" every `checkpoint_every_layers`-th layer
+            (transformers' `activation_checkpointing_enable`, non-reentrant).
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
             FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
             CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
             forwards (the engine's copy keeps its attention).
 
     Raises:
-        ValueError: device "cuda" without CUDA, an unknown device, or a model whose forward
-            cannot give prefix-tree logprobs (`attention.check_tree_support`, one line).
+        ValueError: device "cuda" without CUDA, an unknown device, a model whose forward
+            cannot give prefix-tree logprobs (`attention.check_tree_support`, one line), or
+            activation checkpointing asked of a model without support for it.
     """
 
     def __init__(
@@ -97,12 +110,21 @@ class Trainer:
         device: str = "auto",
         rewards: RewardWeights | None = None,
         mask_truncated: bool = False,
+        logprob_chunk_tokens: int = 0,
+        activation_checkpointing: str = "off",
+        checkpoint_every_layers: int = 2,
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).train()
         self.attn_implementation = preferred_attn_implementation(self.model, self.device)
         with attn_implementation(self.model, self.attn_implementation):
             check_tree_support(self.model, max_row_tokens)
+            self.logprob_chunk_tokens = logprob_chunk_tokens
+            if logprob_chunk_tokens and not supports_chunked_logprobs(self.model):
+                log.warning("chunked logprobs do not match this model's forward: chunking off")
+                self.logprob_chunk_tokens = 0
+        set_activation_checkpointing(self.model, activation_checkpointing,
+                                     checkpoint_every_layers)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
         )
@@ -185,6 +207,12 @@ class Trainer:
                 greedy += stats.greedy_turns
                 truncated += stats.truncated_turns
                 masked += stats.truncated_masked
+        for s in samples:  # a sample is as long as its last turn's prompt + completion
+            if len(s.input_ids) > self.max_row_tokens:
+                raise ValueError(
+                    f"trajectory {s.trajectory_id}: a turn of {len(s.input_ids)} tokens (prompt"
+                    f" + completion) exceeds trainer.max_row_tokens ({self.max_row_tokens})"
+                )
         tree = build_tree_batch(
             [s.input_ids for s in samples],
             self.max_row_tokens,
@@ -247,7 +275,7 @@ class Trainer:
                 continue
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
             with attn_implementation(self.model, self.attn_implementation):
-                policy_logprobs = forward_logprobs(self.model, row)  # (K,), at each token's T
+                policy_logprobs = forward_logprobs(self.model, row, self.logprob_chunk_tokens)
             loss, stats = self.loss_fn(
                 policy_logprobs,
                 batch.behavior_logprobs[flat].to(self.device),
@@ -271,6 +299,24 @@ class Trainer:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
         trainer's device; `LocalEngine.update_weights` copies across devices)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def set_activation_checkpointing(model: torch.nn.Module, mode: str, every: int) -> None:
+    """Activation checkpointing of `model`'s decoder layers: "off", "full" (every layer) or
+    "selective" (layers 0, every, 2·every, ...). Non-reentrant `torch.utils.checkpoint`, so
+    the tree mask and position ids reach the recompute unchanged; active only in train mode
+    with gradients (the engine's eval copy never recomputes). ValueError: an unknown mode, or
+    a model that does not support it."""
+    if mode not in ("off", "full", "selective"):
+        raise ValueError(f"activation_checkpointing must be off, full or selective, got {mode!r}")
+    if mode == "off":
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    model.activation_checkpointing_enable(
+        {"use_reentrant": False}, every_n_layers=1 if mode == "full" else every
+    )
+    model.disable_input_require_grads()  # only reentrant checkpointing needs grad-carrying inputs
 
 
 def resolve_device(device: str) -> torch.device:
