@@ -1,0 +1,456 @@
+"""Several rollout-engine instances behind one `RolloutEngine`: the router (issue 12; Forge §3.3).
+
+`Router` implements the engine contract over N instances, so the gateway and the controller see
+one engine. Per request it describes every instance as an `InstanceLoad` (routable or not,
+requests in flight, decode tokens they still owe, prompt tokens it is estimated to hold, measured
+token rates, load bound) and asks a policy, a pure function of those loads, for an index:
+
+- `round_robin`: the next routable instance in turn.
+- `affinity`: the instance holding the longest prefix of the prompt when it covers at least
+  `AFFINITY_MIN_MATCH` of it (SGLang cache_aware's threshold), else the least loaded. Requests
+  carry no session id; prefixes suffice: an agent's turn k + 1 prompt extends turn k's prompt +
+  completion (session affinity), and the G rollouts of a task share their prompt (group
+  affinity: the first one's prompt is recorded when it is sent, so the siblings sent right after
+  follow it).
+- `cost_aware` (Forge §3.3): the minimum of `estimated_seconds` = queue delay + prefill of the
+  prompt tokens the instance does not hold, among instances below their load bound.
+
+What each instance holds is the router's own estimate, a `PrefixIndex` (a trie of chained
+`BLOCK`-token block hashes, LRU-bounded per instance like the engines' prefix caches): a request's
+prompt is recorded when it is sent, its prompt + completion when it finishes, and an instance's
+record is dropped when it loads new weights (LocalEngine clears its cache then). Token rates are
+measured from the requests (see `RouterState`). `RouterState` is this bookkeeping without I/O,
+on a clock the caller passes, so benchmarks/router.py runs the same code in a simulation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from forgerl.engines.base import RolloutEngine, TokenEvent
+from forgerl.types import GenerateOutput, SamplingParams
+
+log = logging.getLogger("forgerl")
+BLOCK = 16  # tokens per PrefixIndex block
+AFFINITY_MIN_MATCH = 0.5  # affinity follows a cached prefix covering at least this prompt share
+PRIOR_PREFILL_TOK_S, PRIOR_DECODE_TOK_S = 2000.0, 100.0  # until a rate has been measured
+EWMA = 0.2  # weight of a new rate sample
+
+
+def block_hashes(ids: Sequence[int]) -> list[int]:
+    """Chained hashes of the full BLOCK-token blocks of `ids`: h_k = hash((h_{k-1}, block_k)), so
+    h_k names the whole prefix ids[: (k + 1) · BLOCK] (a node of a block trie). A partial last
+    block is left out."""
+    out, h = [], 0
+    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+        h = hash((h, tuple(ids[start : start + BLOCK])))
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """Which token prefixes each of n instances was sent: block-hash trie nodes → holders.
+
+    capacity_blocks bounds each instance's record (least recently used nodes go first; a prefix's
+    deeper blocks are older than its root, so eviction cuts chains from the leaves).
+    """
+
+    def __init__(self, n: int, capacity_blocks: int) -> None:
+        self.n, self.capacity = n, capacity_blocks
+        self.holders: dict[int, set[int]] = {}
+        self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
+
+    def matched(self, hashes: Sequence[int]) -> list[int]:
+        """Per instance, tokens of the longest recorded prefix among `hashes` (BLOCK * blocks)."""
+        depth, alive = [0] * self.n, set(range(self.n))
+        for k, h in enumerate(hashes):
+            held = alive & self.holders.get(h, set())
+            for i in alive - held:
+                depth[i] = k
+            alive = held
+            if not alive:
+                break
+        for i in alive:
+            depth[i] = len(hashes)
+        return [d * BLOCK for d in depth]
+
+    def add(self, i: int, hashes: Sequence[int]) -> None:
+        """Record that instance i holds every prefix in `hashes` (most recently used)."""
+        lru = self.lru[i]
+        for h in reversed(hashes):  # the root ends most recent: evicted last
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self.holders.setdefault(h, set()).add(i)
+        while len(lru) > self.capacity:
+            self._drop(i, lru.popitem(last=False)[0])
+
+    def forget(self, i: int) -> None:
+        """Drop instance i's whole record (its cache was cleared)."""
+        for h in list(self.lru[i]):
+            self._drop(i, h)
+        self.lru[i].clear()
+
+    def _drop(self, i: int, h: int) -> None:
+        held = self.holders[h]
+        held.discard(i)
+        if not held:
+            del self.holders[h]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """What a policy sees of one instance for one request.
+
+    healthy: routable (not failed, weights at the router's weight_version). in_flight: requests
+    sent and not finished. owed_tokens: decode tokens those are still expected to produce.
+    cached_tokens: prompt tokens of this request it is estimated to hold. prefill_tok_s /
+    decode_tok_s: measured rates (tokens/s; decode = the instance's aggregate). load_bound: most
+    requests in flight that cost_aware allows it.
+    """
+
+    healthy: bool
+    in_flight: int
+    owed_tokens: float
+    cached_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    load_bound: int
+
+
+Policy = Callable[[Sequence[InstanceLoad], int, int], int | None]
+
+
+def round_robin(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int | None:
+    """The first healthy instance at or after `turn` mod n (turn: the router's request counter);
+    None when none is healthy."""
+    n = len(loads)
+    return next((j % n for j in range(turn, turn + n) if loads[j % n].healthy), None)
+
+
+def affinity(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int | None:
+    """The healthy instance with the most cached prompt tokens (ties: fewest in flight) when it
+    holds at least AFFINITY_MIN_MATCH · prompt_len of them, else the healthy one with the fewest
+    requests in flight (ties: lowest index). Ignores load bounds. None when none is healthy."""
+    healthy = [i for i, x in enumerate(loads) if x.healthy]
+    if not healthy:
+        return None
+    best = max(healthy, key=lambda i: (loads[i].cached_tokens, -loads[i].in_flight, -i))
+    held = loads[best].cached_tokens
+    if held > 0 and held >= AFFINITY_MIN_MATCH * prompt_len:
+        return best
+    return min(healthy, key=lambda i: (loads[i].in_flight, i))
+
+
+def estimated_seconds(load: InstanceLoad, prompt_len: int) -> float:
+    """Forge §3.3 cost of sending a prompt of prompt_len tokens to an instance, in seconds:
+    queue delay (owed_tokens / decode_tok_s, the decode work ahead of it) + prefill of the tokens
+    it does not hold ((prompt_len - cached_tokens) / prefill_tok_s)."""
+    uncached = max(prompt_len - load.cached_tokens, 0)
+    return load.owed_tokens / load.decode_tok_s + uncached / load.prefill_tok_s
+
+
+def cost_aware(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int | None:
+    """The healthy instance below its load bound with the least `estimated_seconds` (ties: lowest
+    index); None when none qualifies (the router then waits for a free slot)."""
+    ok = [i for i, x in enumerate(loads) if x.healthy and x.in_flight < x.load_bound]
+    return min(ok, key=lambda i: (estimated_seconds(loads[i], prompt_len), i), default=None)
+
+
+POLICIES: dict[str, Policy] = {
+    "round_robin": round_robin, "affinity": affinity, "cost_aware": cost_aware,
+}
+
+
+@dataclass
+class Flight:
+    """One request routed to `instance` (times in the RouterState's clock, seconds)."""
+
+    instance: int
+    prompt_ids: list[int]
+    max_tokens: int
+    uncached: int
+    sent_at: float
+    first_at: float | None = None
+    streamed_at_first: int = 0
+    produced: int = 0
+
+
+@dataclass
+class RouterState:
+    """The router's bookkeeping without I/O: prefixes sent, flights, measured rates, counters.
+
+    Rates per instance (tokens/s, EWMA): prefill = uncached prompt tokens / time to first token
+    (from requests with at least BLOCK uncached tokens); decode = tokens the instance streamed
+    per second while a request decoded (first token → end). Before a sample: the mean over the
+    measured instances, else PRIOR_PREFILL_TOK_S / PRIOR_DECODE_TOK_S. Owed decode tokens per
+    flight = max(min(max_tokens, mean completion length) - produced, 0).
+    """
+
+    n: int
+    policy: Policy
+    cache_tokens: int = 32768
+    load_bound: int = 16
+    index: PrefixIndex = field(init=False)
+    flights: list[list[Flight]] = field(init=False)
+    healthy: list[bool] = field(init=False)
+    versions: list[int] = field(init=False)
+    version: int = 0
+    prefill_tok_s: list[float | None] = field(init=False)
+    decode_tok_s: list[float | None] = field(init=False)
+    mean_completion: float | None = None
+    turn: int = 0
+    counters: dict[str, int | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex(self.n, self.cache_tokens // BLOCK)
+        self.flights = [[] for _ in range(self.n)]
+        self.healthy, self.versions = [True] * self.n, [0] * self.n
+        self.prefill_tok_s, self.decode_tok_s = [None] * self.n, [None] * self.n
+        self.streamed = [0] * self.n
+        for i in range(self.n):
+            for key in ("requests", "prompt_tokens", "cache_hit_tokens", "queue_peak"):
+                self.counters[f"instance{i}_{key}"] = 0
+
+    def routable(self, i: int) -> bool:
+        """Healthy and serving the router's weight version."""
+        return self.healthy[i] and self.versions[i] == self.version
+
+    def loads(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> list[InstanceLoad]:
+        """Every instance's InstanceLoad for this prompt."""
+        cached = self.index.matched(hashes)
+        return [
+            InstanceLoad(
+                healthy=self.routable(i),
+                in_flight=len(self.flights[i]),
+                owed_tokens=self._owed(i),
+                cached_tokens=min(cached[i], len(prompt_ids) - 1),
+                prefill_tok_s=self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S),
+                decode_tok_s=self._rate(self.decode_tok_s, i, PRIOR_DECODE_TOK_S),
+                load_bound=self.load_bound,
+            )
+            for i in range(self.n)
+        ]
+
+    def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> tuple[int | None, int]:
+        """(instance the policy picks or None, its estimated cached prompt tokens)."""
+        loads = self.loads(prompt_ids, hashes)
+        i = self.policy(loads, len(prompt_ids), self.turn)
+        return i, (loads[i].cached_tokens if i is not None else 0)
+
+    def dispatch(self, i: int, prompt_ids: list[int], hashes: Sequence[int], cached: int,
+                 max_tokens: int, now: float) -> Flight:
+        """Record a request sent to instance i (it will hold the prompt's prefixes)."""
+        self.turn += 1
+        flight = Flight(i, prompt_ids, max_tokens, len(prompt_ids) - cached, now)
+        self.flights[i].append(flight)
+        self.index.add(i, hashes)
+        c = self.counters
+        c[f"instance{i}_requests"] += 1
+        c[f"instance{i}_prompt_tokens"] += len(prompt_ids)
+        c[f"instance{i}_cache_hit_tokens"] += cached
+        c[f"instance{i}_queue_peak"] = max(c[f"instance{i}_queue_peak"], len(self.flights[i]))
+        return flight
+
+    def token(self, flight: Flight, now: float, count: int = 1) -> None:
+        """`count` tokens of `flight` arrived at `now`; the first one gives a prefill sample."""
+        i = flight.instance
+        flight.produced += count
+        self.streamed[i] += count
+        if flight.first_at is None:
+            flight.first_at, flight.streamed_at_first = now, self.streamed[i]
+            if flight.uncached >= BLOCK and now > flight.sent_at:
+                self._sample(self.prefill_tok_s, i, flight.uncached / (now - flight.sent_at))
+
+    def land(self, flight: Flight, completion_ids: list[int] | None, now: float) -> None:
+        """`flight` ended: finished with `completion_ids` (its prefix is recorded and the decode
+        rate sampled), or aborted/failed (None)."""
+        i = flight.instance
+        self.flights[i].remove(flight)
+        if completion_ids is None:
+            return
+        if self.versions[i] == self.version:  # KV built by weights the record still describes
+            self.index.add(i, block_hashes(flight.prompt_ids + completion_ids[:-1]))
+        c = len(completion_ids)
+        self.mean_completion = c if self.mean_completion is None else (
+            (1 - EWMA) * self.mean_completion + EWMA * c)
+        if flight.first_at is not None and c >= 2 and now > flight.first_at:
+            rate = (self.streamed[i] - flight.streamed_at_first) / (now - flight.first_at)
+            self._sample(self.decode_tok_s, i, rate)
+
+    def stats(self) -> dict[str, int | float]:
+        """Flat counters per instance: requests, prompt_tokens, cache_hit_tokens (estimated),
+        queue_depth (in flight now), queue_peak, healthy (0/1), prefill_tok_s, decode_tok_s."""
+        out = dict(self.counters)
+        for i in range(self.n):
+            out[f"instance{i}_queue_depth"] = len(self.flights[i])
+            out[f"instance{i}_healthy"] = int(self.routable(i))
+            out[f"instance{i}_prefill_tok_s"] = self._rate(self.prefill_tok_s, i, 0.0)
+            out[f"instance{i}_decode_tok_s"] = self._rate(self.decode_tok_s, i, 0.0)
+        return out
+
+    def _owed(self, i: int) -> float:
+        return sum(max(min(f.max_tokens, self.mean_completion or f.max_tokens) - f.produced, 0)
+                   for f in self.flights[i])
+
+    def _rate(self, rates: list[float | None], i: int, prior: float) -> float:
+        own = rates[i]
+        if own is not None:
+            return own
+        known = [r for r in rates if r is not None]
+        return sum(known) / len(known) if known else prior
+
+    @staticmethod
+    def _sample(rates: list[float | None], i: int, value: float) -> None:
+        old = rates[i]
+        rates[i] = value if old is None else (1 - EWMA) * old + EWMA * value
+
+
+class Router:
+    """A RolloutEngine over N engine instances (same model, same weights), one per request.
+
+    router: "cost_aware" | "affinity" | "round_robin" (module docstring). cache_tokens: each
+    instance's prefix-cache size in tokens (bounds the router's record of it). load_bound: most
+    requests in flight per instance under cost_aware (default: max_batch_size, so late requests
+    wait in the router for a slot instead of in one engine's queue).
+
+    Health: an instance whose stream fails before its first token with anything but ValueError
+    (a closed or broken engine) is marked unhealthy and the request goes to another one (nothing
+    was sampled, so nothing is recorded twice); a successful weight update on it makes it
+    healthy again, and when none is left healthy all are tried again.
+
+    Weights: `update_weights` sends the state dict to every instance concurrently. Contract: on
+    failure the old weights and version stay. The router cannot undo an instance's update (it
+    holds no copy of the old weights), so when some healthy instance fails, it raises
+    RuntimeError naming them, keeps weight_version, and routes only to instances still at that
+    version; the instances that did take the new weights are held back (requests already on them
+    go on, their tokens stamped with the new version, which produced them) until an update
+    succeeds on all. New requests thus always run on weights of the router's weight_version.
+    Unhealthy instances are sent the update too but their failure does not fail it.
+    stats: the instances' own stats summed by key, plus RouterState.stats.
+    """
+
+    def __init__(self, instances: Sequence[RolloutEngine], router: str = "cost_aware",
+                 cache_tokens: int = 32768, load_bound: int | None = None) -> None:
+        if not instances or router not in POLICIES:
+            raise ValueError(f"need >= 1 instance (got {len(instances)}) and router in "
+                             f"{sorted(POLICIES)} (got {router!r})")
+        self.instances = list(instances)
+        bound = load_bound or getattr(self.instances[0], "max_batch_size", 16)
+        self.state = RouterState(len(instances), POLICIES[router], cache_tokens, bound)
+        self.max_model_len = min(e.max_model_len for e in self.instances)
+        self.weight_version = self.instances[0].weight_version
+        self._freed = asyncio.Event()
+
+    @property
+    def weight_version(self) -> int:
+        """The version every request routed now is served by (setting it sets every instance's)."""
+        return self.state.version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        for e in self.instances:
+            e.weight_version = version
+        self.state.version, self.state.versions = version, [version] * len(self.instances)
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """Summed instance stats and per-instance router counters (flat, numeric)."""
+        out: dict[str, int | float] = {}
+        for e in self.instances:
+            for k, v in getattr(e, "stats", {}).items():
+                out[k] = out.get(k, 0) + v
+        return out | self.state.stats()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """The last item of `stream(prompt_ids, params)` (RolloutEngine.generate)."""
+        *_, out = [item async for item in self.stream(prompt_ids, params)]
+        assert isinstance(out, GenerateOutput)
+        return out
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """RolloutEngine.stream on the instance the policy picks (waiting while cost_aware finds
+        every instance at its load bound). Closing or cancelling it aborts the request there.
+        Raises RuntimeError when no instance can serve."""
+        hashes, tried, s = block_hashes(prompt_ids), set(), self.state
+        while True:
+            if not any(s.routable(i) for i in range(s.n)):
+                s.healthy = [True] * s.n  # nothing left: try every instance again
+            i, cached = s.choose(prompt_ids, hashes)
+            if i is not None and i in tried:
+                raise RuntimeError(f"no engine instance could serve the request (tried {tried})")
+            if i is None:
+                if not any(s.routable(j) for j in range(s.n)):
+                    raise RuntimeError("no healthy engine instance")
+                self._freed.clear()
+                await self._freed.wait()
+                continue
+            now = time.perf_counter()
+            flight = s.dispatch(i, prompt_ids, hashes, cached, params.max_tokens, now)
+            inner = self.instances[i].stream(prompt_ids, params)
+            try:
+                item = await anext(inner)
+            except BaseException as exc:  # a bad request, a cancelled caller, a failed instance
+                self._land(flight, None)
+                if isinstance(exc, ValueError) or not isinstance(exc, Exception):
+                    raise
+                log.warning("engine instance %d failed (%r): marked unhealthy", i, exc)
+                s.healthy[i] = False
+                tried.add(i)
+                continue
+            break
+        out = None
+        try:
+            async with contextlib.aclosing(inner):
+                while True:
+                    if isinstance(item, TokenEvent):
+                        s.token(flight, time.perf_counter())
+                    yield item
+                    if isinstance(item, GenerateOutput):
+                        out = item
+                        return
+                    item = await anext(inner)
+        finally:
+            self._land(flight, out.completion_ids if out and out.finish_reason != "abort" else None)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights on every instance and publish `version`; see the class docstring for
+        a failure on some instances (RuntimeError, old version kept)."""
+        s = self.state
+        required = [s.healthy[i] for i in range(s.n)]
+        results = await asyncio.gather(
+            *(e.update_weights(state_dict, version) for e in self.instances),
+            return_exceptions=True)
+        failed = []
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                failed += [(i, result)] if required[i] else []
+                continue
+            s.versions[i], s.healthy[i] = version, True
+            s.index.forget(i)  # its cache was cleared with the old weights
+        self._freed.set()  # which instances are routable may have changed
+        if not failed:
+            s.version = version
+            return
+        raise RuntimeError(
+            f"weight update to version {version} failed on instance(s) "
+            f"{[i for i, _ in failed]}: {failed[0][1]!r}; weight_version stays {s.version}"
+        ) from failed[0][1]
+
+    async def close(self) -> None:
+        """Close every instance; idempotent."""
+        await asyncio.gather(*(e.close() for e in self.instances))
+
+    def _land(self, flight: Flight, completion_ids: list[int] | None) -> None:
+        self.state.land(flight, completion_ids, time.perf_counter())
+        self._freed.set()
