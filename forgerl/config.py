@@ -43,6 +43,12 @@ class LocalEngineConfig(_Section):
     """Most sequences decoded together (continuous batching)."""
     prefix_cache_tokens: int = Field(8192, ge=0)
     """KV prefix-cache capacity in tokens (LRU; 0 disables). SmolLM2 fp32: 46 KB per token."""
+    instances: int = Field(1, ge=1, le=64)
+    """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
+    router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
+    """How each request picks an instance when instances > 1 (forgerl/gateway/router.py):
+    cost_aware = least queue delay + uncached prefill within a load bound of max_batch_size;
+    affinity = where its prompt prefix was sent; round_robin = in turn."""
 
 
 class GatewayConfig(_Section):

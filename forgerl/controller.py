@@ -413,10 +413,16 @@ async def start_services(config: Config, agent: Agent | None = None,
     # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
     # of weights newer than it are run again, records of later steps are dropped.
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
-    engine = LocalEngine(trainer.model,  # the engine keeps its own copy of the weights
-                         max_model_len=config.model.max_model_len,
-                         max_batch_size=config.engine.max_batch_size,
-                         prefix_cache_tokens=config.engine.prefix_cache_tokens)
+    ec = config.engine
+    engines = [LocalEngine(trainer.model,  # each engine keeps its own copy of the weights
+                           max_model_len=config.model.max_model_len,
+                           max_batch_size=ec.max_batch_size,
+                           prefix_cache_tokens=ec.prefix_cache_tokens) for _ in range(ec.instances)]
+    if ec.instances == 1:
+        engine = engines[0]
+    else:
+        from forgerl.gateway.router import Router
+        engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
     engine.weight_version = trainer.step
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
