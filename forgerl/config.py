@@ -246,6 +246,11 @@ class TrainerConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's model and optimizer live: auto = CUDA when available, else CPU.
     Tree rows use FlexAttention on CUDA, sdpa (or eager) with a dense mask on CPU."""
+    weight_sync: Literal["full", "delta"] = "full"
+    """Weight sync to the engine after each step: "full" (every tensor) or "delta" (only the
+    elements whose bits changed in the engine's dtype, checksummed against the engine's version;
+    falls back to full). Full by default: the embedded engine is fp32, where nearly every
+    element changes each step, and in-process bytes are a memory copy (`trainer.weight_sync`)."""
 
 
 class RewardConfig(_Section):

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.trainer import Trainer
+    from forgerl.trainer.weight_sync import WeightSync
 
 log = logging.getLogger("forgerl")
 # What SmolLM2's own chat template inserts when a conversation has no system message.
@@ -78,6 +79,8 @@ class Services:
     last_rollout_error: str = ""
     """The error recorded for the last rollout of such a group ("agent <status> (exit code)"
     and the agent's stderr tail)."""
+    weight_sync: WeightSync | None = None
+    """Full or delta sync to the engine (`trainer.weight_sync`); built at the first sync."""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -273,7 +276,11 @@ class Services:
 
     async def sync_weights(self) -> None:
         """Push the trainer's weights to the engine as weight_version = trainer.step."""
-        await self.engine.update_weights(self.trainer.state_dict_for_sync(), self.trainer.step)
+        if self.weight_sync is None:
+            from forgerl.trainer.weight_sync import WeightSync
+
+            self.weight_sync = WeightSync(self.engine, self.config.trainer.weight_sync)
+        await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
 
     async def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently."""
@@ -304,6 +311,8 @@ class Services:
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"engine_{k}": v for k, v in self.engine.stats.items()},
+                 **{f"weight_sync_{k}": v for k, v in (self.weight_sync.stats
+                                                       if self.weight_sync else {}).items()},
                  **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()},
                  "off_policy_lag_histogram": {str(lag): n for lag, n
                                               in sorted(self.scheduler.lag_counts.items())}}

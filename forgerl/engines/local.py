@@ -47,6 +47,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from forgerl.engines.base import TokenEvent
+from forgerl.trainer.weight_sync import WeightDelta, apply_delta
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
@@ -135,7 +136,7 @@ class _Request:
 
 @dataclass
 class _WeightUpdate:
-    state_dict: Mapping[str, torch.Tensor]
+    state_dict: Mapping[str, torch.Tensor] | WeightDelta
     version: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -300,10 +301,11 @@ class LocalEngine:
 
     model: a causal LM (e.g. LlamaForCausalLM); the engine deep-copies it and never touches the
     caller's object. max_model_len: prompt + completion tokens per request. max_batch_size: most
-    rows decoded together. device: "cpu", "cuda", ...; default CUDA when available, else CPU
-    (weights cast to fp32 on CPU, where bf16 matmuls are very slow). The worker uses torch's
-    intra-op threads; on a small, busy CPU `torch.set_num_threads(1)` can be far faster for small
-    models (the tiny model: 37 → 365 tok/s at batch 1 on a loaded 2-core machine).
+    rows decoded together. device: "cpu", "cuda", ...; default CUDA when available, else CPU.
+    dtype: the weights' dtype; default fp32 on CPU (bf16 matmuls are very slow there), else the
+    model's own. The worker uses torch's intra-op threads; on a small, busy CPU
+    `torch.set_num_threads(1)` can be far faster for small models (the tiny model: 37 → 365
+    tok/s at batch 1 on a loaded 2-core machine).
     prefix_cache_tokens: bound of the prefix (KV reuse) cache in tokens, 0 disables it; memory
     is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
@@ -319,6 +321,7 @@ class LocalEngine:
         max_batch_size: int = 16,
         device: str | None = None,
         prefix_cache_tokens: int = 32768,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
@@ -327,8 +330,8 @@ class LocalEngine:
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = copy.deepcopy(model).to(self.device).eval()
-        if self.device.type == "cpu":
-            self.model = self.model.float()
+        if dtype is not None or self.device.type == "cpu":
+            self.model = self.model.to(dtype or torch.float32)
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
         self.weight_version = 0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
@@ -402,6 +405,22 @@ class LocalEngine:
             raise RuntimeError("LocalEngine is closed")
         loop = asyncio.get_running_loop()
         update = _WeightUpdate(state_dict, version, loop.create_future(), loop)
+        self._inbox.put(update)
+        await update.future
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights (weight-sync deltas are computed in it)."""
+        return next(iter(self._params.values())).dtype
+
+    async def apply_delta(self, delta: WeightDelta, version: int) -> None:
+        """Apply a weight-sync delta between decode steps and publish `version`, like
+        `update_weights`; raises `weight_sync.DeltaMismatch` (old weights and version stay)
+        unless the engine holds exactly the weights of `delta.base_version`."""
+        if self._closed:
+            raise RuntimeError("LocalEngine is closed")
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(delta, version, loop.create_future(), loop)
         self._inbox.put(update)
         await update.future
 
@@ -493,16 +512,14 @@ class LocalEngine:
                 self._apply_update(item)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
-        """Copy new weights in place (restoring the old ones on failure); re-prefill all rows."""
-        backup = {k: self._params[k].clone() for k in update.state_dict}
+        """Copy new weights (or apply a delta) in place, restoring the old ones on failure;
+        re-prefill all rows."""
         try:
-            with torch.no_grad():
-                for name, value in update.state_dict.items():
-                    self._params[name].copy_(value)
+            if isinstance(update.state_dict, WeightDelta):  # all or nothing, against its base
+                apply_delta(self._params, update.state_dict, self.weight_version)
+            else:
+                self._copy_weights(update.state_dict)
         except Exception as exc:
-            with torch.no_grad():
-                for name, value in backup.items():
-                    self._params[name].copy_(value)
             _settle(update.loop, update.future, exc, error=True)
             return
         self.weight_version = update.version
@@ -511,6 +528,19 @@ class LocalEngine:
             self._waiting.extendleft(reversed(self._batch.rows))
             self._batch = None
         _settle(update.loop, update.future, None)
+
+    def _copy_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy tensors into the weights; on failure restore the old ones and re-raise."""
+        backup = {k: self._params[k].clone() for k in state_dict}
+        try:
+            with torch.no_grad():
+                for name, value in state_dict.items():
+                    self._params[name].copy_(value)
+        except Exception:
+            with torch.no_grad():
+                for name, value in backup.items():
+                    self._params[name].copy_(value)
+            raise
 
     @torch.inference_mode()
     def _step(self) -> None:

@@ -1,0 +1,233 @@
+"""Weight sync, full and delta (issue 13 item 3), on the tiny model with real AdamW steps.
+
+Pins: after every one of 20 optimizer steps a delta-synced LocalEngine holds weights bitwise
+equal to an engine given the trainer's fp32 state dict through `update_weights`, in fp32 and in
+a bf16 engine copy, and greedy generation on both is identical; a delta against another version,
+or against tampered weights at the right version, is refused and the sync falls back to full; a
+corrupted delta (checksum mismatch) leaves the old weights and version; a delta that fails
+half-way restores what it wrote; the encoding is sparse for few changes, dense for many, and
+counts bit changes (-0.0 vs 0.0); tied tensors are sent once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from forgerl.engines.local import LocalEngine
+from forgerl.trainer.weight_sync import (
+    DeltaMismatch,
+    WeightDelta,
+    WeightSync,
+    apply_delta,
+    checksum,
+    make_delta,
+    unique_tensors,
+)
+from forgerl.types import SamplingParams
+
+
+def _optimizer_steps(model, lr: float):
+    """Yield after each real AdamW step of a causal-LM loss on a fixed random batch."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 259, (4, 12), generator=gen)  # (B, T)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    while True:
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        yield
+
+
+def _state(engine: LocalEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine._params.items()}
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        bits = [t[name].reshape(-1).view(torch.uint8) for t in (a, b)]
+        assert torch.equal(*bits), name
+
+
+async def _greedy(engine: LocalEngine):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    return await asyncio.gather(*(engine.generate(p, params) for p in ([5, 6, 7], [9, 10])))
+
+
+@pytest.mark.parametrize(("dtype", "lr"), [(torch.float32, 1e-4), (torch.bfloat16, 1e-5)])
+def test_twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype, lr):
+    asyncio.run(_twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype, lr))
+
+
+async def _twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype, lr):
+    model = tiny_model.train()
+    full = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
+    delta = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
+    sync = WeightSync(delta, "delta")
+    steps = _optimizer_steps(model, lr)
+    kinds, fractions, ratios = [], [], []
+    full_bytes = sum(v.numel() * v.element_size() for v in unique_tensors(_state(full)).values())
+    try:
+        for version in range(1, 21):
+            next(steps)
+            weights = {k: v.detach() for k, v in model.state_dict().items()}
+            await full.update_weights(weights, version)  # the engine casts fp32 → its dtype
+            stats = await sync.sync(weights, version)
+            kinds.append(stats["kind"])
+            fractions.append(stats["changed_fraction"])
+            ratios.append(stats["bytes"] / full_bytes)
+            assert delta.weight_version == full.weight_version == version
+            _assert_bitwise_equal(_state(delta), _state(full))
+        assert kinds == ["full"] + ["delta"] * 19 and stats["fallbacks"] == 0
+        assert math.isnan(fractions[0]) and all(0 < f <= 1 for f in fractions[1:])
+        if dtype == torch.bfloat16:  # bf16 hides many small updates: a sparse, smaller payload
+            assert max(fractions[1:]) < 0.5 and max(ratios[1:]) < 0.9
+        a, b = await _greedy(full), await _greedy(delta)
+        for x, y in zip(a, b, strict=True):
+            assert x.completion_ids == y.completion_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-6
+            assert x.weight_versions == y.weight_versions == [20] * len(x.completion_ids)
+    finally:
+        await full.close()
+        await delta.close()
+
+
+def test_wrong_base_falls_back_to_full(tiny_model):
+    asyncio.run(_wrong_base_falls_back_to_full(tiny_model))
+
+
+async def _wrong_base_falls_back_to_full(tiny_model):
+    model = tiny_model.train()
+    engine = LocalEngine(model, max_model_len=64, prefix_cache_tokens=0)
+    sync = WeightSync(engine, "delta")
+    steps = _optimizer_steps(model, 1e-3)
+    try:
+        for version in (1, 2):
+            next(steps)
+            await sync.sync(model.state_dict(), version)
+        assert sync.stats["kind"] == "delta"
+        # Someone else published version 7: the delta's base (version 2) is not what it holds.
+        await engine.update_weights(model.state_dict(), 7)
+        next(steps)
+        stats = await sync.sync(model.state_dict(), 8)
+        assert stats["kind"] == "full" and stats["fallbacks"] == 1
+        # Same version, different bits: the base checksum refuses the delta.
+        name = "model.norm.weight"
+        tampered = engine._params[name].clone()
+        tampered[0] += 1.0
+        await engine.update_weights({name: tampered}, 8)
+        next(steps)
+        stats = await sync.sync(model.state_dict(), 9)
+        assert stats["kind"] == "full" and stats["fallbacks"] == 2
+        trained = {k: v.detach() for k, v in model.state_dict().items()}
+        _assert_bitwise_equal(_state(engine), trained)
+        next(steps)
+        assert (await sync.sync(model.state_dict(), 10))["kind"] == "delta"
+        assert engine.weight_version == 10
+    finally:
+        await engine.close()
+
+
+def test_corrupted_or_stale_delta_leaves_old_weights_and_version(tiny_model):
+    asyncio.run(_corrupted_or_stale_delta_leaves_old_weights_and_version(tiny_model))
+
+
+async def _corrupted_or_stale_delta_leaves_old_weights_and_version(tiny_model):
+    model = tiny_model.train()
+    engine = LocalEngine(model, max_model_len=64, prefix_cache_tokens=0)
+    try:
+        base = _state(engine)
+        before = await _greedy(engine)
+        next(_optimizer_steps(model, 1e-3))
+        new = {k: v.detach().clone() for k, v in unique_tensors(model.state_dict()).items()}
+        crcs = {k: checksum(v) for k, v in base.items()}
+        good, _ = make_delta({k: base[k] for k in new}, crcs, new, 0)
+
+        def corrupt(name, values=None, indices=None):
+            tensors = dict(good.tensors)
+            d = tensors[name]
+            tensors[name] = type(d)(indices if indices is not None else d.indices,
+                                    values if values is not None else d.values,
+                                    d.base_crc, d.result_crc)
+            return WeightDelta(good.base_version, tensors, good.changed, good.numel)
+
+        name = "model.layers.1.mlp.down_proj.weight"
+        values = good.tensors[name].values.clone()
+        values[0] += 1.0
+        bad = [corrupt(name, values=values), WeightDelta(5, good.tensors, 0, 0)]
+        for delta in bad:
+            with pytest.raises(DeltaMismatch):
+                await engine.apply_delta(delta, 1)
+            assert engine.weight_version == 0
+            _assert_bitwise_equal(_state(engine), base)
+        after = await _greedy(engine)
+        assert [o.completion_ids for o in after] == [o.completion_ids for o in before]
+        await engine.apply_delta(good, 1)
+        assert engine.weight_version == 1
+        _assert_bitwise_equal({k: v for k, v in _state(engine).items() if k in new}, new)
+    finally:
+        await engine.close()
+
+
+def test_encoding_counts_bits_and_restores_on_failure():
+    base = {"a": torch.zeros(1000), "b": torch.arange(8, dtype=torch.bfloat16)}
+    new = {"a": base["a"].clone(), "b": base["b"].clone() + 1}
+    new["a"][[3, 500]] = torch.tensor([-0.0, 2.0])  # -0.0 == 0.0 as floats, not as bits
+    crcs = {k: checksum(v) for k, v in base.items()}
+    delta, new_crcs = make_delta(base, crcs, new, 4)
+    a, b = delta.tensors["a"], delta.tensors["b"]
+    assert a.indices.tolist() == [3, 500] and a.indices.dtype == torch.int32
+    assert b.indices is None and b.values.dtype == torch.bfloat16  # all changed: dense
+    assert (delta.changed, delta.numel, delta.nbytes) == (10, 1008, 2 * 8 + 8 * 2)
+    assert new_crcs == {k: checksum(v) for k, v in new.items()}
+    params = {k: v.clone() for k, v in base.items()}
+    apply_delta(params, delta, 4)
+    _assert_bitwise_equal(params, new)
+    # A failure half-way (an index out of range in the second tensor) restores the first.
+    params = {k: v.clone() for k, v in base.items()}
+    broken = WeightDelta(4, {"b": b, "a": type(a)(torch.tensor([3, 5000], dtype=torch.int32),
+                                                  a.values, a.base_crc, a.result_crc)}, 0, 0)
+    with pytest.raises(IndexError):
+        apply_delta(params, broken, 4)
+    _assert_bitwise_equal(params, base)
+    swapped = WeightDelta(4, {"a": type(a)(a.indices.flip(0), a.values, a.base_crc,
+                                            a.result_crc)}, 0, 0)
+    with pytest.raises(DeltaMismatch, match="result checksum"):  # crc32 sees positions
+        apply_delta(params, swapped, 4)
+    _assert_bitwise_equal(params, base)
+    with pytest.raises(DeltaMismatch):
+        apply_delta(params, delta, 3)  # params hold version 4's base, not 3's
+
+
+def test_full_mode_and_engines_without_deltas(tiny_model):
+    asyncio.run(_full_mode_and_engines_without_deltas(tiny_model))
+
+
+async def _full_mode_and_engines_without_deltas(tiny_model):
+    engine = LocalEngine(tiny_model, max_model_len=64, prefix_cache_tokens=0)
+    try:
+        weights = {k: v.detach() for k, v in tiny_model.state_dict().items()}
+        stats = await WeightSync(engine, "full").sync(weights, 1)
+        tied = tiny_model.lm_head.weight.numel() * 4
+        assert stats["kind"] == "full" and math.isnan(stats["changed_fraction"])
+        assert stats["bytes"] == sum(v.numel() * 4 for v in weights.values()) - tied
+    finally:
+        await engine.close()
+
+    class PlainEngine:  # a RolloutEngine without apply_delta / weight_dtype
+        def __init__(self):
+            self.calls = []
+
+        async def update_weights(self, state_dict, version):
+            self.calls.append(version)
+
+    plain = PlainEngine()
+    sync = WeightSync(plain, "delta")
+    for version in (1, 2):
+        assert (await sync.sync(weights, version))["kind"] == "full"
+    assert plain.calls == [1, 2]
