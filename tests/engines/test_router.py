@@ -322,3 +322,26 @@ def test_config_instances_and_router():
     assert (cfg.instances, cfg.router) == (4, "affinity")
     with pytest.raises(ValueError):
         LocalEngineConfig(router="least_load")
+
+
+def test_controller_builds_a_router_for_several_instances(tmp_path):
+    """`[engine] instances = 2`: the controller's loop runs unchanged over the router; one step's
+    rollouts spread over both engines and the weight sync reaches both."""
+    from forgerl.controller import start_services
+    from tests.test_controller import make_agent, tiny_config
+
+    config = tiny_config(tmp_path / "run", "--engine.instances", "2", "--tasks.eval_size", "0")
+
+    async def main():
+        async with start_services(config, make_agent()) as s:
+            s.admit()
+            await s.train(await s.next_batch())
+            await s.sync_weights()
+            stats = s.engine.stats
+            versions = [e.weight_version for e in s.engine.instances]
+            return type(s.engine).__name__, s.engine.weight_version, versions, stats
+
+    name, version, versions, stats = run(main())
+    assert (name, version, versions) == ("Router", 1, [1, 1])
+    assert stats["instance0_requests"] + stats["instance1_requests"] >= 8  # 2 groups of 4
+    assert stats["instance0_requests"] > 0 and stats["instance1_requests"] > 0
