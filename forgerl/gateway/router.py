@@ -166,9 +166,7 @@ def cost_aware(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int
     return min(ok, key=lambda i: (estimated_seconds(loads[i], prompt_len), i), default=None)
 
 
-POLICIES: dict[str, Policy] = {
-    "round_robin": round_robin, "affinity": affinity, "cost_aware": cost_aware,
-}
+POLICIES: dict[str, Policy] = {p.__name__: p for p in (round_robin, affinity, cost_aware)}
 
 
 @dataclass
@@ -200,23 +198,18 @@ class RouterState:
     policy: Policy
     cache_tokens: int = 32768
     load_bound: int = 16
-    index: PrefixIndex = field(init=False)
-    flights: list[list[Flight]] = field(init=False)
-    healthy: list[bool] = field(init=False)
-    versions: list[int] = field(init=False)
     version: int = 0
-    prefill_tok_s: list[float | None] = field(init=False)
-    decode_tok_s: list[float | None] = field(init=False)
     mean_completion: float | None = None
     turn: int = 0
     counters: dict[str, int | float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.index = PrefixIndex(self.n, self.cache_tokens // BLOCK)
-        self.flights = [[] for _ in range(self.n)]
-        self.healthy, self.versions = [True] * self.n, [0] * self.n
-        self.prefill_tok_s, self.decode_tok_s = [None] * self.n, [None] * self.n
-        self.streamed = [0] * self.n
+        n = self.n
+        self.index = PrefixIndex(n, self.cache_tokens // BLOCK)
+        self.flights: list[list[Flight]] = [[] for _ in range(n)]
+        self.healthy, self.versions, self.streamed = [True] * n, [0] * n, [0] * n
+        self.prefill_tok_s: list[float | None] = [None] * n
+        self.decode_tok_s: list[float | None] = [None] * n
         for i in range(self.n):
             for key in ("requests", "prompt_tokens", "cache_hit_tokens", "queue_peak"):
                 self.counters[f"instance{i}_{key}"] = 0
@@ -228,18 +221,11 @@ class RouterState:
     def loads(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> list[InstanceLoad]:
         """Every instance's InstanceLoad for this prompt."""
         cached = self.index.matched(hashes)
-        return [
-            InstanceLoad(
-                healthy=self.routable(i),
-                in_flight=len(self.flights[i]),
-                owed_tokens=self._owed(i),
-                cached_tokens=min(cached[i], len(prompt_ids) - 1),
-                prefill_tok_s=self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S),
-                decode_tok_s=self._rate(self.decode_tok_s, i, PRIOR_DECODE_TOK_S),
-                load_bound=self.load_bound,
-            )
-            for i in range(self.n)
-        ]
+        return [InstanceLoad(self.routable(i), len(self.flights[i]), self._owed(i),
+                             min(cached[i], len(prompt_ids) - 1),
+                             self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S),
+                             self._rate(self.decode_tok_s, i, PRIOR_DECODE_TOK_S),
+                             self.load_bound) for i in range(self.n)]
 
     def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> tuple[int | None, int]:
         """(instance the policy picks or None, its estimated cached prompt tokens)."""
