@@ -54,7 +54,6 @@ from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool
 from forgerl.gateway.errors import GatewayError, unsupported
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.replies import (
-    Cut,
     IncrementalDecoder,
     ReplyStream,
     cut_at_stop,
@@ -459,7 +458,8 @@ class Gateway:
             cut = cut_at_stop(self.renderer.decode, out.completion_ids,
                               self.renderer.end_of_turn_id, call.prefix, call.conv.sampling.stop,
                               call.closes)
-            reply, finish, errors = self.parse_reply(cut, out.finish_reason, call.declared)
+            reply, finish, errors = finish_reply(cut, out.finish_reason, call.declared,
+                                                 self.renderer.parser.parse)
             if streamed is not None:
                 reply = Message("assistant", streamed[i].content, tuple(streamed[i].calls))
             self.counters["tool_parse_errors"] += len(errors)
@@ -476,19 +476,6 @@ class Gateway:
                                   tuple(errors)))
         self.record(session, call.conv, call.tools, call.plan, choices)
         return Result(choices, len(call.prompt_ids), call.started_at)
-
-    def parse_reply(self, cut: Cut, engine_finish: str, declared: set[str] | None,
-                    ) -> tuple[Message, str, list[str]]:
-        """`replies.finish_reply` with the renderer's tool-call parser (the reply, the finish
-        reason and the parse errors of one choice)."""
-        reply, finish, _ = finish_reply(cut, engine_finish, None)
-        if declared is None:
-            return reply, finish, []
-        parsed = self.renderer.parser.parse(cut.text, declared)
-        if parsed.tool_calls and finish == "stop":
-            finish = "tool_calls"
-        errors = parsed.errors if finish != "length" else []
-        return Message("assistant", parsed.content or "", tuple(parsed.tool_calls)), finish, errors
 
     def reply_stream(self, call: Call) -> ReplyStream | HeldReply:
         """The stream state of one choice: hermes calls are sent as each block closes; formats

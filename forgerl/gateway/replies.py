@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forgerl.gateway.conversation import Message, ToolCall
-from forgerl.gateway.tool_parsers import parse_tool_calls
+from forgerl.gateway.tool_parsers import ParsedReply, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -79,19 +79,21 @@ def cut_at_stop(
 
 
 def finish_reply(
-    cut: Cut, engine_finish: str, declared: set[str] | None
+    cut: Cut, engine_finish: str, declared: set[str] | None,
+    parse: Callable[[str, set[str] | None], ParsedReply] = parse_tool_calls,
 ) -> tuple[Message, str, list[str]]:
     """The assistant message, the finish reason and the tool-call parse errors of a choice.
 
     declared: the rendered tools' names (tool calls are parsed only when tools were rendered);
-    None: no tools, the text is the content. finish: "tool_calls" when calls were parsed and
-    the choice ended by itself or at a stop string, "stop" at a stop string, else the engine's
-    ("stop" / "length"). Parse errors of a choice cut by max_tokens are not reported (C09).
+    None: no tools, the text is the content. parse: the renderer's tool-call parser (default
+    Hermes). finish: "tool_calls" when calls were parsed and the choice ended by itself or at a
+    stop string, "stop" at a stop string, else the engine's ("stop" / "length"). Parse errors
+    of a choice cut by max_tokens are not reported (C09).
     """
     finish = "stop" if cut.stopped else engine_finish
     if declared is None:
         return Message("assistant", cut.text), finish, []
-    parsed = parse_tool_calls(cut.text, declared)
+    parsed = parse(cut.text, declared)
     if parsed.tool_calls and finish == "stop":
         finish = "tool_calls"
     errors = parsed.errors if finish != "length" else []

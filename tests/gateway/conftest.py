@@ -153,18 +153,21 @@ class Served:
 
 @pytest.fixture
 def serve(tmp_path) -> Iterator[Callable[..., Served]]:
-    """Factory: serve(engine, tokenizer, **gateway_kwargs) -> Served; stopped at teardown."""
+    """Factory: serve(engine, tokenizer, renderer=None, **gateway_kwargs) -> Served (a
+    ChatMLRenderer of `tokenizer` unless `renderer` is given); stopped at teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     servers: list[GatewayServer] = []
     pools: list[SQLitePool] = []
 
-    def _serve(engine, tokenizer, default_system: str | None = None, **kw) -> Served:
+    def _serve(engine, tokenizer, default_system: str | None = None, renderer=None,
+               **kw) -> Served:
         kw.setdefault("model_name", "tiny")
         pool = SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
         pools.append(pool)
-        gateway = Gateway(ChatMLRenderer(tokenizer, default_system), engine, pool, **kw)
+        renderer = renderer or ChatMLRenderer(tokenizer, default_system)
+        gateway = Gateway(renderer, engine, pool, **kw)
         server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
         servers.append(server)
         return Served(gateway, server.base_url, loop, server)

@@ -119,9 +119,7 @@ def serve_hf(serve, name: str, texts: list[str]):
     """The app over real HTTP with the family's own template as renderer."""
     tok = family_tokenizer(name)
     r = HFTemplateRenderer(tok)
-    srv = serve(ScriptedEngine([scripted(r, t) for t in texts]), tok)
-    srv.gateway.renderer = r
-    return srv, r
+    return serve(ScriptedEngine([scripted(r, t) for t in texts]), tok, renderer=r), r
 
 
 def as_template(msgs: list[dict]) -> list[dict]:

@@ -79,13 +79,13 @@ def _wait(cond, limit_s: float = 5.0) -> bool:
 
 def test_idle_session_expires(serve, tokenizer):
     renderer = ChatMLRenderer(tokenizer)
-    srv = serve(ScriptedEngine([reply(renderer, "5")]), tokenizer, session_idle_timeout_s=0.3)
+    srv = serve(ScriptedEngine([reply(renderer, "5")]), tokenizer, session_idle_timeout_s=1.0)
     r = httpx.post(f"{srv.base_url}/sessions", json={})
     sid, key = r.json()["session_id"], r.json()["api_key"]
     assert _chat(srv, key).status_code == 200
     assert _wait(lambda: srv.pool.get_trajectory(sid).status != "running")
     t = srv.pool.get_trajectory(sid)
-    assert (t.status, t.error, len(t.completions)) == ("failed", "session expired after 0.3 s idle",
+    assert (t.status, t.error, len(t.completions)) == ("failed", "session expired after 1 s idle",
                                                          1)
     assert "unknown or closed API key" in _unauthorized(_chat(srv, key))
     assert srv.gateway.counters["sessions_expired"] == 1

@@ -8,7 +8,7 @@ with that plan (core.py: nothing is rendered; it dispatches, cuts at stop string
 This is the token-native protocol. The prompt is recorded exactly as given: a list of token ids
 is sent to the engine as it is (control tokens included: the client renders its own template),
 and a text prompt is the tokenizer's encoding of the text with special-token strings split into
-ordinary ids, as the renderer encodes message content (`ChatMLRenderer.encode`; no BOS added).
+ordinary ids, as the renderer encodes message content (`Renderer.encode`; no BOS added).
 A prompt whose ids start with a recorded call's prompt + completion ids (a chat call's too)
 extends that call (`extends_previous`; the longest such call is its parent), so a multi-turn
 agent that appends the returned `token_ids` and its new ids trains as one trajectory; any other
@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.core import Choice, Result
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -112,7 +112,7 @@ def _bad_prompt(message: str) -> GatewayError:
     return GatewayError(400, f"prompt: {message}", "invalid_prompt", "prompt")
 
 
-def prompt_ids(prompt: Prompt, renderer: ChatMLRenderer) -> list[int]:
+def prompt_ids(prompt: Prompt, renderer: Renderer) -> list[int]:
     """The ids of a prompt: token ids as given, text encoded with special tokens split.
 
     Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, or an id
@@ -162,7 +162,7 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
                           "rollout engine does not compute")
 
 
-def parse(raw: bytes, session: Session, renderer: ChatMLRenderer) -> CompletionCall:
+def parse(raw: bytes, session: Session, renderer: Renderer) -> CompletionCall:
     """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
     docstring). The core raises the rest: model, logprobs > 0, top_p, context length."""
     req = parse_body(raw, CompletionRequest)
@@ -183,7 +183,7 @@ def parse(raw: bytes, session: Session, renderer: ChatMLRenderer) -> CompletionC
 # ---- Result -> response ---------------------------------------------------------------------
 
 
-def token_logprobs(renderer: ChatMLRenderer, c: Choice) -> dict[str, Any]:
+def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
     """`logprobs` of a choice: every kept sampled id (end-of-turn included) with its recorded
     logprob, its text (decoded alone; a special token spelled out) and its character offset
     in the decoded completion (which may run past `text` when a stop string cut it).
@@ -207,7 +207,7 @@ def token_logprobs(renderer: ChatMLRenderer, c: Choice) -> dict[str, Any]:
             "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)]}
 
 
-def _choices(call: CompletionCall, result: Result, renderer: ChatMLRenderer) -> list[dict]:
+def _choices(call: CompletionCall, result: Result, renderer: Renderer) -> list[dict]:
     req = call.request
     head = ""
     if req.echo:
@@ -250,7 +250,7 @@ def completion_chunks(cid: str, model: str, result: Result, choices: list[dict],
 
 
 def respond(call: CompletionCall, result: Result,
-            renderer: ChatMLRenderer) -> JSONResponse | StreamingResponse:
+            renderer: Renderer) -> JSONResponse | StreamingResponse:
     """The HTTP answer: a `text_completion` object, or its SSE stream with `stream: true`."""
     req, cid = call.request, f"cmpl-{uuid.uuid4().hex}"
     choices = _choices(call, result, renderer)
