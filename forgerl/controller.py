@@ -142,6 +142,9 @@ class Services:
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
         self.pool.finish_trajectory(trajectory_id, "aborted" if redispatch else "failed",
                                     error=error or status)
+        where = f"; agent log agent_logs/{name}.log" if isinstance(self.agent, list) else ""
+        log.warning("rollout %d of task %d (session %s) %s%s%s", rollout_index, task_index,
+                    trajectory_id, status, ", re-dispatched" if redispatch else "", where)
         return 0.0
 
     async def score(self, task: dict, answer: str | None) -> float:

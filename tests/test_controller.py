@@ -129,9 +129,10 @@ async def test_run_writes_metrics_resumes_and_plots(tmp_path):
 
 
 @sync
-async def test_command_agent_and_crashing_agent(tmp_path):
+async def test_command_agent_and_crashing_agent(tmp_path, caplog):
     """The example black-box agent (a subprocess speaking the openai client) trains one step; a
-    crashing agent command marks its trajectories failed and the run goes on."""
+    crashing agent command marks its trajectories failed, logs one line per rollout naming its
+    task, rollout, session and agent log, and the run goes on."""
     config = tiny_config(tmp_path / "run", "--max_steps", "1", "--tasks.eval_size", "0",
                          "--agent.command", json.dumps(["python", str(EXAMPLE_AGENT)]),
                          "--agent.max_turns", "2", "--model.max_model_len", "2048")
@@ -150,6 +151,11 @@ async def test_command_agent_and_crashing_agent(tmp_path):
         batch = await s.next_batch()
         group = s.pool.get_group(batch[0])
         assert [t.status for t in group.trajectories] == ["failed"] * 4
+        lines = sorted(m for m in (r.getMessage() for r in caplog.records)
+                       if m.startswith("rollout ") and f" of task {batch[0]} " in m)
+        assert lines == sorted(
+            f"rollout {t.rollout_index} of task {batch[0]} (session {t.id}) failed; agent log "
+            f"agent_logs/task{batch[0]:06d}_r{t.rollout_index}.log" for t in group.trajectories)
         metrics = await s.train(batch)
         assert metrics["num_loss_tokens"] == 0 and s.trainer.step == 0
 
