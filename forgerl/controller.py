@@ -286,7 +286,10 @@ class Services:
         await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
 
     async def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently."""
+        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently; with
+        the tool-call rate and model calls per rollout of these rollouts (`rollout_stats`)."""
+        from forgerl.metrics import rollout_stats
+
         if not self.eval_tasks:
             return {}
         start = time.time()
@@ -294,8 +297,12 @@ class Services:
             self.rollout(-1 - i, 0, task, temperature=0.0) for i, task in enumerate(self.eval_tasks)
         ))
         n = len(rewards)
+        latest = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]  # this run's
+        stats = rollout_stats(latest, self.gateway.renderer.decode)
         return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / n,
-                "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start}
+                "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start,
+                "eval_tool_call_rate": stats["tool_call_rate"],
+                "eval_turns_per_trajectory": stats["turns_per_trajectory"]}
 
     async def checkpoint(self) -> None:
         """Save model, optimizer and scheduler state under RUN_DIR/checkpoints, in a thread so

@@ -334,7 +334,8 @@ async def test_step_records_and_console_line_carry_the_agent_statistics(tmp_path
     line. Per group of 4 the agent makes 1, 2 (extending the first call: a prefix hit), 1 and 2
     (a rewritten first message: a miss) model calls, so turns = 6/4, hits = misses = 1 per
     group; the random tiny model writes no `<tool_call>`, so the tool-call rate is 0 and the
-    valid-call rate has no attempts (null)."""
+    valid-call rate has no attempts (null). Held-out evaluations log tool-call rate and turns
+    of their own (greedy) rollouts."""
     counters: dict[str, itertools.count] = {}
 
     async def agent(task: dict, base_url: str, api_key: str) -> str:
@@ -353,9 +354,11 @@ async def test_step_records_and_console_line_carry_the_agent_statistics(tmp_path
         return _solve(task["question"]) if n % 2 == 0 else "wrong"
 
     run_dir = tmp_path / "run"
-    await run(tiny_config(run_dir, "--max_steps", "1", "--tasks.eval_size", "0"), agent=agent)
-    [record] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-                if json.loads(x)["step"] == 1]
+    await run(tiny_config(run_dir, "--max_steps", "1", "--tasks.eval_size", "2"), agent=agent)
+    first, record = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # held-out: each question's first episode (step 0) makes 1 call, its second (step 1) 2
+    assert (first["eval_tool_call_rate"], first["eval_turns_per_trajectory"]) == (0.0, 1.0)
+    assert (record["eval_tool_call_rate"], record["eval_turns_per_trajectory"]) == (0.0, 2.0)
     assert record["turns_per_trajectory"] == 1.5
     assert (record["prefix_hits"], record["prefix_misses"]) == (2.0, 2.0)
     assert (record["tool_call_rate"], record["tool_calls"], record["tool_call_attempts"]) == (

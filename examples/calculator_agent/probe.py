@@ -2,7 +2,7 @@
 (no training) and print tool use and accuracy. Uses config.toml with its run_dir moved to a
 temporary folder.
 
-    python examples/calculator_agent/probe.py --tasks 8 --samples 4 --temperature 1.0 --shots 3
+    python examples/calculator_agent/probe.py --tasks 8 --samples 4 --temperature 1.0 --shots 2
     python examples/calculator_agent/probe.py --tasks 32 --samples 1 --temperature 0   # greedy
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--shots", type=int, default=3)
+    parser.add_argument("--shots", type=int, default=2)
     parser.add_argument("--show", type=int, default=4, help="rollouts whose replies to print")
     asyncio.run(probe(parser.parse_args()))
 
