@@ -217,7 +217,8 @@ class Gateway:
     counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
     engine_errors, client_disconnects (calls cancelled because their client went away),
     tokens_after_stop (sampled ids decoded past a stop string and dropped from the record),
-    sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call).
+    sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call),
+    context_overflows (calls refused because the session's context outgrew max_model_len).
     """
 
     renderer: Renderer
@@ -244,7 +245,8 @@ class Gateway:
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
-             "engine_errors", "client_disconnects", "tokens_after_stop", "sessions_expired"), 0
+             "engine_errors", "client_disconnects", "tokens_after_stop", "sessions_expired",
+             "context_overflows"), 0
         )
     )
 
@@ -305,11 +307,19 @@ class Gateway:
 
     @contextlib.contextmanager
     def _active(self, session: Session) -> Iterator[None]:
-        """Mark one model call of `session` running (never expired meanwhile)."""
+        """Mark one model call of `session` running (never expired meanwhile). A call refused
+        because the conversation outgrew max_model_len records a "context_overflow" process
+        event on the session's latest turn (CASES.md C09; `[reward] process` may weight it)."""
         session.in_flight += 1
         session.last_active = time.monotonic()
         try:
             yield
+        except GatewayError as e:
+            if e.code == "context_length_exceeded" and session.turns:
+                self.counters["context_overflows"] += 1
+                with contextlib.suppress(KeyError, ValueError):  # the trajectory has ended
+                    self.pool.add_event(session.trajectory_id, "context_overflow")
+            raise
         finally:
             session.in_flight -= 1
             session.last_active = time.monotonic()

@@ -9,6 +9,7 @@ no model call yet or a turn out of range 409, a bad body 400, no key 401.
 from __future__ import annotations
 
 import httpx
+import openai
 
 from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.types import Event
@@ -79,3 +80,24 @@ def test_bad_tool_calls_become_process_events_of_their_turn(serve, tokenizer):
     assert srv.pool.get_trajectory(tid).events == [Event(1, "invalid_tool_call"),
                                                    Event(1, "undeclared_tool")]
     assert srv.gateway.counters["tool_parse_errors"] == 2
+
+
+def test_a_conversation_that_outgrows_the_context_ends_with_an_overflow_event(serve, tokenizer):
+    """CASES.md C09: the turn after which the prompt no longer fits is refused with a 400
+    `context_length_exceeded` (nothing recorded for it) and a "context_overflow" event lands on
+    the last recorded turn, so `[reward] process = { context_overflow = ... }` can price it."""
+    r = ChatMLRenderer(tokenizer)
+    srv = serve(ScriptedEngine([reply(r, "4")], max_model_len=96), tokenizer)
+    tid, key = srv.session()
+    client = srv.client(key)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    long = [*USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": "x" * 200}]
+    try:
+        client.chat.completions.create(model="tiny", messages=long, max_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded"
+    else:
+        raise AssertionError("the overflowing call was answered")
+    assert srv.pool.get_trajectory(tid).events == [Event(0, "context_overflow")]
+    assert len(srv.pool.get_trajectory(tid).completions) == 1
+    assert srv.gateway.counters["context_overflows"] == 1
