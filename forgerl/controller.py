@@ -238,7 +238,7 @@ class Services:
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
         metrics |= rollout_stats([t for g in groups for t in g.trajectories],
-                                 self.gateway.renderer.decode)
+                                 self.gateway.renderer.decode, self.gateway.renderer.parser.parse)
         self.trained_tasks += task_indices
         metrics |= self.duration_bias()
         self.scheduler.on_trained(task_indices, self.trainer.step)
@@ -298,7 +298,8 @@ class Services:
         ))
         n = len(rewards)
         latest = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]  # this run's
-        stats = rollout_stats(latest, self.gateway.renderer.decode)
+        renderer = self.gateway.renderer
+        stats = rollout_stats(latest, renderer.decode, renderer.parser.parse)
         return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / n,
                 "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start,
                 "eval_tool_call_rate": stats["tool_call_rate"],

@@ -10,26 +10,30 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from forgerl.gateway.tool_parsers import parse_tool_calls
 from forgerl.types import Trajectory
 
+if TYPE_CHECKING:
+    from forgerl.gateway.tool_parsers import ParsedReply
 
-def rollout_stats(trajectories: Sequence[Trajectory],
-                  decode: Callable[[list[int]], str]) -> dict[str, float]:
+
+def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str],
+                  parse: Callable[[str, set[str] | None], ParsedReply]) -> dict[str, float]:
     """How the agent used the model in these rollouts (one step's trained groups), from the
     recorded completions alone; aborted trajectories are left out. `decode`: completion ids →
-    text (the gateway renderer's `decode`), re-parsed with the gateway's Hermes parser.
+    text and `parse`: text → tool calls and parse errors (the gateway renderer's `decode` and
+    `parser.parse`, so the configured tool format is counted).
 
     tool_call_rate: fraction of rollouts with >= 1 parsed tool call in any completion.
     tool_calls / tool_call_attempts: parsed calls / `<tool_call>` blocks written (parsed + kept
     as text: bad JSON, no name, unclosed or cut by max_tokens); tool_call_valid_rate: their
     ratio (NaN without attempts; logged as null). Any tool name counts as parsed (the request's
-    declared names are not recorded).
+    declared names are not recorded). A call forced by `tool_choice` is missed: its opening
+    was prefilled into the prompt, not sampled.
     turns_per_trajectory: mean model calls per rollout.
     prefix_hits / prefix_misses: later calls whose prompt extended the previous call's prompt +
     completion token for token (`Completion.extends_previous`) / that did not (a branch).
@@ -38,7 +42,7 @@ def rollout_stats(trajectories: Sequence[Trajectory],
     trajectories = [t for t in trajectories if t.status != "aborted"]
     calls = attempts = with_call = hits = misses = 0
     for traj in trajectories:
-        parsed = [parse_tool_calls(decode(c.completion_ids)) for c in traj.completions]
+        parsed = [parse(decode(c.completion_ids), None) for c in traj.completions]
         n = sum(len(p.tool_calls) for p in parsed)
         calls, with_call = calls + n, with_call + (n > 0)
         attempts += n + sum(len(p.errors) for p in parsed)

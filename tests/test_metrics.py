@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from forgerl.gateway.tool_parsers import parse_tool_calls
 from forgerl.metrics import agent_summary, rollout_stats
 from forgerl.types import Completion, Trajectory
 
@@ -51,7 +52,7 @@ def test_rollout_stats_on_a_synthetic_group(tokenizer):
         # failed after one bad call: counted (it is trained under failed_rollouts = "penalty")
         trajectory(5, [c(BAD_JSON)], status="failed"),
     ]
-    stats = rollout_stats(group, decoder(tokenizer))
+    stats = rollout_stats(group, decoder(tokenizer), parse_tool_calls)
     # rollouts counted: 0, 1, 2, 3, 5; with >= 1 parsed call: 0, 1, 3
     assert stats["tool_call_rate"] == 3 / 5
     # parsed calls: 1 + 1 + 1 = 3; attempts: 1 + 2 + 0 + 2 + 1 = 6
@@ -65,11 +66,12 @@ def test_rollout_stats_on_a_synthetic_group(tokenizer):
 
 
 def test_rollout_stats_without_attempts_or_rollouts(tokenizer):
-    stats = rollout_stats([trajectory(0, [completion(tokenizer, "3")])], decoder(tokenizer))
+    stats = rollout_stats([trajectory(0, [completion(tokenizer, "3")])], decoder(tokenizer),
+                          parse_tool_calls)
     assert stats["tool_call_rate"] == 0.0 and stats["turns_per_trajectory"] == 1.0
     assert math.isnan(stats["tool_call_valid_rate"])
     assert agent_summary(stats) == "tools 0.00 valid - turns 1.00 prefix 0/0"
-    empty = rollout_stats([], decoder(tokenizer))
+    empty = rollout_stats([], decoder(tokenizer), parse_tool_calls)
     assert (empty["tool_call_rate"], empty["turns_per_trajectory"], empty["tool_calls"]) == (
         0.0, 0.0, 0.0)
     assert agent_summary({}) == "tools - valid - turns - prefix -/-"

@@ -32,7 +32,8 @@ async def probe(args: argparse.Namespace) -> None:
             rewards = await asyncio.gather(*(s.rollout(-1 - k, 0, task, args.temperature)
                                              for k, task in jobs))
             trajs = [s.pool.get_group(-1 - k).trajectories[0] for k, _ in jobs]
-            stats = rollout_stats(trajs, s.gateway.renderer.decode)
+            renderer = s.gateway.renderer
+            stats = rollout_stats(trajs, renderer.decode, renderer.parser.parse)
             for traj in trajs[: args.show]:
                 for c in traj.completions:
                     print(repr(s.gateway.renderer.decode(c.completion_ids)))
