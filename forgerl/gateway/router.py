@@ -354,7 +354,8 @@ class Router:
         out: dict[str, int | float] = {}
         for e in self.instances:
             for k, v in getattr(e, "stats", {}).items():
-                out[k] = out.get(k, 0) + v
+                if isinstance(v, int | float):
+                    out[k] = out.get(k, 0) + v
         return out | self.state.stats()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
