@@ -137,14 +137,15 @@ def make_delta(
     tensors, crcs, changed, numel = {}, {}, 0, 0
     for name, n in new.items():
         flat = n.reshape(-1)
-        idx = (_bits(base[name]) != _bits(n)).nonzero().squeeze(1)  # (K,) int64
-        crcs[name] = checksum(n)
+        mask = _bits(base[name]) != _bits(n)  # (numel,) bool
+        k, crcs[name] = int(mask.count_nonzero()), checksum(n)
         itemsize, index_dtype = n.element_size(), torch.int32 if n.numel() < 2**31 else torch.int64
-        if idx.numel() * (itemsize + index_dtype.itemsize) >= flat.numel() * itemsize:
+        if k * (itemsize + index_dtype.itemsize) >= flat.numel() * itemsize:
             tensors[name] = TensorDelta(None, flat, base_crcs[name], crcs[name])
         else:
+            idx = mask.nonzero().squeeze(1)  # (k,) int64
             tensors[name] = TensorDelta(idx.to(index_dtype), flat[idx], base_crcs[name], crcs[name])
-        changed, numel = changed + idx.numel(), numel + flat.numel()
+        changed, numel = changed + k, numel + flat.numel()
     return WeightDelta(base_version, tensors, changed, numel), crcs
 
 

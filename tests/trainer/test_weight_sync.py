@@ -231,3 +231,30 @@ async def _full_mode_and_engines_without_deltas(tiny_model):
     for version in (1, 2):
         assert (await sync.sync(weights, version))["kind"] == "full"
     assert plain.calls == [1, 2]
+
+
+def test_controller_syncs_with_the_configured_kind(tiny_model):
+    """`Services.sync_weights` builds one WeightSync of `[trainer] weight_sync` and publishes
+    trainer.step; its stats are what the step record gets as weight_sync_*."""
+    from types import SimpleNamespace
+
+    from forgerl.config import Config
+    from forgerl.controller import Services
+
+    async def main():
+        engine = LocalEngine(tiny_model, max_model_len=64, prefix_cache_tokens=0)
+        model = tiny_model.train()
+        trainer = SimpleNamespace(step=0, state_dict_for_sync=lambda: model.state_dict())
+        services = SimpleNamespace(engine=engine, trainer=trainer, weight_sync=None,
+                                   config=Config(trainer={"weight_sync": "delta"}))
+        steps = _optimizer_steps(model, 1e-3)
+        try:
+            for trainer.step in (1, 2):
+                next(steps)
+                await Services.sync_weights(services)
+            assert services.weight_sync.kind == "delta" and engine.weight_version == 2
+            assert services.weight_sync.stats["kind"] == "delta"
+        finally:
+            await engine.close()
+
+    asyncio.run(main())

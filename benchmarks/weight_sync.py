@@ -1,0 +1,125 @@
+"""Benchmark: full vs delta weight sync (issue 13 item 3) on SmolLM2-135M, in-process.
+
+    python benchmarks/weight_sync.py [--steps 21] [--steps-high 3] [--fp32-steps 5] [--threads 1]
+
+The trainer side is SmolLM2-135M (fp32) taking real AdamW steps (weight decay 0, grad clip 1.0,
+as `Trainer`) of a causal-LM loss on a small fixed batch of real text (4 short sentences),
+`--steps` steps at lr 1e-6 and `--steps-high` at lr 5e-6, each from the pretrained weights.
+After every step the weights are synced with `forgerl.trainer.weight_sync.WeightSync` into
+four `LocalEngine`s, one per (dtype, kind): fp32 and bf16 engine copies, each fed by a "full"
+and a "delta" sync (the fp32 pair only for the first `--fp32-steps` steps: there every element
+changes, the delta is dense and its numbers stay put). The first delta sync is full (no base
+yet); the delta columns average the later ones. About 100 s of CPU time; 3-4 min on the
+shared 2 cores.
+
+Columns: MB = payload bytes / 1e6 in the engine's dtype (tied embedding / lm_head sent once);
+s = wall seconds of `WeightSync.sync` (cast, compare + encode + checksums for a delta, hand-off
+to the engine's worker thread, apply + checksums there); unchanged = elements whose bits in the
+engine's dtype did not change, mean (min) over steps; exact = after the last step the delta
+engine's weights equal the full engine's bit for bit. Transport: in-process only (the payload
+is passed by reference); Ray object store and NCCL are not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from forgerl.engines.local import LocalEngine
+from forgerl.models import load_pretrained
+from forgerl.trainer.weight_sync import WeightSync
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank in the morning.",
+    "To compute 17 plus 25, add the tens and then the ones: the answer is 42.",
+    "Reinforcement learning trains a policy from rewards collected by an agent.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int) -> list[dict]:
+    """Train `steps` AdamW steps at `lr`, syncing full and delta into bf16 engines (fp32 ones
+    for the first `fp32_steps`); one result row per dtype."""
+    engines = {(d, k): LocalEngine(model, max_model_len=64, max_batch_size=1,
+                                   prefix_cache_tokens=0, dtype=dt)
+               for d, dt in DTYPES.items() for k in ("full", "delta")}
+    syncs = {key: WeightSync(e, key[1]) for key, e in engines.items()}
+    records: dict[tuple[str, str], list[dict]] = {key: [] for key in engines}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    try:
+        for step in range(1, steps + 1):
+            opt.zero_grad()
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            weights = {k: v.detach() for k, v in model.state_dict().items()}
+            for key, sync in syncs.items():
+                if key[0] == "bf16" or step <= fp32_steps:
+                    records[key].append(await sync.sync(weights, step))
+        rows = []
+        for d in DTYPES:
+            full, delta = records[(d, "full")], records[(d, "delta")][1:]
+            a, b = engines[(d, "full")]._params, engines[(d, "delta")]._params
+            exact = all(torch.equal(a[k].view(-1).view(torch.uint8),
+                                    b[k].view(-1).view(torch.uint8)) for k in a)
+            unchanged = [1 - r["changed_fraction"] for r in delta]
+            rows.append({
+                "lr": lr, "dtype": d, "deltas": len(delta), "exact": exact,
+                "full_mb": statistics.mean(r["bytes"] for r in full) / 1e6,
+                "delta_mb": statistics.mean(r["bytes"] for r in delta) / 1e6,
+                "full_s": statistics.median(r["seconds"] for r in full),
+                "delta_s": statistics.median(r["seconds"] for r in delta),
+                "unchanged": statistics.mean(unchanged), "unchanged_min": min(unchanged),
+                "per_step": unchanged,
+            })
+        return rows
+    finally:
+        for e in engines.values():
+            await e.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=21, help="optimizer steps at lr 1e-6")
+    parser.add_argument("--steps-high", type=int, default=3, help="optimizer steps at lr 5e-6")
+    parser.add_argument("--fp32-steps", type=int, default=5, help="steps synced in fp32")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    model, tokenizer = load_pretrained("smollm2")
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = []
+    for lr, steps in ((1e-6, args.steps), (5e-6, args.steps_high)):
+        model.load_state_dict(initial)
+        rows += asyncio.run(run_lr(model.train(), batch, lr, steps, args.fp32_steps))
+    print(f"SmolLM2-135M, batch {tuple(batch['input_ids'].shape)}, in-process LocalEngine, "
+          f"{args.threads} thread(s), {time.perf_counter() - began:.0f} s in all")
+    header = (f"{'lr':>6} {'dtype':>5} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "
+              f"{'full s':>6} {'delta s':>7} {'time':>5} {'unchanged':>15} {'exact':>5}")
+    print(header)
+    for r in rows:
+        print(f"{r['lr']:>6.0e} {r['dtype']:>5} {r['deltas']:>6} {r['full_mb']:>8.1f} "
+              f"{r['delta_mb']:>8.1f} {r['delta_mb'] / r['full_mb']:>6.3f} {r['full_s']:>6.2f} "
+              f"{r['delta_s']:>7.2f} {r['delta_s'] / r['full_s']:>5.1f} "
+              f"{100 * r['unchanged']:>6.2f}% ({100 * r['unchanged_min']:.2f}%) "
+              f"{'yes' if r['exact'] else 'NO':>5}")
+    for r in rows:
+        steps = " ".join(f"{100 * u:.2f}" for u in r["per_step"])
+        print(f"unchanged % per delta step, lr {r['lr']:.0e} {r['dtype']}: {steps}")
+    bf16 = next(r for r in rows if r["lr"] == 1e-6 and r["dtype"] == "bf16")
+    ratio = bf16["delta_mb"] / bf16["full_mb"]
+    print(f"target bf16 lr 1e-6 delta <= 10% of full bytes: {100 * ratio:.1f}% "
+          f"({'met' if ratio <= 0.10 else 'MISSED'}); exact after {bf16['deltas']} deltas: "
+          f"{'met' if bf16['exact'] else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
