@@ -35,6 +35,14 @@ class DataPool(Protocol):
         """
         ...
 
+    def record_calls(
+        self, calls: list[tuple[str, list[Completion], list[list[str]]]]
+    ) -> list[list[int] | Exception]:
+        """Record several model calls in one transaction (group commit): per call
+        (trajectory_id, completions, per completion its event kinds); returns per call its turn
+        indices or the KeyError / ValueError that kept it out (the others are recorded)."""
+        ...
+
     def add_event(self, trajectory_id: str, kind: str, value: float = 1.0,
                   turn: int | None = None) -> int:
         """Record a process event on a turn of a running trajectory (None: the latest turn);

@@ -222,18 +222,49 @@ class SQLitePool:
 
         Raises KeyError for an unknown trajectory and ValueError if it is no longer running.
         """
-        c = completion
         with self._tx() as db:
-            self._require_running(db, trajectory_id)
-            turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
-                              (trajectory_id,)).fetchone()[0]
-            db.execute(
-                "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
-                 _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
-                 c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
-                 int(c.token_exact), int(c.extends_previous)),
-            )
+            return self._insert_completion(db, trajectory_id, completion)
+
+    def record_calls(
+        self, calls: list[tuple[str, list[Completion], list[list[str]]]]
+    ) -> list[list[int] | Exception]:
+        """Record several model calls in ONE transaction (one fsync: group commit).
+
+        Each call is (trajectory_id, its completions, per completion the kinds of the process
+        events to add on its turn, value 1.0). A call's completions land together or not at all
+        (a savepoint each); a call that fails (KeyError unknown / ValueError not running) gets
+        its exception in the result and leaves the others recorded. Returns, per call, the turn
+        indices of its completions or the exception.
+        """
+        results: list[list[int] | Exception] = []
+        with self._tx() as db:
+            for tid, completions, events in calls:
+                db.execute("SAVEPOINT call")
+                try:
+                    turns = [self._insert_completion(db, tid, c) for c in completions]
+                    for turn, kinds in zip(turns, events, strict=True):
+                        db.executemany("INSERT INTO events VALUES (?, ?, ?, 1.0)",
+                                       [(tid, turn, k) for k in kinds])
+                except (KeyError, ValueError) as e:
+                    db.execute("ROLLBACK TO call")
+                    results.append(e)
+                else:
+                    results.append(turns)
+                db.execute("RELEASE call")
+        return results
+
+    def _insert_completion(self, db: sqlite3.Connection, trajectory_id: str,
+                           c: Completion) -> int:
+        self._require_running(db, trajectory_id)
+        turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
+                          (trajectory_id,)).fetchone()[0]
+        db.execute(
+            "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
+             _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
+             c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
+             int(c.token_exact), int(c.extends_previous)),
+        )
         return turn
 
     def add_event(self, trajectory_id: str, kind: str, value: float = 1.0,

@@ -52,6 +52,7 @@ from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
 from forgerl.gateway.errors import GatewayError, unsupported
+from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.replies import (
     IncrementalDecoder,
@@ -249,6 +250,12 @@ class Gateway:
              "context_overflows"), 0
         )
     )
+
+    commits: GroupCommit = field(init=False)
+    """Batches the pool writes of calls that finish together (`group_commit`)."""
+
+    def __post_init__(self) -> None:
+        self.commits = GroupCommit(self.pool)
 
     def open_session(
         self,
@@ -452,9 +459,9 @@ class Gateway:
         with self._active(session):
             call = self.prepare(session, conv, plan)
             outs = await self.generate(session, call.prompt_ids, call.params)
-            return self.finish(session, call, outs)
+            return await self.finish(session, call, outs)
 
-    def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
+    async def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
                streamed: Sequence[ReplyStream | HeldReply] | None = None) -> Result:
         """Cut, parse and record the choices of `call` from the engine outputs (one per choice).
 
@@ -484,7 +491,7 @@ class Gateway:
             choices.append(Choice(i, completion, reply,
                                   self.token_logprobs(completion) if call.conv.logprobs else None,
                                   tuple(errors)))
-        self.record(session, call.conv, call.tools, call.plan, choices)
+        await self.record(session, call.conv, call.tools, call.plan, choices)
         return Result(choices, len(call.prompt_ids), call.started_at)
 
     def reply_stream(self, call: Call) -> ReplyStream | HeldReply:
@@ -536,7 +543,7 @@ class Gateway:
         except (asyncio.CancelledError, GeneratorExit):
             self.counters["client_disconnects"] += 1
             raise
-        yield self.finish(session, call, [o for o in outs if o is not None], states)
+        yield await self.finish(session, call, [o for o in outs if o is not None], states)
 
     async def _choice(self, session: Session, i: int, call: Call, state: ReplyStream | HeldReply,
                       ) -> AsyncIterator[Delta | tuple[int, GenerateOutput]]:
@@ -602,32 +609,35 @@ class Gateway:
         text = self.renderer.decode([token_id])
         return TokenLogprob(text, logprob, tuple(text.encode()))
 
-    def record(self, session: Session, conv: Conversation, tools: tuple[Tool, ...],
-               plan: PromptPlan, choices: list[Choice]) -> None:
-        """Add every choice to the trajectory in the pool, then to the session's turn tree.
+    async def record(self, session: Session, conv: Conversation, tools: tuple[Tool, ...],
+                     plan: PromptPlan, choices: list[Choice]) -> None:
+        """Durably add every choice to the trajectory in the pool (group commit, one
+        transaction shared with the calls finishing at the same time), then to the session's
+        turn tree.
 
         Each tool-call parse error of a choice is a process event on its turn (kind
         `tool_error_kind`: "undeclared_tool" or "invalid_tool_call"), which `[reward] process`
-        may weight.
-
-        Raises GatewayError 409 when the pool refuses (the trajectory ended meanwhile).
+        may weight. Raises GatewayError 409 when the pool refuses (the trajectory ended
+        meanwhile); nothing of the call is recorded then.
         """
-        for c in choices:
-            try:
-                turn = self.pool.add_completion(session.trajectory_id, c.completion)
-                for err in c.tool_errors:
-                    self.pool.add_event(session.trajectory_id, tool_error_kind(err), 1.0, turn)
-            except (KeyError, ValueError) as e:
-                raise GatewayError(409, f"trajectory {session.trajectory_id} takes no "
-                                   f"completions: {e}", "trajectory_not_running") from e
-            self.counters["completion_tokens"] += len(c.completion.completion_ids)
-        if plan.extends_previous:
-            self.counters["prefix_hits"] += 1
-        elif session.turns:
-            self.counters["prefix_misses"] += 1
-        session.record([Turn(conv.messages, tools, c.completion.prompt_ids,
-                             c.completion.completion_ids, c.reply, plan.parent) for c in choices],
-                       plan.extends_previous)
+        def committed(turns: list[int]) -> None:
+            for c in choices:
+                self.counters["completion_tokens"] += len(c.completion.completion_ids)
+            if plan.extends_previous:
+                self.counters["prefix_hits"] += 1
+            elif session.turns:
+                self.counters["prefix_misses"] += 1
+            session.record([Turn(conv.messages, tools, c.completion.prompt_ids,
+                                 c.completion.completion_ids, c.reply, plan.parent)
+                            for c in choices], plan.extends_previous)
+
+        try:
+            await self.commits.record(
+                session.trajectory_id, [c.completion for c in choices],
+                [[tool_error_kind(e) for e in c.tool_errors] for c in choices], committed)
+        except (KeyError, ValueError) as e:
+            raise GatewayError(409, f"trajectory {session.trajectory_id} takes no "
+                               f"completions: {e}", "trajectory_not_running") from e
 
     def token_logprobs(self, completion: Completion) -> list[TokenLogprob]:
         """The recorded logprob of every kept sampled id, a final end-of-turn id excluded."""
