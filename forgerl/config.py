@@ -226,6 +226,18 @@ class TrainerConfig(_Section):
     """Token budget of one packed prefix-tree row (one forward/backward)."""
     merge_prefixes: bool = True
     """Merge samples that share token prefixes into one prefix tree (Forge §3.2)."""
+    logprob_chunk_tokens: int = Field(256, ge=0)
+    """Policy logprobs from the final hidden states in chunks of this many predictions (lm_head,
+    log_softmax and gather per chunk, recomputed in the backward), so no (tokens, vocab) logits
+    are held: 192 KiB per token at SmolLM2's 49k vocab in fp32, several times that with their
+    gradients. 0 = the model's own forward over all predictions (also the fallback for a family
+    whose logit transform the chunked head does not reproduce)."""
+    activation_checkpointing: Literal["off", "full", "selective"] = "off"
+    """Recompute decoder layers in the backward instead of keeping their activations: "full"
+    (every layer; README "Trainer memory" measures its saving and its cost in step time),
+    "selective" (every `checkpoint_every_layers`-th layer), or "off"."""
+    checkpoint_every_layers: int = Field(2, ge=2, le=1000)
+    """Under activation_checkpointing = "selective": checkpoint layers 0, k, 2k, ..."""
     normalize_std: bool = False
     """Divide group-centred rewards by the group std (ddof=1, floor 1e-6)."""
     failed_rollouts: Literal["penalty", "drop"] = "penalty"

@@ -422,7 +422,10 @@ async def start_services(config: Config, agent: Agent | None = None,
                       normalize_std=tc.normalize_std, device=tc.device,
                       failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
                       rewards=config.reward.weights(),
-                      mask_truncated=tc.truncated_turns == "mask")
+                      mask_truncated=tc.truncated_turns == "mask",
+                      logprob_chunk_tokens=tc.logprob_chunk_tokens,
+                      activation_checkpointing=tc.activation_checkpointing,
+                      checkpoint_every_layers=tc.checkpoint_every_layers)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
     if (ckpt := latest_checkpoint(run_dir)) is not None:

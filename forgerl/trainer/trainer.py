@@ -110,7 +110,7 @@ class Trainer:
         device: str = "auto",
         rewards: RewardWeights | None = None,
         mask_truncated: bool = False,
-        logprob_chunk_tokens: int = 0,
+        logprob_chunk_tokens: int = 256,
         activation_checkpointing: str = "off",
         checkpoint_every_layers: int = 2,
     ) -> None:
