@@ -172,6 +172,21 @@ class TasksConfig(_Section):
     """Evaluate before training and every this many optimizer steps."""
 
 
+class DomainConfig(_Section):
+    """[[domains]]: one task domain of a mixed-domain run (Forge §4.1).
+
+    Each domain has its own tasks (and held-out set) and, optionally, its own agent; groups of
+    every domain are interleaved in the generation queue and trained in the same batches."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
+    """Names the domain in metrics (`domain_<name>_reward_mean`, ...)."""
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Share of the training groups from this domain: weight / (sum of weights)."""
+    tasks: TasksConfig = TasksConfig()
+    agent: AgentConfig | None = None
+    """This domain's agent command; default: the run's [agent]."""
+
+
 class _LossSection(_Section):
     def build(self) -> Any:
         """The loss function `forgerl.trainer.losses.<type>_loss` with this section's values."""
@@ -306,6 +321,9 @@ class Config(_Section):
     tasks: TasksConfig = TasksConfig()
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
+    domains: list[DomainConfig] = []
+    """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
+    eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -319,6 +337,9 @@ class Config(_Section):
                 f"rollout.max_tokens ({self.rollout.max_tokens}) must be < "
                 f"model.max_model_len ({self.model.max_model_len})"
             )
+        names = [d.name for d in self.domains]
+        if len(set(names)) != len(names):
+            raise ValueError(f"domains: names must be unique, got {names}")
         return self
 
 
@@ -393,9 +414,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     _fill_default_types(Config, tree)
-    agent = tree.get("agent")
-    if isinstance(agent, dict) and "cwd" not in agent:
-        agent["cwd"] = str(base)
+    domains = tree.get("domains")
+    for agent in [tree.get("agent")] + [d.get("agent") for d in domains or []
+                                        if isinstance(d, dict)]:
+        if isinstance(agent, dict) and "cwd" not in agent:
+            agent["cwd"] = str(base)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

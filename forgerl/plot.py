@@ -11,8 +11,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write RUN_DIR/curves.png (or `out`) and return its path.
 
     Reads metrics.jsonl: records with `reward_mean` (train steps) and `eval_accuracy` (held-out,
-    greedy). Raises FileNotFoundError when the run has no metrics, ValueError when it has none of
-    those keys.
+    greedy), plus each [[domains]] domain's `domain_<name>_reward_mean` / `_eval_accuracy`.
+    Raises FileNotFoundError when the run has no metrics, ValueError when it has none of the
+    first two keys.
     """
     import matplotlib
 
@@ -30,6 +31,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.plot(*zip(*train, strict=True), marker=".", label="rollout reward (mean)")
     if evals:
         ax.plot(*zip(*evals, strict=True), marker="o", label="held-out accuracy (greedy)")
+    domains = sorted({k[7:-12] for r in records for k in r
+                      if k.startswith("domain_") and k.endswith("_reward_mean")})
+    for d in domains:  # [[domains]] runs: each domain's own curves, dashed
+        for key, label in (("reward_mean", "reward"), ("eval_accuracy", "held-out")):
+            pts = [(r["step"], r[f"domain_{d}_{key}"]) for r in records
+                   if isinstance(r.get(f"domain_{d}_{key}"), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), ls="--", lw=1, label=f"{d}: {label}")
     ax.set_xlabel("optimizer step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
