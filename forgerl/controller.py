@@ -310,7 +310,8 @@ class Services:
             self.rollout(-1 - i, 0, task, temperature=0.0) for i, task in enumerate(self.eval_tasks)
         ))
         n = len(rewards)
-        latest = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]  # this run's
+        # each held-out task's newest trajectory: earlier evaluations share its task index
+        latest = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]
         renderer = self.gateway.renderer
         stats = rollout_stats(latest, renderer.decode, renderer.parser.parse)
         by_domain: dict[str, list[float]] = {}
