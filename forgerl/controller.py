@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -337,8 +338,19 @@ class Services:
                                 self.config.trainer.keep_checkpoints)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters."""
-        stats = {"rollouts_in_flight": len(self.rollouts),
+        """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
+        and memory: `rss_gib` (resident now) and `peak_rss_gib` (this process's peak so far,
+        `ru_maxrss`), GiB."""
+        import resource
+
+        try:
+            with open("/proc/self/statm") as f:  # Linux: size resident shared ... (pages)
+                resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+        except OSError:  # not Linux
+            resident = math.nan
+        stats = {"rollouts_in_flight": len(self.rollouts), "rss_gib": resident,
+                 "peak_rss_gib": max(  # the kernel's high-water mark lags a little
+                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, resident),
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"engine_{k}": v for k, v in self.engine.stats.items()},

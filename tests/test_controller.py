@@ -360,6 +360,7 @@ async def test_step_records_and_console_line_carry_the_agent_statistics(tmp_path
     assert (first["eval_tool_call_rate"], first["eval_turns_per_trajectory"]) == (0.0, 1.0)
     assert (record["eval_tool_call_rate"], record["eval_turns_per_trajectory"]) == (0.0, 2.0)
     assert record["turns_per_trajectory"] == 1.5
+    assert 0.1 < record["rss_gib"] <= record["peak_rss_gib"] < 24  # GiB, this process
     assert (record["prefix_hits"], record["prefix_misses"]) == (2.0, 2.0)
     assert (record["tool_call_rate"], record["tool_calls"], record["tool_call_attempts"]) == (
         0.0, 0.0, 0.0)
