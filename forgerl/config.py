@@ -302,7 +302,7 @@ class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
 
-    run_dir: str = "runs/default"
+    run_dir: str = Field("runs/default", min_length=1)
     """Metrics, resolved config, pool and checkpoints; re-running with it resumes."""
     max_steps: int = Field(10, ge=0, le=10_000_000)
     """Optimizer steps of the whole run; re-running with a larger value continues it."""
@@ -408,6 +408,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             tree = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read it as a TOML config "
+                              f"({type(e).__name__})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         base = path.resolve().parent

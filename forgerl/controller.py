@@ -474,6 +474,40 @@ async def start_services(config: Config, agent: Agent | None = None,
     `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
     gateway opens no HTTP session on them; False for `forgerl gateway`.
     """
+    locks: list[int] = []  # RUN_DIR/.lock, taken once the config is known to be good
+    try:
+        async with _services(config, agent, training, locks) as services:
+            yield services
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Take RUN_DIR/.lock (an exclusive `flock`, released when the process ends however it
+    ends, SIGKILL included); returns its file descriptor. Raises ConfigError naming the
+    holder's pid when another process has the run (a second `forgerl train`, or a `forgerl
+    gateway`, on it would reconcile its pool and metrics under it)."""
+    import fcntl
+
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"run_dir {run_dir}: in use by another forgerl process (pid "
+                          f"{holder}); stop it or pass another --run_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+@contextlib.asynccontextmanager
+async def _services(config: Config, agent: Agent | None, training: bool,
+                    locks: list[int]) -> AsyncIterator[Services]:
+    """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
+    it, also when this raises)."""
     import torch
 
     from forgerl.agents.reaper import Reaper
@@ -493,6 +527,7 @@ async def start_services(config: Config, agent: Agent | None = None,
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    locks.append(lock_run_dir(run_dir))
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
     tc = config.trainer
     trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,

@@ -30,6 +30,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
          "tasks.params: max_terms must be >= min_terms"),
         ("[agent]\ncommand = ['x']\n[tasks]\nparams = {foo = 1}\n", [], "tasks.params"),
         ("[agent]\ncommand = ['x']\n[tasks]\ndataset = 'nosuch'\n", [], "tasks.dataset"),
+        ("[agent]\ncommand = ['x']\n", ["--run_dir", ""], "run_dir"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, override, expected):
@@ -47,3 +48,37 @@ def test_missing_config_and_plot_of_empty_dir(tmp_path):
     assert result.returncode == 2 and "config file not found" in result.stderr
     result = _run("plot", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_a_directory_as_config_is_one_line_exit_2(tmp_path):
+    result = _run("train", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"forgerl: error: {tmp_path}: cannot read it as a TOML "
+                                     "config (IsADirectoryError)")
+
+
+def test_a_run_dir_in_use_is_refused_and_left_alone(tmp_path):
+    """A second `forgerl train` (or `forgerl gateway`) on a run directory another process holds
+    exits 2 with one line naming that process, before touching its pool or metrics."""
+    import os
+
+    from forgerl.controller import lock_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fd = lock_run_dir(run_dir)  # this test process plays the running trainer
+    try:
+        (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+        config = tmp_path / "c.toml"
+        config.write_text(f"run_dir = '{run_dir}'\n[model]\npath = 'tiny'\n[agent]\n"
+                          "command = ['x']\n[tasks]\neval_size = 0\n")
+        for command in ("train", "gateway"):
+            result = _run(command, str(config))
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.strip() == (
+                f"forgerl: error: run_dir {run_dir}: in use by another forgerl process (pid "
+                f"{os.getpid()}); stop it or pass another --run_dir")
+        assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "metrics.jsonl"]
+    finally:
+        os.close(fd)

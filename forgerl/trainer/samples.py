@@ -113,19 +113,21 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
 
     Turn k is a retry orphan when a later call (another `started_at`, so not a sibling choice
     of the same n > 1 call) sent the same prompt_ids, and no later turn's prompt extends turn
-    k's prompt + completion (the agent never continued from it). Of identical retries the
-    latest call is kept. `turn_rewards` and `events` lose the orphans' entries (events are
-    re-indexed to the kept turns). Returns `traj` itself
-    when nothing is dropped.
+    k's prompt + completion (the agent never continued from it), or a later retry sampled the
+    very same ids (an SDK re-sends the request with its seed: the agent continued from "both").
+    Of identical retries the latest call is kept. `turn_rewards` and `events` lose the orphans'
+    entries (events are re-indexed to the kept turns). Returns `traj` itself when nothing is
+    dropped.
     """
     turns = traj.completions
     orphans = set()
     for k, turn in enumerate(turns):
         done = turn.prompt_ids + turn.completion_ids
         later = turns[k + 1 :]
-        retried = any(t.prompt_ids == turn.prompt_ids and t.started_at != turn.started_at
-                      for t in later)
-        if retried and not any(_extends(done, t.prompt_ids) for t in later):
+        retries = [t for t in later
+                   if t.prompt_ids == turn.prompt_ids and t.started_at != turn.started_at]
+        duplicate = any(t.completion_ids == turn.completion_ids for t in retries)
+        if retries and (duplicate or not any(_extends(done, t.prompt_ids) for t in later)):
             orphans.add(k)
     if not orphans:
         return traj, 0

@@ -57,6 +57,17 @@ def test_two_leaves_keep_the_latest_and_the_first_turn_retry_alone_is_fine():
     assert len(trajectory_to_samples(kept, [1.0])) == 1
 
 
+def test_an_identical_retry_is_trained_once():
+    """The retried request carried its seed, so C1' == C1 and C2 extends both: C1 is still the
+    orphan, one sample C1' -> C2."""
+    c2_prompt = P1 + C1 + INSERT
+    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1, 2.0), _turn(c2_prompt, C2, 3.0)], 1.0)
+    kept, dropped = drop_retry_orphans(traj)
+    assert dropped == 1 and [t.started_at for t in kept.completions] == [2.0, 3.0]
+    (sample,) = trajectory_to_samples(kept, [0.5, 0.5])
+    assert sample.input_ids == c2_prompt + C2
+
+
 def test_sibling_choices_and_continued_turns_are_not_orphans():
     siblings = _traj("n", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.0)], 1.0)  # one n=2 call
     assert drop_retry_orphans(siblings) == (siblings, 0)
