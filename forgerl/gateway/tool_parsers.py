@@ -160,7 +160,8 @@ class ToolParser:
     parse: `(text, declared names or None) -> ParsedReply`, never raising. open / close: the
     strings around one call (streaming recognises a call when `close` arrives; a reply limited
     to one call stops after `close`); None: no such string. prefix_any / prefix_named: reply
-    text that opens a call of any tool / of tool `{name}` (tool_choice "required" / named);
+    text that opens a call of any tool / of tool `{name}` up to the brace of its arguments
+    object (tool_choice "required" / named: the arguments cannot start with a non-object);
     None: the format cannot be forced. multiple: a reply may hold several calls.
     """
 
@@ -182,9 +183,9 @@ class ToolParser:
 
 
 HERMES = ToolParser("hermes", parse_tool_calls, CALL_OPEN, CALL_CLOSE, f"{CALL_OPEN}\n",
-                    f'{CALL_OPEN}\n{{"name": {{name}}, "arguments": ')
+                    f'{CALL_OPEN}\n{{"name": {{name}}, "arguments": {{')
 LLAMA3_JSON = ToolParser("llama3_json", parse_llama3_json, prefix_any='{"name": ',
-                         prefix_named='{"name": {name}, "parameters": ', multiple=False)
+                         prefix_named='{"name": {name}, "parameters": {', multiple=False)
 MISTRAL = ToolParser("mistral", parse_mistral)  # its opener is a control token: never prefilled
 PARSERS = {p.name: p for p in (HERMES, LLAMA3_JSON, MISTRAL)}
 

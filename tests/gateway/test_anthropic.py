@@ -132,7 +132,8 @@ def test_tool_loop_extends_previous_turn(serve, tokenizer, renderer, stream):
 
 @pytest.mark.parametrize("choice, prefix", [
     ({"type": "any"}, "<tool_call>\n"),
-    ({"type": "tool", "name": "get_weather"}, '<tool_call>\n{"name": "get_weather", "arguments": '),
+    ({"type": "tool", "name": "get_weather"},
+     '<tool_call>\n{"name": "get_weather", "arguments": {'),
     ({"type": "none"}, None),
 ])
 def test_tool_choice(serve, tokenizer, renderer, choice, prefix):

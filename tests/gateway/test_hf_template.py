@@ -296,18 +296,18 @@ def test_stream_equals_the_non_streamed_reply(serve, name):
 
 
 def test_forcing_a_tool_per_parser(serve):
-    """llama3_json prefills `{"name": "get_weather", "parameters": `; mistral's opener is a
+    """llama3_json prefills `{"name": "get_weather", "parameters": {`; mistral's opener is a
     control token: tool_choice forcing and parallel_tool_calls=false are a 400 there."""
     import openai
 
-    srv, r = serve_hf(serve, "llama", ['{"city": "Paris"}}'])
+    srv, r = serve_hf(serve, "llama", ['"city": "Paris"}}'])
     _, key = srv.session()
     forced = {"type": "function", "function": {"name": "get_weather"}}
     out = srv.client(key).chat.completions.create(
         model="tiny", messages=USER, tools=[WEATHER], tool_choice=forced,
         parallel_tool_calls=False)
     assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
-    prefill = r.encode('{"name": "get_weather", "parameters": ')
+    prefill = r.encode('{"name": "get_weather", "parameters": {')
     assert srv.engine.calls[0][0][-len(prefill):] == prefill
     srv, _ = serve_hf(serve, "mistral", [])
     _, key = srv.session()

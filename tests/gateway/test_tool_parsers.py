@@ -144,8 +144,8 @@ def test_detect_parser_and_prefixes():
     assert detect_parser('"parameters": {{ args }}') is LLAMA3_JSON
     assert detect_parser("{{ '<|python_tag|>' }}") is LLAMA3_JSON
     assert detect_parser("plain chat") is HERMES
-    assert HERMES.call_prefix("f") == '<tool_call>\n{"name": "f", "arguments": '
-    assert LLAMA3_JSON.call_prefix("f") == '{"name": "f", "parameters": '
+    assert HERMES.call_prefix("f") == '<tool_call>\n{"name": "f", "arguments": {'
+    assert LLAMA3_JSON.call_prefix("f") == '{"name": "f", "parameters": {'
     assert MISTRAL.call_prefix(None) is None and MISTRAL.close is None
 
 
