@@ -644,8 +644,7 @@ class Gateway:
         ids, lps = completion.completion_ids, completion.logprobs
         if ids and ids[-1] in self.renderer.stop_ids:
             ids, lps = ids[:-1], lps[:-1]
-        texts = [self.renderer.decode([i]) for i in ids]
-        return [TokenLogprob(t, lp, tuple(t.encode())) for t, lp in zip(texts, lps, strict=True)]
+        return [self._token_logprob(i, lp) for i, lp in zip(ids, lps, strict=True)]
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> GatewayServer:
         """Start the HTTP app (app.py) inside the running event loop; port 0 picks a free port."""
