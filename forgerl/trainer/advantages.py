@@ -103,13 +103,23 @@ def trajectory_advantages(
     """Per-turn advantages Â_{j,t} (module docstring) for the trajectories of one group.
 
     Returns one list per trajectory, each of length len(traj.completions). The caller picks
-    which trajectories form the group (`group_trajectory_advantages`); a failed one among them
+    which trajectories form the group (`group_members`); a failed one among them
     gets outcome `failed_reward` (None: its reward, or 0.0). `weights`: the composite reward
     (default: outcome weight 1, no time reward, events unweighted). Raises ValueError on a
     non-finite reward or mismatched `turn_rewards`.
     """
     outcome_G, process_G_T, _ = composite_rewards(
         trajectories, weights or RewardWeights(), failed_reward)
+    return reward_advantages(outcome_G, process_G_T, normalize_std, std_floor)
+
+
+def reward_advantages(
+    outcome_G: list[float], process_G_T: list[list[float]], normalize_std: bool = False,
+    std_floor: float = 1e-6,
+) -> list[list[float]]:
+    """Â_{j,t} (module docstring) from a group's outcome rewards o_j and per-turn process
+    rewards p_{j,t} (`composite_rewards`); one list per member, as long as its p_j. Raises
+    ValueError on a non-finite reward."""
     rtg_G_T = [reward_to_go(p) for p in process_G_T]
     adv_G_T = [[a] * len(rtg) for a, rtg in zip(group_advantages(outcome_G), rtg_G_T, strict=True)]
     for t in range(max(map(len, rtg_G_T), default=0)):
@@ -124,15 +134,21 @@ def trajectory_advantages(
     return [[a / scale for a in adv] for adv in adv_G_T]
 
 
+def group_members(group: Group, failed_reward: float | None = 0.0) -> list[Trajectory]:
+    """The trajectories that form `group`'s baseline and loss: every finished one, plus the
+    failed ones when `failed_reward` is not None. Aborted attempts are never members."""
+    statuses = ("finished",) if failed_reward is None else ("finished", "failed")
+    return [t for t in group.trajectories if t.status in statuses]
+
+
 def group_trajectory_advantages(
     group: Group, normalize_std: bool = False, failed_reward: float | None = 0.0,
     weights: RewardWeights | None = None,
 ) -> list[tuple[Trajectory, list[float]]]:
-    """The group's members with their per-turn advantages: every finished trajectory, plus the
-    failed ones with outcome `failed_reward` (None: failed ones are dropped from the loss and
-    the baseline). Aborted attempts are never members."""
-    statuses = ("finished",) if failed_reward is None else ("finished", "failed")
-    members = [t for t in group.trajectories if t.status in statuses]
+    """The group's members (`group_members`) with their per-turn advantages; a failed member
+    has outcome `failed_reward` (None: failed ones are dropped from the loss and the
+    baseline)."""
+    members = group_members(group, failed_reward)
     advs = trajectory_advantages(members, normalize_std=normalize_std, failed_reward=failed_reward,
                                  weights=weights)
     return list(zip(members, advs, strict=True))

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from forgerl.rewards.composite import RewardWeights
-from forgerl.trainer.advantages import composite_rewards, group_trajectory_advantages
+from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import (
     attn_implementation,
     check_tree_support,
@@ -73,7 +73,7 @@ class Trainer:
         normalize_std: divide advantages by the group's return std (`advantages`).
         failed_reward: outcome reward of a failed rollout, which then counts in its group's
             baseline and the loss; None drops failed rollouts from both; aborted ones are never
-            trained (`advantages.group_trajectory_advantages`).
+            trained (`advantages.group_members`).
         rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
             outcome alone, plus any agent turn rewards).
         mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
@@ -188,10 +188,12 @@ class Trainer:
             cleaned = [drop_retry_orphans(t) for t in recorded.trajectories]
             orphans += sum(n for _, n in cleaned)
             group = replace(recorded, trajectories=[t for t, _ in cleaned])
-            members = group_trajectory_advantages(group, self.normalize_std, self.failed_reward,
-                                                  self.rewards)
-            trajs = [t for t, _ in members]
-            for key, total in composite_rewards(trajs, self.rewards, self.failed_reward)[2].items():
+            trajs = group_members(group, self.failed_reward)
+            outcome_G, process_G_T, sums = composite_rewards(trajs, self.rewards,
+                                                             self.failed_reward)
+            advs_G = reward_advantages(outcome_G, process_G_T, self.normalize_std)
+            members = list(zip(trajs, advs_G, strict=True))
+            for key, total in sums.items():
                 parts[key] = parts.get(key, 0.0) + total
             parts["members"] = parts.get("members", 0.0) + len(trajs)
             for e in (e for t in trajs for e in t.events):
