@@ -401,12 +401,7 @@ class LocalEngine:
         token's logprob is exactly the new policy's and its weight_versions entry is `version`.
         """
         self._check_state_dict(state_dict)
-        if self._closed:
-            raise RuntimeError("LocalEngine is closed")
-        loop = asyncio.get_running_loop()
-        update = _WeightUpdate(state_dict, version, loop.create_future(), loop)
-        self._inbox.put(update)
-        await update.future
+        await self._submit_update(state_dict, version)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -417,10 +412,17 @@ class LocalEngine:
         """Apply a weight-sync delta between decode steps and publish `version`, like
         `update_weights`; raises `weight_sync.DeltaMismatch` (old weights and version stay)
         unless the engine holds exactly the weights of `delta.base_version`."""
+        await self._submit_update(delta, version)
+
+    async def _submit_update(
+        self, weights: Mapping[str, torch.Tensor] | WeightDelta, version: int
+    ) -> None:
+        """Hand a weight update to the worker and wait until it is applied (or raises there);
+        RuntimeError after close()."""
         if self._closed:
             raise RuntimeError("LocalEngine is closed")
         loop = asyncio.get_running_loop()
-        update = _WeightUpdate(delta, version, loop.create_future(), loop)
+        update = _WeightUpdate(weights, version, loop.create_future(), loop)
         self._inbox.put(update)
         await update.future
 
