@@ -164,15 +164,12 @@ def supports_chunked_logprobs(model: torch.nn.Module) -> bool:
     row of `check_tree_support`, within 1e-5 (fp32) or 0.1 (16-bit weights); False for a
     family whose forward transforms its logits in a way `head_logits` does not reproduce, or
     whose decoder cannot be called alone. Runs in eval mode without gradients."""
-    training = model.training
-    model.eval()
     try:
-        (row,) = build_tree_batch(_probe_sequences(model), 32).rows
-        diff = (forward_logprobs(model, row, 5) - forward_logprobs(model, row)).abs().max()
+        with _eval_mode(model):
+            (row,) = build_tree_batch(_probe_sequences(model), 32).rows
+            diff = (forward_logprobs(model, row, 5) - forward_logprobs(model, row)).abs().max()
     except Exception:  # any failure of the decoder-only path means "not supported"
         return False
-    finally:
-        model.train(training)
     return bool(diff <= (1e-5 if next(model.parameters()).dtype == torch.float32 else 0.1))
 
 
@@ -191,21 +188,29 @@ def _probe_difference(model: torch.nn.Module, name: str) -> float:
     """Max |tree - alone| logprob over a 2-branch probe row (see `check_tree_support`)."""
     seqs = _probe_sequences(model)
     device = next(model.parameters()).device
-    training = model.training
-    model.eval()
     try:
-        (row,) = build_tree_batch(seqs, 32).rows
-        tree = forward_logprobs(model, row)  # (K,) sorted by (sample, token)
-        alone = []
-        for seq in seqs:
-            ids = torch.tensor([seq], device=device)
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (16, V)
-            alone.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
-        return (tree - torch.cat(alone)).abs().max().item()
+        with _eval_mode(model):
+            (row,) = build_tree_batch(seqs, 32).rows
+            tree = forward_logprobs(model, row)  # (K,) sorted by (sample, token)
+            alone = []
+            for seq in seqs:
+                ids = torch.tensor([seq], device=device)
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (16, V)
+                alone.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
+            return (tree - torch.cat(alone)).abs().max().item()
     except Exception as exc:
         reason = repr(exc)[:200]
         raise ValueError(
             f"{name} is not supported: a prefix-tree forward fails ({reason})"
         ) from exc
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` in eval mode (no dropout) inside the block, then restore its mode."""
+    training = model.training
+    model.eval()
+    try:
+        yield
     finally:
         model.train(training)
