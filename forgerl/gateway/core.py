@@ -417,10 +417,14 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             if not isinstance(e, Exception):
                 raise
-            self.counters["engine_errors"] += 1
-            log.exception("engine failed on trajectory %s", session.trajectory_id)
-            raise GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
-                               type="server_error") from e
+            raise self._engine_error(session, e) from e
+
+    def _engine_error(self, session: Session, e: Exception) -> GatewayError:
+        """Count and log an engine failure; the 500 `engine_error` to raise for it."""
+        self.counters["engine_errors"] += 1
+        log.exception("engine failed on trajectory %s", session.trajectory_id)
+        return GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
+                            type="server_error")
 
     def prepare(self, session: Session, conv: Conversation,
                 plan: PromptPlan | None = None) -> Call:
@@ -582,10 +586,7 @@ class Gateway:
                     if state.stopped:
                         break  # closes the engine stream: no compute past a stop string
         except Exception as e:
-            self.counters["engine_errors"] += 1
-            log.exception("engine failed on trajectory %s", session.trajectory_id)
-            raise GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
-                               type="server_error") from e
+            raise self._engine_error(session, e) from e
         if out is None or state.stopped:
             out = GenerateOutput(ids, lps, versions, "stop" if state.stopped else "abort")
         yield i, out
