@@ -26,16 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forgerl.gateway.conversation import Message, Tool
-from forgerl.gateway.renderer import Renderer
+from forgerl.gateway.renderer import Renderer, call_arguments
 
 log = logging.getLogger(__name__)
-
-
-def _normal_args(arguments: str) -> Any:
-    try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        return arguments
 
 
 def message_key(msg: Message) -> tuple[Any, ...]:
@@ -43,7 +36,7 @@ def message_key(msg: Message) -> tuple[Any, ...]:
     tool call names and parsed arguments. Call ids, tool_call_id and reasoning differ
     harmlessly between what the gateway answered and what an agent sends back."""
     calls = tuple(
-        (c.name, json.dumps(_normal_args(c.arguments), sort_keys=True)) for c in msg.tool_calls
+        (c.name, json.dumps(call_arguments(c), sort_keys=True)) for c in msg.tool_calls
     )
     return (msg.role, msg.content.strip(), calls)
 
