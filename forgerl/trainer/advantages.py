@@ -82,6 +82,8 @@ def composite_rewards(
 ) -> tuple[list[float], list[list[float]], dict[str, float]]:
     """(o_j, p_{j,t}, component sums) of one group under `weights` (rewards/composite.py).
 
+    o_j: one float per trajectory (w_o · score_j + r_j^time); p_{j,t}: per trajectory one float
+    per completion (`process_turn_rewards`); a failed member's score is `failed_reward`.
     The sums: "outcome" (Σ w_o · score), "completion_time" (Σ r^time), "process" (Σ p) and
     "seconds" (Σ rollout wall-clock seconds), for per-step means. Raises ValueError like
     `process_turn_rewards`.

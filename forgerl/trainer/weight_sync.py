@@ -133,7 +133,8 @@ def make_delta(
     base_version: int,
 ) -> tuple[WeightDelta, dict[str, int]]:
     """The delta from `base` (version `base_version`, checksums `base_crcs`) to `new`; both map
-    the same names to tensors of one shape and dtype. Returns (delta, checksums of `new`)."""
+    the same names to tensors of one shape and dtype (KeyError: a name of `new` missing from
+    `base` or `base_crcs`). Returns (delta, checksums of `new`: name → `checksum`)."""
     tensors, crcs, changed, numel = {}, {}, 0, 0
     for name, n in new.items():
         flat = n.reshape(-1)
