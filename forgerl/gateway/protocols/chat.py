@@ -300,7 +300,8 @@ def _logprobs(c: Choice) -> dict[str, Any] | None:
     return {"content": content, "refusal": None}
 
 
-def _usage(result: Result) -> dict[str, int]:
+def usage_json(result: Result) -> dict[str, int]:
+    """OpenAI `usage`: prompt, completion (every choice) and total tokens."""
     p, n = result.prompt_tokens, result.completion_tokens
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
@@ -311,7 +312,7 @@ def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
                 "finish_reason": c.finish_reason, "logprobs": _logprobs(c)}
                for c in result.choices]
     return {"id": cid, "object": "chat.completion", "created": int(result.started_at),
-            "model": model, "choices": choices, "usage": _usage(result)}
+            "model": model, "choices": choices, "usage": usage_json(result)}
 
 
 class EventStream(Response):
@@ -428,7 +429,7 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
                         lp = {"content": [_token_json(t) for t in rest], "refusal": None}
                     yield delta(c.index, {}, c.finish_reason, lp)
                 if include_usage:
-                    yield chunk(None, usage=_usage(ev))
+                    yield chunk(None, usage=usage_json(ev))
     yield "data: [DONE]\n\n"
 
 

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.core import Choice, Result
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.protocols.chat import usage_json
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
 
@@ -224,11 +225,6 @@ def _choices(call: CompletionCall, result: Result, renderer: Renderer) -> list[d
     return out
 
 
-def _usage(result: Result) -> dict[str, int]:
-    p, n = result.prompt_tokens, result.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-
-
 def completion_chunks(cid: str, model: str, result: Result, choices: list[dict],
                       include_usage: bool) -> Iterator[str]:
     """SSE lines of a `text_completion` stream: per choice its text (with its logprobs and
@@ -245,7 +241,7 @@ def completion_chunks(cid: str, model: str, result: Result, choices: list[dict],
         yield chunk({"text": "", "index": c["index"], "logprobs": None,
                      "finish_reason": c["finish_reason"]})
     if include_usage:
-        yield chunk(None, usage=_usage(result))
+        yield chunk(None, usage=usage_json(result))
     yield "data: [DONE]\n\n"
 
 
@@ -259,4 +255,4 @@ def respond(call: CompletionCall, result: Result,
         return StreamingResponse(completion_chunks(cid, req.model, result, choices, usage),
                                  media_type="text/event-stream")
     return JSONResponse({"id": cid, "object": "text_completion", "created": int(result.started_at),
-                         "model": req.model, "choices": choices, "usage": _usage(result)})
+                         "model": req.model, "choices": choices, "usage": usage_json(result)})
