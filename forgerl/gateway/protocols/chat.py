@@ -296,7 +296,7 @@ def message_json(reply: Message) -> dict[str, Any]:
 def _logprobs(c: Choice) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
-    content = [_token_json(t) for t in c.logprobs]
+    content = [token_json(t) for t in c.logprobs]
     return {"content": content, "refusal": None}
 
 
@@ -418,7 +418,7 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
             elif isinstance(ev, Delta):
                 lp = None
                 if ev.logprobs is not None:
-                    lp = {"content": [_token_json(t) for t in ev.logprobs], "refusal": None}
+                    lp = {"content": [token_json(t) for t in ev.logprobs], "refusal": None}
                     sent[ev.index] = sent.get(ev.index, 0) + len(ev.logprobs)
                 yield delta(ev.index, {"content": ev.text}, lp=lp)
             elif isinstance(ev, Result):
@@ -426,14 +426,15 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
                     lp = None
                     if c.logprobs is not None:
                         rest = c.logprobs[sent.get(c.index, 0):]
-                        lp = {"content": [_token_json(t) for t in rest], "refusal": None}
+                        lp = {"content": [token_json(t) for t in rest], "refusal": None}
                     yield delta(c.index, {}, c.finish_reason, lp)
                 if include_usage:
                     yield chunk(None, usage=usage_json(ev))
     yield "data: [DONE]\n\n"
 
 
-def _token_json(t: TokenLogprob) -> dict[str, Any]:
+def token_json(t: TokenLogprob) -> dict[str, Any]:
+    """One sampled token's logprob entry (OpenAI shape; no alternatives)."""
     return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": []}
 
 

@@ -47,7 +47,7 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, error_event
+from forgerl.gateway.protocols.chat import EventStream, error_event, token_json
 from forgerl.gateway.sessions import Session, message_key
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
@@ -413,8 +413,7 @@ async def stream_events(req: ResponsesRequest, session: Session,
 
 
 def _logprobs(lps: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
-    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": []}
-            for t in lps or ()]
+    return [token_json(t) for t in lps or ()]
 
 
 def respond(req: ResponsesRequest, session: Session, result: Result) -> JSONResponse:
