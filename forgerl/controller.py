@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.trainer import Trainer
     from forgerl.trainer.weight_sync import WeightSync
-    from forgerl.types import Group
+    from forgerl.types import Group, Trajectory
 
 log = logging.getLogger("forgerl")
 # What SmolLM2's own chat template inserts when a conversation has no system message.
@@ -226,10 +226,8 @@ class Services:
         Counts `failed_streak`: groups in a row in which no rollout finished (e.g. every
         agent call rejected), with the last such rollout's error in `last_rollout_error`;
         groups whose rollouts all ran before a resume do not count. Adds the trained rollouts'
-        tool use, turns and prefix reuse (`metrics.rollout_stats`).
+        tool use, turns and prefix reuse (`rollout_stats`).
         """
-        from forgerl.metrics import rollout_stats
-
         groups = [self.pool.get_group(i) for i in task_indices]
         step = self.trainer.step
         for i, group in zip(task_indices, groups, strict=True):
@@ -244,8 +242,7 @@ class Services:
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
-        metrics |= rollout_stats([t for g in groups for t in g.trajectories],
-                                 self.gateway.renderer.decode, self.gateway.renderer.parser.parse)
+        metrics |= self.rollout_stats([t for g in groups for t in g.trajectories])
         if self.config.domains:
             metrics |= domain_stats([(self.domain_of(i), g) for i, g in zip(
                 task_indices, groups, strict=True)], step)
@@ -259,6 +256,14 @@ class Services:
             metrics |= {"trained_tasks": task_indices, "tasks_without_signal": self.skipped_tasks}
             self.skipped_tasks = []
         return metrics
+
+    def rollout_stats(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """`metrics.rollout_stats` of these rollouts, decoded and parsed by the gateway's
+        renderer (its configured tool-call format)."""
+        from forgerl.metrics import rollout_stats
+
+        renderer = self.gateway.renderer
+        return rollout_stats(trajectories, renderer.decode, renderer.parser.parse)
 
     def domain_of(self, task_index: int) -> str:
         """The [[domains]] name of a training task ("" without domains)."""
@@ -302,8 +307,6 @@ class Services:
     async def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently; with
         the tool-call rate and model calls per rollout of these rollouts (`rollout_stats`)."""
-        from forgerl.metrics import rollout_stats
-
         if not self.eval_tasks:
             return {}
         start = time.time()
@@ -312,9 +315,8 @@ class Services:
         ))
         n = len(rewards)
         # each held-out task's newest trajectory: earlier evaluations share its task index
-        latest = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]
-        renderer = self.gateway.renderer
-        stats = rollout_stats(latest, renderer.decode, renderer.parser.parse)
+        stats = self.rollout_stats([self.pool.get_group(-1 - i).trajectories[-1]
+                                    for i in range(n)])
         by_domain: dict[str, list[float]] = {}
         for task, r in zip(self.eval_tasks, rewards, strict=True):
             if "domain" in task:
