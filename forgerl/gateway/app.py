@@ -184,12 +184,6 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None
 # ---- the app -------------------------------------------------------------------------------
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the HTTP client has gone (the ASGI server reports `http.disconnect`)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def unless_disconnected(
     request: Request, call: Coroutine[Any, Any, R], counters: dict[str, int]
 ) -> R:
@@ -201,7 +195,7 @@ async def unless_disconnected(
     `client_disconnected` (no one reads it) and counts `client_disconnects`.
     """
     work = asyncio.ensure_future(call)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(chat.disconnected(request.receive))
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this handler itself was cancelled (server shutdown)

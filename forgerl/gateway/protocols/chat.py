@@ -336,7 +336,7 @@ class EventStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async with contextlib.aclosing(self.events) as events:
             pump = asyncio.ensure_future(self._pump(events, send))
-            watch = asyncio.ensure_future(_disconnected(receive))
+            watch = asyncio.ensure_future(disconnected(receive))
             try:
                 await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -370,7 +370,8 @@ class EventStream(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _disconnected(receive: Any) -> None:
+async def disconnected(receive: Any) -> None:
+    """Return once the HTTP client has gone (the ASGI server reports `http.disconnect`)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
