@@ -343,16 +343,13 @@ class Services:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
         and memory: `rss_gib` (resident now) and `peak_rss_gib` (this process's peak so far,
         `ru_maxrss`), GiB."""
-        import resource
-
         try:
             with open("/proc/self/statm") as f:  # Linux: size resident shared ... (pages)
                 resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
         except OSError:  # not Linux
             resident = math.nan
         stats = {"rollouts_in_flight": len(self.rollouts), "rss_gib": resident,
-                 "peak_rss_gib": max(  # the kernel's high-water mark lags a little
-                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, resident),
+                 "peak_rss_gib": max(_peak_rss_gib(), resident),  # ru_maxrss lags a little
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"engine_{k}": v for k, v in self.engine.stats.items()},
@@ -667,15 +664,19 @@ def check_signal_streak(groups: int, k: int, metrics: dict[str, Any]) -> None:
 def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
     """The one-line end-of-run report: steps, wall time of this process, held-out accuracy
     first → last (from the metrics records) and this process's peak RSS (GiB, `ru_maxrss`)."""
-    import resource
-
     accuracy = [r["eval_accuracy"] for r in records if r.get("eval_accuracy") is not None]
     held_out = (f"held-out accuracy {accuracy[0]:.3f} → {accuracy[-1]:.3f}" if accuracy
                 else "no held-out evaluation")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     minutes, secs = divmod(int(seconds), 60)
     return (f"forgerl: done: {steps} steps; {minutes} min {secs:02d} s; {held_out}; "
-            f"peak RSS {rss:.1f} GiB")
+            f"peak RSS {_peak_rss_gib():.1f} GiB")
+
+
+def _peak_rss_gib() -> float:
+    """This process's peak resident set size so far, GiB (`ru_maxrss`, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 async def serve_gateway(config: Config) -> None:
