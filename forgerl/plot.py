@@ -31,8 +31,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.plot(*zip(*train, strict=True), marker=".", label="rollout reward (mean)")
     if evals:
         ax.plot(*zip(*evals, strict=True), marker="o", label="held-out accuracy (greedy)")
-    domains = sorted({k[7:-12] for r in records for k in r
-                      if k.startswith("domain_") and k.endswith("_reward_mean")})
+    domains = sorted({k.removeprefix("domain_").removesuffix("_reward_mean") for r in records
+                      for k in r if k.startswith("domain_") and k.endswith("_reward_mean")})
     for d in domains:  # [[domains]] runs: each domain's own curves, dashed
         for key, label in (("reward_mean", "reward"), ("eval_accuracy", "held-out")):
             pts = [(r["step"], r[f"domain_{d}_{key}"]) for r in records
