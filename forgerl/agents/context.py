@@ -37,6 +37,7 @@ CM_TOOLS = [
         "description": "Drop the content of all tool results except the newest.",
         "parameters": {"type": "object", "properties": {}}}},
 ]
+CM_NAMES = frozenset(t["function"]["name"] for t in CM_TOOLS)
 DROPPED = "[dropped]"
 
 
@@ -112,7 +113,7 @@ async def run_tool_loop(client: Any, model: str, ctx: ManagedContext, tools: lis
             name = call["function"]["name"]
             try:
                 args = json.loads(call["function"]["arguments"] or "{}")
-                if name in ("compact", "forget_tool_outputs"):
+                if name in CM_NAMES:
                     result = ctx.apply(call, args)
                 elif name in execute:
                     result = await execute[name](args)
