@@ -305,8 +305,12 @@ class Services:
         await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
 
     async def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently; with
-        the tool-call rate and model calls per rollout of these rollouts (`rollout_stats`)."""
+        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently.
+
+        eval_accuracy = fraction of tasks with reward >= 1 (and `domain_<name>_eval_accuracy`
+        per [[domains]] domain), eval_reward_mean, eval_seconds (wall time of the evaluation),
+        and the tool-call rate and model calls per rollout of these rollouts (`rollout_stats`);
+        {} without held-out tasks."""
         if not self.eval_tasks:
             return {}
         start = time.time()
