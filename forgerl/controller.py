@@ -89,6 +89,11 @@ class Services:
 
     # ---- rollouts ---------------------------------------------------------------------------
 
+    def agent_for(self, task: dict) -> tuple[Agent | list[str] | None, AgentConfig | None]:
+        """The agent that runs `task` and its section: its [[domains]] entry's own, else the
+        run's."""
+        return self.domain_agents.get(task.get("domain", ""), (self.agent, self.config.agent))
+
     async def run_agent(self, task: dict, api_key: str,
                         log_name: str) -> tuple[str, str | None, str | None]:
         """One agent episode against the gateway: (status, answer, error). A command agent's
@@ -96,7 +101,7 @@ class Services:
         from forgerl.agents.runner import run_agent
 
         cfg = self.config
-        agent, agent_cfg = self.domain_agents.get(task.get("domain", ""), (self.agent, cfg.agent))
+        agent, agent_cfg = self.agent_for(task)
         assert agent is not None  # checked in run()
         cwd, env, log_path = None, None, None
         if isinstance(agent, list):  # a command agent: directory, turn limit, reaper tag
@@ -148,7 +153,8 @@ class Services:
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
         self.pool.finish_trajectory(trajectory_id, "aborted" if redispatch else "failed",
                                     error=error or status)
-        where = f"; agent log agent_logs/{name}.log" if isinstance(self.agent, list) else ""
+        command = isinstance(self.agent_for(task)[0], list)  # only commands have a log file
+        where = f"; agent log agent_logs/{name}.log" if command else ""
         log.warning("rollout %d of task %d (session %s) %s%s%s", rollout_index, task_index,
                     trajectory_id, status, ", re-dispatched" if redispatch else "", where)
         return 0.0
