@@ -160,7 +160,8 @@ class TasksConfig(_Section):
     """[tasks]: reasoning-gym tasks for training and held-out evaluation."""
 
     dataset: str = "chain_sum"
-    """A reasoning-gym dataset name (generated offline)."""
+    """A reasoning-gym dataset name (generated offline), or a task file "NAME.py" (relative to
+    the config file) with make_tasks(size, seed, **params) and score(task, answer)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the reasoning-gym dataset config (e.g. min_terms, max_digits)."""
     seed: int = 0
@@ -422,6 +423,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                                         if isinstance(d, dict)]:
         if isinstance(agent, dict) and "cwd" not in agent:
             agent["cwd"] = str(base)
+    for tasks in [tree.get("tasks")] + [d.get("tasks") for d in domains or []
+                                        if isinstance(d, dict)]:
+        if isinstance(tasks, dict) and str(tasks.get("dataset", "")).endswith(".py"):
+            tasks["dataset"] = str(base / tasks["dataset"])
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

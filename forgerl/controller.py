@@ -315,8 +315,11 @@ class Services:
 
         eval_accuracy = fraction of tasks with reward >= 1 (and `domain_<name>_eval_accuracy`
         per [[domains]] domain), eval_reward_mean, eval_seconds (wall time of the evaluation),
-        and the tool-call rate and model calls per rollout of these rollouts (`rollout_stats`);
-        {} without held-out tasks."""
+        and the tool-call rate, parallel-call rate and model calls per rollout of these rollouts
+        (`rollout_stats`) and their mean wall-clock seconds, eval_rollout_seconds; {} without
+        held-out tasks."""
+        from forgerl.rewards.composite import duration_s
+
         if not self.eval_tasks:
             return {}
         start = time.time()
@@ -325,8 +328,8 @@ class Services:
         ))
         n = len(rewards)
         # each held-out task's newest trajectory: earlier evaluations share its task index
-        stats = self.rollout_stats([self.pool.get_group(-1 - i).trajectories[-1]
-                                    for i in range(n)])
+        trajs = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]
+        stats = self.rollout_stats(trajs)
         by_domain: dict[str, list[float]] = {}
         for task, r in zip(self.eval_tasks, rewards, strict=True):
             if "domain" in task:
@@ -336,6 +339,8 @@ class Services:
                 "eval_accuracy": sum(r >= 1.0 for r in rewards) / n,
                 "eval_reward_mean": sum(rewards) / n, "eval_seconds": time.time() - start,
                 "eval_tool_call_rate": stats["tool_call_rate"],
+                "eval_parallel_call_rate": stats["parallel_call_rate"],
+                "eval_rollout_seconds": sum(map(duration_s, trajs)) / n,
                 "eval_turns_per_trajectory": stats["turns_per_trajectory"]}
 
     async def checkpoint(self) -> None:
@@ -460,7 +465,8 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
         try:
             tasks = make_tasks(t.dataset, size, seed, **t.params)
         except (AssertionError, TypeError, ValueError, KeyError) as e:
-            field = f"{where}.dataset" if "not registered" in str(e) else f"{where}.params"
+            field = (f"{where}.dataset" if "not registered" in str(e) or "task file" in str(e)
+                     else f"{where}.params")
             message = (str(e).splitlines() or [""])[0] or type(e).__name__
             raise ConfigError(f"{field}: {message} (dataset {t.dataset!r}, params "
                               f"{t.params})") from None

@@ -28,7 +28,8 @@ def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int
     text and `parse`: text → tool calls and parse errors (the gateway renderer's `decode` and
     `parser.parse`, so the configured tool format is counted).
 
-    tool_call_rate: fraction of rollouts with >= 1 parsed tool call in any completion.
+    tool_call_rate: fraction of rollouts with >= 1 parsed tool call in any completion;
+    parallel_call_rate: with a completion holding >= 2 parsed tool calls (parallel calls).
     tool_calls / tool_call_attempts: parsed calls / `<tool_call>` blocks written (parsed + kept
     as text: bad JSON, no name, unclosed or cut by max_tokens); tool_call_valid_rate: their
     ratio (NaN without attempts; logged as null). Any tool name counts as parsed (the request's
@@ -40,16 +41,18 @@ def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int
     Empty input gives zeros (and NaN for the valid rate).
     """
     trajectories = [t for t in trajectories if t.status != "aborted"]
-    calls = attempts = with_call = hits = misses = 0
+    calls = attempts = with_call = parallel = hits = misses = 0
     for traj in trajectories:
         parsed = [parse(decode(c.completion_ids), None) for c in traj.completions]
         n = sum(len(p.tool_calls) for p in parsed)
         calls, with_call = calls + n, with_call + (n > 0)
+        parallel += any(len(p.tool_calls) >= 2 for p in parsed)
         attempts += n + sum(len(p.errors) for p in parsed)
         hits += sum(c.extends_previous for c in traj.completions)
         misses += sum(not c.extends_previous for c in traj.completions[1:])
     rollouts = max(len(trajectories), 1)
-    return {"tool_call_rate": with_call / rollouts, "tool_calls": float(calls),
+    return {"tool_call_rate": with_call / rollouts, "parallel_call_rate": parallel / rollouts,
+            "tool_calls": float(calls),
             "tool_call_attempts": float(attempts),
             "tool_call_valid_rate": calls / attempts if attempts else math.nan,
             "turns_per_trajectory": sum(len(t.completions) for t in trajectories) / rollouts,

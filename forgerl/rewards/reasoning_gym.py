@@ -1,4 +1,5 @@
-"""Tasks and outcome rewards from `reasoning_gym` (procedurally generated, offline).
+"""Tasks and outcome rewards from `reasoning_gym` (procedurally generated, offline) or from a
+user's Python file.
 
 A task is a JSON-safe dict `{"question", "answer", "metadata", "dataset"}`: the dataset entry
 exactly as reasoning-gym produced it (after a JSON round trip, so what the data pool stores and
@@ -6,13 +7,21 @@ gives back is what the scorer saw in tests) plus the dataset name. `score` hands
 own `score_answer` the entry it expects (question, answer, metadata) and returns its reward in
 [0, 1]. Run `score` under `forgerl.rewards.scoring.score_with_timeout` to guard against slow
 verifiers.
+
+A `dataset` that ends in ".py" is a user task file (the config loader makes its path absolute,
+relative to the config file) that defines `make_tasks(size: int, seed: int, **params) ->
+list[dict]` (each dict JSON-safe with at least "question" and "answer") and `score(task: dict,
+answer: str) -> float`; its tasks carry the file's path as `dataset`, so resume finds the same
+verifier.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from collections.abc import Callable
+from types import ModuleType
 
 import reasoning_gym
 
@@ -25,6 +34,10 @@ def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dic
     Raises:
         ValueError: unknown dataset or invalid params (reasoning-gym's own message).
     """
+    if dataset.endswith(".py"):
+        entries = _user_file(dataset).make_tasks(size=size, seed=seed, **params)
+        return [{"metadata": {}, **json.loads(json.dumps(e)), "dataset": dataset}
+                for e in entries]
     entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
     tasks = []
     for entry in entries:
@@ -32,6 +45,24 @@ def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dic
         clean = json.loads(json.dumps(entry))
         tasks.append({**clean, "dataset": dataset})
     return tasks
+
+
+@functools.cache
+def _user_file(path: str) -> ModuleType:
+    """The user task file at `path`, imported once. Raises ValueError when it cannot be read
+    or lacks make_tasks / score."""
+    spec = importlib.util.spec_from_file_location(f"forgerl_tasks_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import task file {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except FileNotFoundError:
+        raise ValueError(f"task file not found: {path}") from None
+    missing = [f for f in ("make_tasks", "score") if not callable(getattr(module, f, None))]
+    if missing:
+        raise ValueError(f"task file {path} does not define {', '.join(missing)}")
+    return module
 
 
 @functools.cache
@@ -48,6 +79,8 @@ def score(task: dict, answer: str | None) -> float:
     """
     if answer is None:
         return 0.0
+    if task["dataset"].endswith(".py"):
+        return float(_user_file(task["dataset"]).score(task, answer))
     name = task["metadata"].get("source_dataset") or task["dataset"]
     entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
     return float(_scorer(name)(answer, entry))

@@ -1,0 +1,132 @@
+"""A calculator agent whose tool takes real time, written against the plain OpenAI API.
+
+Each task asks for two independent results ("Compute A and B."). The calculator answers after
+`FORGERL_TOOL_LATENCY_S` seconds (default 2.0: a slow remote tool); the tool calls of one
+reply run concurrently, so a reply with both calls costs one latency, one call per reply costs
+two plus an extra model call. The few-shot history shows both styles; the
+completion-time reward (`[reward] completion_time`) is what can teach the faster one.
+
+It imports nothing from ForgeRL. It reads the task from `FORGERL_TASK` (JSON) or stdin, loops
+until the model answers without a tool call or `FORGERL_MAX_TURNS` model calls are used, and
+prints the final reply on one line as its last stdout line (the verifier reads its last two
+numbers). Logs go to stderr.
+
+Environment: OPENAI_BASE_URL, OPENAI_API_KEY (read by the openai client), OPENAI_MODEL (default
+"policy"), FORGERL_MAX_TURNS (default 4), FORGERL_MAX_TOKENS (default 96),
+FORGERL_TOOL_LATENCY_S (default 2.0).
+
+Run by hand:
+    echo '{"question": "Compute 1234 + 5678 and 4321 - 876."}' | python agent.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from openai import OpenAI
+
+SYSTEM_PROMPT = (
+    "You are a math assistant with a calculator. Call the calculator tool for every "
+    "arithmetic expression; you may call it several times in one reply. Then reply with only "
+    "the two numbers it returned, separated by a comma."
+)
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate one arithmetic expression: two integers with + or -.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 1234 + 567"}},
+            "required": ["expression"],
+        },
+    },
+}
+# Three worked examples: both calls in one reply, one call per reply, both in one reply.
+SHOTS = [(("4821 + 3907", "8728"), ("9034 - 7658", "1376"), True),
+         (("652 - 1479", "-827"), ("3310 + 2046", "5356"), False),
+         (("7215 + 1388", "8603"), ("5120 - 6494", "-1374"), True)]
+
+
+def calculate(expression: str) -> str:
+    """`a + b` or `a - b` for integers, after the tool latency; an error text otherwise."""
+    time.sleep(float(os.environ.get("FORGERL_TOOL_LATENCY_S", "2.0")))
+    match = re.fullmatch(r"\s*(-?\d{1,12})\s*([+-])\s*(-?\d{1,12})\s*=?\s*", expression)
+    if not match:
+        return f"error: expected 'a + b' or 'a - b', got {expression!r}"
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return str(a + b if op == "+" else a - b)
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """Result text of one tool call (errors are returned to the model as text)."""
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError as exc:
+        return f"error: {exc}"
+    if name != "calculator" or not isinstance(args, dict):
+        return f"error: unknown tool {name!r}"
+    return calculate(str(args.get("expression", "")))
+
+
+def few_shot_messages() -> list[dict]:
+    """The SHOTS as real earlier turns, in the gateway's own tool format once rendered."""
+    messages: list[dict] = []
+    for i, (first, second, parallel) in enumerate(SHOTS):
+        calls = [{"id": f"call_ex{i}_{k}", "type": "function",
+                  "function": {"name": "calculator",
+                               "arguments": json.dumps({"expression": expr})}}
+                 for k, (expr, _) in enumerate((first, second))]
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                   for c, (_, r) in zip(calls, (first, second), strict=True)]
+        messages.append({"role": "user", "content": f"Compute {first[0]} and {second[0]}."})
+        if parallel:
+            messages += [{"role": "assistant", "content": "", "tool_calls": calls}, *results]
+        else:
+            for call, result in zip(calls, results, strict=True):
+                messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, result]
+        messages.append({"role": "assistant", "content": f"{first[1]}, {second[1]}"})
+    return messages
+
+
+def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens: int) -> str:
+    """Chat until the model replies without tool calls or `max_turns` calls are used up; the
+    final reply on one line ("" when the turns ran out first)."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
+                            *few_shot_messages(), {"role": "user", "content": question}]
+    pool = ThreadPoolExecutor(max_workers=8)
+    for _ in range(max_turns):
+        response = client.chat.completions.create(
+            model=model, messages=messages, tools=[CALCULATOR], max_tokens=max_tokens)
+        message = response.choices[0].message
+        reply, calls = message.content or "", message.tool_calls or []
+        assistant: dict = {"role": "assistant", "content": reply}
+        if calls:
+            assistant["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
+                                       for c in calls]
+        messages.append(assistant)
+        if not calls:
+            return " ".join(reply.split())
+        results = pool.map(lambda c: run_tool(c.function.name, c.function.arguments), calls)
+        for call, result in zip(calls, results, strict=True):
+            print(f"tool {call.function.arguments} -> {result}", file=sys.stderr)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ""
+
+
+def main() -> None:
+    raw = os.environ.get("FORGERL_TASK") or sys.stdin.read()
+    answer = solve(OpenAI(), json.loads(raw)["question"],
+                   model=os.environ.get("OPENAI_MODEL", "policy"),
+                   max_turns=int(os.environ.get("FORGERL_MAX_TURNS", "4")),
+                   max_tokens=int(os.environ.get("FORGERL_MAX_TOKENS", "96")))
+    print(answer)
+
+
+if __name__ == "__main__":
+    main()
