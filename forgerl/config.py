@@ -242,6 +242,10 @@ class TrainerConfig(_Section):
     """Token budget of one packed prefix-tree row (one forward/backward)."""
     merge_prefixes: bool = True
     """Merge samples that share token prefixes into one prefix tree (Forge §3.2)."""
+    workers: int = Field(1, ge=1, le=64)
+    """Data-parallel trainer workers: this process is rank 0 and spawns N - 1 more, each with
+    a full replica, over torch.distributed gloo on CPU (`trainer/data_parallel.py`); each step's
+    prefix-tree rows are split between them and the gradients all-reduced."""
     logprob_chunk_tokens: int = Field(256, ge=0)
     """Policy logprobs from the final hidden states in chunks of this many predictions (lm_head,
     log_softmax and gather per chunk, recomputed in the backward), so no (tokens, vocab) logits

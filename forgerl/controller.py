@@ -420,6 +420,28 @@ def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def build_trainer(config: Config, model: Any) -> Trainer:
+    """The [trainer] section's trainer for `model`: a `DataParallelTrainer` (one rank) when
+    trainer.workers > 1. Raises ConfigError for workers > 1 on CUDA (gloo on CPU only)."""
+    from forgerl.trainer.data_parallel import DataParallelTrainer
+    from forgerl.trainer.trainer import Trainer, resolve_device
+
+    tc = config.trainer
+    if tc.workers > 1 and resolve_device(tc.device).type != "cpu":
+        raise ConfigError("trainer.workers > 1 runs on CPU (gloo) only; set trainer.device = "
+                          "'cpu'")
+    return (DataParallelTrainer if tc.workers > 1 else Trainer)(
+        model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
+        max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
+        max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
+        normalize_std=tc.normalize_std, device=tc.device,
+        failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
+        rewards=config.reward.weights(), mask_truncated=tc.truncated_turns == "mask",
+        logprob_chunk_tokens=tc.logprob_chunk_tokens,
+        activation_checkpointing=tc.activation_checkpointing,
+        checkpoint_every_layers=tc.checkpoint_every_layers)
+
+
 def load_policy(path: str) -> tuple[Any, Any, str | None]:
     """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig)."""
     from forgerl.models import build_byte_tokenizer, build_tiny_model, load_pretrained
@@ -533,7 +555,7 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from forgerl.trainer.trainer import Trainer
+    from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
 
     tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
     torch.manual_seed(config.seed)
@@ -544,17 +566,7 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     run_dir.mkdir(parents=True, exist_ok=True)
     locks.append(lock_run_dir(run_dir))
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
-    tc = config.trainer
-    trainer = Trainer(model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
-                      max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
-                      max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
-                      normalize_std=tc.normalize_std, device=tc.device,
-                      failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
-                      rewards=config.reward.weights(),
-                      mask_truncated=tc.truncated_turns == "mask",
-                      logprob_chunk_tokens=tc.logprob_chunk_tokens,
-                      activation_checkpointing=tc.activation_checkpointing,
-                      checkpoint_every_layers=tc.checkpoint_every_layers)
+    trainer = build_trainer(config, model)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
     if (ckpt := latest_checkpoint(run_dir)) is not None:
@@ -588,7 +600,10 @@ async def _services(config: Config, agent: Agent | None, training: bool,
                         eval_tasks, agent, MetricsLogger(run_dir, trainer.step), Reaper())
     services.domain_agents = {d.name: (_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
+    workers = None
     try:
+        if isinstance(trainer, DataParallelTrainer):  # ranks 1.. load the same checkpoint
+            trainer.workers = workers = await asyncio.to_thread(TrainerWorkers, config, run_dir)
         yield services
     finally:
         services.closing = True
@@ -600,6 +615,8 @@ async def _services(config: Config, agent: Agent | None, training: bool,
         services.reaper.close()
         services.logger.close()
         pool.close()
+        if workers is not None:
+            workers.close()
 
 
 async def run(config: Config, agent: Agent | None = None, progress: bool = True) -> Path:
