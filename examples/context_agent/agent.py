@@ -1,0 +1,118 @@
+"""A white-box agent whose context management is an action the model learns (Forge §2.2).
+
+The task asks for two independent results ("Compute A and B."); the calculator takes one
+expression per reply and answers with a long report (`REPORT_LINES` trace lines, then
+"result: N"). Two reports do not fit in `max_model_len` beside the task and the worked example,
+so an agent that keeps everything overflows before it can answer. Three ways to run it
+(`make_agent(mode)`):
+
+- "learned": the model is offered `compact` / `forget_tool_outputs` (`forgerl.agents.context`)
+  and the worked example shows one compact call that keeps the first result in the summary;
+  whether, when and what to compact is the model's action, trained like any other turn (a
+  compact call starts a new branch of the trajectory);
+- "truncate": the fixed baseline: no CM tools; before each call the oldest turns are dropped
+  to the newest `KEEP_MESSAGES` messages (`ManagedContext.truncate_oldest`), which fits;
+- "none": no context management; the call that no longer fits is refused by the gateway
+  (`context_length_exceeded`) and the episode ends without an answer.
+
+The answer is the final reply on one line (the task file's verifier reads its last two
+numbers). The agent is an async callable for `forgerl.controller.run(config, agent=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+
+import openai
+
+from forgerl.agents.context import ManagedContext, run_tool_loop
+
+SYSTEM_PROMPT = (
+    "You are a math assistant with a calculator. Call the calculator once per reply, one "
+    "expression at a time. Finally reply with only the two results, separated by a comma."
+)
+CM_HINT = (" Its reports are long: after reading a result you may call compact with a summary "
+           "that keeps the numbers you need.")
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluate one expression: two integers with + or -. Returns a long report.",
+    "parameters": {"type": "object",
+                   "properties": {"expression": {"type": "string", "description": "1234 + 567"}},
+                   "required": ["expression"]}}}
+REPORT_LINES = 24
+KEEP_MESSAGES = 2  # the truncation baseline keeps the newest call and its report
+EXAMPLE = (("4821 + 3907", 8728), ("9034 - 7658", 1376))
+
+
+def report(expression: str) -> str:
+    """The calculator's long report for `a + b` / `a - b` (an error text otherwise)."""
+    match = re.fullmatch(r"\s*(-?\d{1,12})\s*([+-])\s*(-?\d{1,12})\s*=?\s*", expression)
+    if not match:
+        return f"error: expected 'a + b' or 'a - b', got {expression!r}"
+    a, op, b = int(match[1]), match[2], int(match[3])
+    lines = [f"trace {i:02d}: checked operand digits and carry chain, status nominal"
+             for i in range(REPORT_LINES)]
+    return "\n".join([f"calculator report for {expression.strip()}", *lines,
+                      f"result: {a + b if op == '+' else a - b}"])
+
+
+def _call(i: int, name: str, args: dict) -> dict:
+    return {"id": f"call_ex{i}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def example_messages(mode: str) -> list[dict]:
+    """The worked example as real earlier turns: two calls with short reports (the real ones
+    are long) and the answer; with mode "learned" a compact call after the first result."""
+    (e1, r1), (e2, r2) = EXAMPLE
+    first, second = _call(0, "calculator", {"expression": e1}), _call(2, "calculator",
+                                                                       {"expression": e2})
+    messages = [{"role": "user", "content": f"Compute {e1} and {e2}."},
+                {"role": "assistant", "content": "", "tool_calls": [first]},
+                {"role": "tool", "tool_call_id": "call_ex0", "content": f"result: {r1}"}]
+    if mode == "learned":
+        summary = f"{e1} = {r1}"
+        messages += [
+            {"role": "assistant", "content": "",
+             "tool_calls": [_call(1, "compact", {"summary": summary})]},
+            {"role": "tool", "tool_call_id": "call_ex1",
+             "content": f"Context compacted. Your summary: {summary}"}]
+    return [*messages, {"role": "assistant", "content": "", "tool_calls": [second]},
+            {"role": "tool", "tool_call_id": "call_ex2", "content": f"result: {r2}"},
+            {"role": "assistant", "content": f"{r1}, {r2}"}]
+
+
+async def calculator(args: dict) -> str:
+    return report(str(args.get("expression", "")))
+
+
+def make_agent(mode: str, max_turns: int = 5,
+               max_tokens: int = 48) -> Callable[[dict, str, str], Awaitable[str | None]]:
+    """The agent for `mode` ("learned" | "truncate" | "none"): async (task, base_url, api_key)
+    -> the final reply on one line ("" when the turns or the context ran out). ValueError for
+    another mode."""
+    if mode not in ("learned", "truncate", "none"):
+        raise ValueError(f"mode must be learned, truncate or none, got {mode!r}")
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str | None:
+        system = SYSTEM_PROMPT + (CM_HINT if mode == "learned" else "")
+        head = [{"role": "system", "content": system}, *example_messages(mode),
+                {"role": "user", "content": task["question"]}]
+        ctx = ManagedContext(head)
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as c:
+            try:
+                reply = await run_tool_loop(
+                    c, "policy", ctx, [CALCULATOR], {"calculator": calculator}, max_turns,
+                    max_tokens, truncate_to=KEEP_MESSAGES if mode == "truncate" else None,
+                    cm_tools=mode == "learned")
+            except openai.BadRequestError as e:  # context_length_exceeded: no answer
+                if e.code != "context_length_exceeded":
+                    raise
+                return ""
+        last = ctx.body[-1] if ctx.body else {}
+        answered = last.get("role") == "assistant" and not last.get("tool_calls")
+        return " ".join(reply.split()) if answered else ""
+
+    return agent

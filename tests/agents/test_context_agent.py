@@ -1,0 +1,87 @@
+"""The context_agent example's three modes through the real gateway (scripted engine, the
+official AsyncOpenAI client inside the agent).
+
+Semantics pinned: "learned" offers the CM tools and its compact call replaces the first long
+report by the model's summary (the next prompt is a new branch, counted as a prefix miss);
+"truncate" offers no CM tools and keeps only the newest KEEP_MESSAGES body messages, so the
+first result is gone when the model answers; "none" keeps everything, and the call that no
+longer fits in max_model_len is refused (a context_overflow event on the trajectory) and the
+episode ends with an empty answer, the rollout still finishing normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from forgerl.agents.context import CM_NAMES
+from forgerl.gateway.renderer import ChatMLRenderer
+from tests.gateway.conftest import ScriptedEngine, reply, serve  # noqa: F401
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "context_agent" / "agent.py"
+spec = importlib.util.spec_from_file_location("context_agent", EXAMPLE)
+agent = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(agent)
+TASK = {"question": "Compute 1234 + 5678 and 4321 - 876."}
+
+
+def _call(name: str, args: dict) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+def _run(serve, tokenizer, mode: str, script: list[str], max_model_len: int = 1 << 16):  # noqa: F811
+    r = ChatMLRenderer(tokenizer)
+    engine = ScriptedEngine([reply(r, text) for text in script], max_model_len=max_model_len)
+    srv = serve(engine, tokenizer, model_name="policy")
+    tid, key = srv.session()
+    answer = asyncio.run(agent.make_agent(mode, max_tokens=256)(TASK, srv.base_url, key))
+    prompts = [r.decode(ids) for ids, _ in engine.calls]
+    return answer, prompts, srv, tid
+
+
+def test_report_is_long_and_ends_with_the_result():
+    text = agent.report("1234 + 5678")
+    assert text.splitlines()[-1] == "result: 6912" and len(text.splitlines()) == 26
+    assert agent.report("12 * 3").startswith("error")
+    with pytest.raises(ValueError, match="mode must be"):
+        agent.make_agent("forget")
+
+
+def test_learned_mode_compacts_and_answers_from_the_summary(serve, tokenizer):  # noqa: F811
+    script = [_call("calculator", {"expression": "1234 + 5678"}),
+              _call("compact", {"summary": "1234 + 5678 = 6912"}),
+              _call("calculator", {"expression": "4321 - 876"}), "6912, 3445"]
+    answer, prompts, srv, _ = _run(serve, tokenizer, "learned", script)
+    assert answer == "6912, 3445"
+    assert all(name in prompts[0] for name in CM_NAMES)  # the CM tools are offered
+    assert "result: 6912" in prompts[1] and "trace 23" in prompts[1]
+    # after compact: the first report is gone, the summary is there
+    last_turn = prompts[3].split(TASK["question"])[-1]
+    assert "result: 6912" not in last_turn and "Your summary: 1234 + 5678 = 6912" in last_turn
+    assert "result: 3445" in last_turn
+    assert srv.gateway.counters["prefix_misses"] == 1  # the compacted prompt is a new branch
+
+
+def test_truncate_mode_drops_the_first_report(serve, tokenizer):  # noqa: F811
+    script = [_call("calculator", {"expression": "1234 + 5678"}),
+              _call("calculator", {"expression": "4321 - 876"}), "6912, 3445"]
+    answer, prompts, _, _ = _run(serve, tokenizer, "truncate", script)
+    assert answer == "6912, 3445"
+    assert not any(name in prompts[0] for name in CM_NAMES)
+    last_turn = prompts[2].split(TASK["question"])[-1]
+    assert "result: 6912" not in last_turn and "result: 3445" in last_turn
+
+
+def test_none_mode_overflows_and_ends_without_an_answer(serve, tokenizer):  # noqa: F811
+    script = [_call("calculator", {"expression": "1234 + 5678"}),
+              _call("calculator", {"expression": "4321 - 876"}), "6912, 3445"]
+    _, prompts, _, _ = _run(serve, tokenizer, "none", script)
+    third = len(tokenizer(prompts[2]).input_ids)  # the answer turn's prompt length
+    answer, prompts, srv, tid = _run(serve, tokenizer, "none", script, max_model_len=third - 1)
+    assert answer == "" and len(prompts) == 2
+    assert srv.gateway.counters["context_overflows"] == 1
+    assert [e.kind for e in srv.pool.get_trajectory(tid).events] == ["context_overflow"]
