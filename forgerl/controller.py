@@ -647,21 +647,28 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
             while s.trainer.step < config.max_steps:
                 s.admit()                                   # rollouts the scheduler admits now
                 batch = await s.next_batch()                # finished groups the policy releases
+                waited = time.time() - start
                 metrics = await s.train(batch)              # advantages → prefix tree → CISPO
                 s.check_failure_streak()                    # a systematic failure ends the run
                 if metrics["num_loss_tokens"] == 0:         # every advantage 0: no step taken
                     no_signal += len(batch)
                     check_signal_streak(no_signal, config.rollout.tasks_per_step, metrics)
                     continue
+                synced = time.time()
                 await s.sync_weights()                      # engine runs weight_version = step
+                synced = time.time() - synced
                 step = s.trainer.step
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
                     if "eval_accuracy" in metrics:
                         acc = f"{metrics['eval_accuracy']:.3f}"
+                await asyncio.to_thread(release_heap)       # freed activations back to the OS
                 seconds, train_seconds = time.time() - start, metrics.pop("step_seconds")
                 generated = s.gateway.counters["completion_tokens"] - tokens
+                known = waited + train_seconds + synced + metrics.get("eval_seconds", 0.0)
                 metrics |= {"train_seconds": train_seconds, "step_seconds": seconds,
+                            "wait_seconds": waited, "sync_seconds": synced,
+                            "other_seconds": max(0.0, seconds - known),
                             "trainer_idle_fraction": max(0.0, 1 - train_seconds / seconds),
                             "rollout_tokens_per_second": generated / seconds,
                             "groups_without_signal": no_signal}
@@ -703,6 +710,20 @@ def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     return (f"forgerl: done: {steps} steps; {minutes} min {secs:02d} s; {held_out}; "
             f"peak RSS {_peak_rss_gib():.1f} GiB")
+
+
+def release_heap() -> None:
+    """Hand the C heap's free pages back to the OS: glibc `malloc_trim(0)` over all arenas (a
+    no-op without glibc). Freed tensor buffers otherwise stay resident: after large frees glibc
+    raises its mmap threshold (up to 32 MiB), so later buffers come from heaps it never shrinks.
+    Measured on examples/parallel_tools: RSS 3.4 → 19.7 GiB over 10 steps without it; on a
+    SmolLM2 engine alone, 8 rounds of 16 requests end at 4.54 GiB without and 1.74 GiB with a
+    trim per round (0.09 s each, run time +4 %); a fixed 128 KiB threshold instead cost +36 %."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def _peak_rss_gib() -> float:

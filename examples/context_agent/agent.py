@@ -6,8 +6,8 @@ expression per reply and answers with a long report (`REPORT_LINES` trace lines,
 so an agent that keeps everything overflows before it can answer. Three ways to run it
 (`make_agent(mode)`):
 
-- "learned": the model is offered `compact` / `forget_tool_outputs` (`forgerl.agents.context`)
-  and the worked example shows one compact call that keeps the first result in the summary;
+- "learned": the model is offered the `compact` tool (`forgerl.agents.context`) and the worked
+  examples show a compact call that keeps the first result in the summary;
   whether, when and what to compact is the model's action, trained like any other turn (a
   compact call starts a new branch of the trajectory);
 - "truncate": the fixed baseline: no CM tools; before each call the oldest turns are dropped
@@ -43,7 +43,8 @@ CALCULATOR = {"type": "function", "function": {
                    "required": ["expression"]}}}
 REPORT_LINES = 24
 KEEP_MESSAGES = 2  # the truncation baseline keeps the newest call and its report
-EXAMPLE = (("4821 + 3907", 8728), ("9034 - 7658", 1376))
+EXAMPLES = [(("4821 + 3907", 8728), ("9034 - 7658", 1376)),
+            (("652 - 1479", -827), ("3310 + 2046", 5356))]
 
 
 def report(expression: str) -> str:
@@ -64,24 +65,25 @@ def _call(i: int, name: str, args: dict) -> dict:
 
 
 def example_messages(mode: str) -> list[dict]:
-    """The worked example as real earlier turns: two calls with short reports (the real ones
-    are long) and the answer; with mode "learned" a compact call after the first result."""
-    (e1, r1), (e2, r2) = EXAMPLE
-    first, second = _call(0, "calculator", {"expression": e1}), _call(2, "calculator",
-                                                                       {"expression": e2})
-    messages = [{"role": "user", "content": f"Compute {e1} and {e2}."},
-                {"role": "assistant", "content": "", "tool_calls": [first]},
-                {"role": "tool", "tool_call_id": "call_ex0", "content": f"result: {r1}"}]
-    if mode == "learned":
-        summary = f"{e1} = {r1}"
-        messages += [
-            {"role": "assistant", "content": "",
-             "tool_calls": [_call(1, "compact", {"summary": summary})]},
-            {"role": "tool", "tool_call_id": "call_ex1",
-             "content": f"Context compacted. Your summary: {summary}"}]
-    return [*messages, {"role": "assistant", "content": "", "tool_calls": [second]},
-            {"role": "tool", "tool_call_id": "call_ex2", "content": f"result: {r2}"},
-            {"role": "assistant", "content": f"{r1}, {r2}"}]
+    """The worked examples as real earlier turns: two calls each with short reports (the real
+    ones are long) and the answer; with mode "learned" a compact call after the first result."""
+    messages: list[dict] = []
+    for k, ((e1, r1), (e2, r2)) in enumerate(EXAMPLES):
+        first = _call(3 * k, "calculator", {"expression": e1})
+        second = _call(3 * k + 2, "calculator", {"expression": e2})
+        messages += [{"role": "user", "content": f"Compute {e1} and {e2}."},
+                     {"role": "assistant", "content": "", "tool_calls": [first]},
+                     {"role": "tool", "tool_call_id": first["id"], "content": f"result: {r1}"}]
+        if mode == "learned":
+            summary = f"{e1} = {r1}"
+            compact = _call(3 * k + 1, "compact", {"summary": summary})
+            messages += [{"role": "assistant", "content": "", "tool_calls": [compact]},
+                         {"role": "tool", "tool_call_id": compact["id"],
+                          "content": f"Context compacted. Your summary: {summary}"}]
+        messages += [{"role": "assistant", "content": "", "tool_calls": [second]},
+                     {"role": "tool", "tool_call_id": second["id"], "content": f"result: {r2}"},
+                     {"role": "assistant", "content": f"{r1}, {r2}"}]
+    return messages
 
 
 async def calculator(args: dict) -> str:
@@ -106,7 +108,7 @@ def make_agent(mode: str, max_turns: int = 5,
                 reply = await run_tool_loop(
                     c, "policy", ctx, [CALCULATOR], {"calculator": calculator}, max_turns,
                     max_tokens, truncate_to=KEEP_MESSAGES if mode == "truncate" else None,
-                    cm_tools=mode == "learned")
+                    cm_tools=frozenset({"compact"} if mode == "learned" else ()))
             except openai.BadRequestError as e:  # context_length_exceeded: no answer
                 if e.code != "context_length_exceeded":
                     raise

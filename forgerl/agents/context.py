@@ -90,20 +90,21 @@ Tool = Callable[[dict[str, Any]], Awaitable[str]]
 
 async def run_tool_loop(client: Any, model: str, ctx: ManagedContext, tools: list[dict],
                         execute: dict[str, Tool], max_turns: int, max_tokens: int,
-                        truncate_to: int | None = None, cm_tools: bool = True) -> str:
+                        truncate_to: int | None = None,
+                        cm_tools: frozenset[str] = CM_NAMES) -> str:
     """Chat until the model replies without tool calls or `max_turns` calls are used; returns
     the last reply's text. `client`: an `openai.AsyncOpenAI`. CM tools (`CM_TOOLS`, offered
     beside `tools`) change `ctx`; other calls run `execute[name](arguments)`; an unknown tool or
     bad arguments answer the model with an error text. `truncate_to`: apply the fixed baseline
-    (`truncate_oldest`) before each call instead of (or as well as) learned CM. `cm_tools`:
-    False offers `tools` alone (a CM call is then an unknown tool)."""
+    (`truncate_oldest`) before each call instead of (or as well as) learned CM. `cm_tools`: the
+    CM tools offered (default all; a CM tool not offered is an unknown tool)."""
     reply = ""
     for _ in range(max_turns):
         if truncate_to is not None:
             ctx.truncate_oldest(truncate_to)
         response = await client.chat.completions.create(
-            model=model, messages=ctx.messages, tools=[*tools, *(CM_TOOLS if cm_tools else [])],
-            max_tokens=max_tokens)
+            model=model, messages=ctx.messages, max_tokens=max_tokens,
+            tools=[*tools, *(t for t in CM_TOOLS if t["function"]["name"] in cm_tools)])
         message = response.choices[0].message
         reply = message.content or ""
         calls = [c.model_dump(include={"id", "type", "function"}) for c in message.tool_calls or []]
@@ -115,7 +116,7 @@ async def run_tool_loop(client: Any, model: str, ctx: ManagedContext, tools: lis
             name = call["function"]["name"]
             try:
                 args = json.loads(call["function"]["arguments"] or "{}")
-                if name in CM_NAMES and cm_tools:
+                if name in cm_tools:
                     result = ctx.apply(call, args)
                 elif name in execute:
                     result = await execute[name](args)

@@ -311,7 +311,11 @@ class LocalEngine:
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
     "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused),
     plus the configured "max_batch_size" and "queued_peak", the most requests ever waiting
-    behind that limit (requests beyond it queue in arrival order; none is refused or dropped).
+    behind that limit (requests beyond it queue in arrival order; none is refused or dropped),
+    and the decode loop's own time: "decode_steps" (batched one-token forwards),
+    "decode_rows" (rows in them: decode_rows / decode_steps is the mean batch occupancy, and
+    decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
+    "prefill_seconds" (wall seconds in decode steps and in prefills).
     """
 
     def __init__(
@@ -341,7 +345,8 @@ class LocalEngine:
         self._batch: _Batch | None = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
-                      "max_batch_size": max_batch_size, "queued_peak": 0}
+                      "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
+                      "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
         self._thread.start()
@@ -552,22 +557,29 @@ class LocalEngine:
         of a failed prefill), never the engine.
         """
         if self._batch is not None:
+            start = time.perf_counter()
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += len(self._batch.rows)
             try:
                 self._batch = self._finish(self._decode(self._batch))
             except Exception as exc:
                 rows, self._batch = self._batch.rows, None
                 _fail(rows, exc)
+            self.stats["decode_seconds"] += time.perf_counter() - start
         free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         self.stats["queued_peak"] = max(self.stats["queued_peak"], len(self._waiting))
         newcomers = [r for r in newcomers if not r.cancelled]  # skip consumers that left
         if not newcomers:
             return
+        start = time.perf_counter()
         try:
             fresh = self._finish(self._prefill(newcomers))
         except Exception as exc:
             _fail(newcomers, exc)
             return
+        finally:
+            self.stats["prefill_seconds"] += time.perf_counter() - start
         if self._batch is None:
             self._batch = fresh
             return
