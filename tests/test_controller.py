@@ -110,6 +110,12 @@ async def test_run_writes_metrics_resumes_and_plots(tmp_path):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 1, 2]
     assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    for r in records[1:]:  # every second of a step is in one phase
+        phases = (r["wait_seconds"] + r["train_seconds"] + r["sync_seconds"]
+                  + r.get("eval_seconds", 0.0) + r["other_seconds"])
+        assert phases == pytest.approx(r["step_seconds"], abs=1e-6)
+        assert min(r["wait_seconds"], r["train_seconds"], r["sync_seconds"]) > 0
+        assert r["engine_decode_rows"] >= r["engine_decode_steps"] > 0
     histogram = records[-1]["off_policy_lag_histogram"]  # trained groups per off-policy lag
     assert sum(histogram.values()) >= 4 and set(histogram) <= {"0", "1"}
     assert json.loads((run_dir / "config.json").read_text())["max_steps"] == 2

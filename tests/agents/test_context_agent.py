@@ -45,7 +45,8 @@ def _run(serve, tokenizer, mode: str, script: list[str], max_model_len: int = 1 
 
 def test_report_is_long_and_ends_with_the_result():
     text = agent.report("1234 + 5678")
-    assert text.splitlines()[-1] == "result: 6912" and len(text.splitlines()) == agent.REPORT_LINES + 2
+    lines = text.splitlines()
+    assert lines[-1] == "result: 6912" and len(lines) == agent.REPORT_LINES + 2
     assert agent.report("12 * 3").startswith("error")
     with pytest.raises(ValueError, match="mode must be"):
         agent.make_agent("forget")

@@ -134,9 +134,15 @@ def test_batched_and_joining_equal_unbatched(tiny_model):
         )
         staggered = await asyncio.gather(*[late(i, 0.005 * i) for i in range(len(prompts))])
         await engine.close()
+        stats.update(engine.stats)
         return together + staggered
 
+    stats: dict = {}
     outs = run(batched())
+    # every decode step samples one token per running row; a row's first token is its prefill's
+    assert stats["decode_rows"] == sum(len(o.completion_ids) - 1 for o in outs)
+    assert 0 < stats["decode_steps"] <= stats["decode_rows"] <= 4 * stats["decode_steps"]
+    assert stats["decode_seconds"] > 0 and stats["prefill_seconds"] > 0
     for i, out in enumerate(outs):
         alone = run(_alone(tiny_model, prompts[i % 5], params[i % 5]))
         assert out.completion_ids == alone.completion_ids, i
