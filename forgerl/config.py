@@ -422,13 +422,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     _fill_default_types(Config, tree)
-    domains = tree.get("domains")
-    for agent in [tree.get("agent")] + [d.get("agent") for d in domains or []
-                                        if isinstance(d, dict)]:
-        if isinstance(agent, dict) and "cwd" not in agent:
-            agent["cwd"] = str(base)
-    for tasks in [tree.get("tasks")] + [d.get("tasks") for d in domains or []
-                                        if isinstance(d, dict)]:
+    for section in [tree, *(d for d in tree.get("domains") or [] if isinstance(d, dict))]:
+        agent, tasks = section.get("agent"), section.get("tasks")
+        if isinstance(agent, dict):
+            agent.setdefault("cwd", str(base))
         if isinstance(tasks, dict) and str(tasks.get("dataset", "")).endswith(".py"):
             tasks["dataset"] = str(base / tasks["dataset"])
     try:

@@ -99,23 +99,23 @@ def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens:
     final reply on one line ("" when the turns ran out first)."""
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
                             *few_shot_messages(), {"role": "user", "content": question}]
-    pool = ThreadPoolExecutor(max_workers=8)
-    for _ in range(max_turns):
-        response = client.chat.completions.create(
-            model=model, messages=messages, tools=[CALCULATOR], max_tokens=max_tokens)
-        message = response.choices[0].message
-        reply, calls = message.content or "", message.tool_calls or []
-        assistant: dict = {"role": "assistant", "content": reply}
-        if calls:
-            assistant["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
-                                       for c in calls]
-        messages.append(assistant)
-        if not calls:
-            return " ".join(reply.split())
-        results = pool.map(lambda c: run_tool(c.function.name, c.function.arguments), calls)
-        for call, result in zip(calls, results, strict=True):
-            print(f"tool {call.function.arguments} -> {result}", file=sys.stderr)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for _ in range(max_turns):
+            response = client.chat.completions.create(
+                model=model, messages=messages, tools=[CALCULATOR], max_tokens=max_tokens)
+            message = response.choices[0].message
+            reply, calls = message.content or "", message.tool_calls or []
+            assistant: dict = {"role": "assistant", "content": reply}
+            if calls:
+                assistant["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
+                                           for c in calls]
+            messages.append(assistant)
+            if not calls:
+                return " ".join(reply.split())
+            results = pool.map(lambda c: run_tool(c.function.name, c.function.arguments), calls)
+            for call, result in zip(calls, results, strict=True):
+                print(f"tool {call.function.arguments} -> {result}", file=sys.stderr)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return ""
 
 

@@ -32,19 +32,16 @@ def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dic
     Example: `make_tasks("chain_sum", 64, 0, min_terms=2, max_terms=2, max_digits=1)`.
 
     Raises:
-        ValueError: unknown dataset or invalid params (reasoning-gym's own message).
+        ValueError: unknown dataset or invalid params (reasoning-gym's own message), or a task
+            file that is missing or lacks make_tasks / score.
     """
     if dataset.endswith(".py"):
-        entries = _user_file(dataset).make_tasks(size=size, seed=seed, **params)
-        return [{"metadata": {}, **json.loads(json.dumps(e)), "dataset": dataset}
-                for e in entries]
-    entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
-    tasks = []
-    for entry in entries:
-        # JSON round trip: tuples in metadata become lists, as they will after storage.
-        clean = json.loads(json.dumps(entry))
-        tasks.append({**clean, "dataset": dataset})
-    return tasks
+        entries = [{"metadata": {}, **e}
+                   for e in _user_file(dataset).make_tasks(size=size, seed=seed, **params)]
+    else:
+        entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
+    # JSON round trip: tuples in metadata become lists, as they will after storage.
+    return [{**json.loads(json.dumps(e)), "dataset": dataset} for e in entries]
 
 
 @functools.cache

@@ -141,16 +141,3 @@ def group_members(group: Group, failed_reward: float | None = 0.0) -> list[Traje
     failed ones when `failed_reward` is not None. Aborted attempts are never members."""
     statuses = ("finished",) if failed_reward is None else ("finished", "failed")
     return [t for t in group.trajectories if t.status in statuses]
-
-
-def group_trajectory_advantages(
-    group: Group, normalize_std: bool = False, failed_reward: float | None = 0.0,
-    weights: RewardWeights | None = None,
-) -> list[tuple[Trajectory, list[float]]]:
-    """The group's members (`group_members`) with their per-turn advantages; a failed member
-    has outcome `failed_reward` (None: failed ones are dropped from the loss and the
-    baseline)."""
-    members = group_members(group, failed_reward)
-    advs = trajectory_advantages(members, normalize_std=normalize_std, failed_reward=failed_reward,
-                                 weights=weights)
-    return list(zip(members, advs, strict=True))

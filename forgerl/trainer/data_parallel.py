@@ -64,16 +64,15 @@ class DataParallelTrainer(Trainer):
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """`Trainer.train_step` on every rank at once (rank 0 sends the groups); raises
         RuntimeError naming a worker's error when a worker failed or died."""
-        if self.workers is not None:
-            self.workers.send(groups)
+        if self.workers is None:  # ranks 1..: driven by rank 0
+            return super().train_step(groups)
+        self.workers.send(groups)
         try:
             metrics = super().train_step(groups)
         except RuntimeError as e:  # e.g. gloo: a peer closed its connection
-            if self.workers is not None:
-                self.workers.raise_worker_error(e)
+            self.workers.collect(e)
             raise
-        if self.workers is not None:
-            self.workers.raise_worker_error(None)
+        self.workers.collect(None)
         return metrics
 
     def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
@@ -137,10 +136,10 @@ class TrainerWorkers:
                 conn.send(groups)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 proc.join(1)
-                self.raise_worker_error(RuntimeError(
+                self.collect(RuntimeError(
                     f"trainer worker {rank} has exited (exit code {proc.exitcode})"))
 
-    def raise_worker_error(self, cause: BaseException | None) -> None:
+    def collect(self, cause: BaseException | None) -> None:
         """Wait for every worker's step result; raise RuntimeError naming the first failed
         worker (or `cause`'s message when a worker died without a word). Returns when all
         workers finished the step and `cause` is None."""

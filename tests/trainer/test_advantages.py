@@ -14,7 +14,7 @@ import pytest
 
 from forgerl.trainer.advantages import (
     group_advantages,
-    group_trajectory_advantages,
+    group_members,
     reward_to_go,
     trajectory_advantages,
 )
@@ -93,6 +93,13 @@ def test_identical_trajectories_with_turn_rewards_get_exact_zeros():
 def test_equal_outcome_group_gives_exact_zeros():
     advs = trajectory_advantages([_traj(0, 2, 0.1), _traj(1, 3, 0.1), _traj(2, 1, 0.1)])
     assert advs == [[0.0, 0.0], [0.0, 0.0, 0.0], [0.0]]
+
+
+def group_trajectory_advantages(g, failed_reward=0.0):
+    """The group's members (`group_members`) with their advantages, as the trainer pairs them."""
+    members = group_members(g, failed_reward)
+    advs = trajectory_advantages(members, failed_reward=failed_reward)
+    return list(zip(members, advs, strict=True))
 
 
 def test_a_finished_trajectory_without_model_calls_counts_in_the_baseline():
