@@ -76,7 +76,10 @@ class DataParallelTrainer(Trainer):
         return metrics
 
     def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
-        """Forward + backward of this worker's rows, then the all-reduced gradient sum."""
+        """Forward + backward of this worker's rows, then the all-reduced gradient sum: one
+        flat fp32 buffer of shape (Σ numel of the parameters + 3,) (the gradients, then the
+        loss, Σ ratio and Σ clipped over this worker's loss tokens), summed over workers, and
+        ratio_max reduced with MAX. Each parameter's .grad becomes its slice of that buffer."""
         shares = balance_rows([r.input_ids.numel() for r in batch.tree.rows],
                               dist.get_world_size())
         mine = [batch.tree.rows[i] for i in shares[dist.get_rank()]]
@@ -108,6 +111,7 @@ class TrainerWorkers:
     A worker that raises reports its error and exits; one killed outright closes its gloo
     connections. Either way rank 0's next collective fails within `timeout_s` at most and the
     step raises RuntimeError naming the worker: the run stops after its last checkpoint.
+    `timeout_s`: seconds any collective (and the rendezvous) may wait for a peer.
     """
 
     def __init__(self, config: Config, run_dir: Path, timeout_s: float = 300.0) -> None:
