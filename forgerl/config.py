@@ -1,7 +1,8 @@
 """One pydantic config tree for a ForgeRL run, loaded from TOML with dotted overrides.
 
 `forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
-Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer].
+Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer]
+[reward] [cluster] [[domains]].
 This module imports no torch, so `forgerl --help` and config errors are instant.
 """
 
@@ -303,6 +304,25 @@ class RewardConfig(_Section):
         return RewardWeights(self.outcome, self.completion_time, dict(self.process))
 
 
+class ClusterConfig(_Section):
+    """[cluster]: where the engine instances and trainer workers run (forgerl/cluster.py)."""
+
+    backend: Literal["local", "ray"] = "local"
+    """"local": in this process (and trainer.workers - 1 spawned processes); "ray": as Ray
+    actors in one placement group (extra `forgerl[ray]`)."""
+    address: str = Field("local", min_length=1)
+    """Ray: "local" starts Ray in this process, "auto" joins the cluster `ray start` made on
+    this machine, else the head's "host:port"."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy over the nodes for all the run's actors."""
+    engine_cpus: float = Field(1.0, ge=0)
+    engine_gpus: float = Field(0.0, ge=0)
+    trainer_cpus: float = Field(1.0, ge=0)
+    """CPUs (GPUs) reserved per engine actor and per trainer-worker actor."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a dead engine actor (a dead trainer worker stops the run)."""
+
+
 class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
@@ -326,6 +346,7 @@ class Config(_Section):
     tasks: TasksConfig = TasksConfig()
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
+    cluster: ClusterConfig = ClusterConfig()
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""

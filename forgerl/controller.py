@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -577,16 +578,24 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
     # of weights newer than it are run again, records of later steps are dropped.
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
-    ec = config.engine
-    engines = [LocalEngine(trainer.model,  # each engine keeps its own copy of the weights
-                           max_model_len=config.model.max_model_len,
-                           max_batch_size=ec.max_batch_size,
-                           prefix_cache_tokens=ec.prefix_cache_tokens) for _ in range(ec.instances)]
+    ec, cluster = config.engine, None
+    if config.cluster.backend == "ray":
+        from forgerl.cluster import RayCluster
+
+        cluster = await asyncio.to_thread(RayCluster, config)
+        engines = await asyncio.to_thread(cluster.engines)
+    else:  # each engine keeps its own copy of the weights
+        engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
+                               max_batch_size=ec.max_batch_size,
+                               prefix_cache_tokens=ec.prefix_cache_tokens)
+                   for _ in range(ec.instances)]
     if ec.instances == 1:
         engine = engines[0]
     else:
         from forgerl.gateway.router import Router
         engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
+    if cluster is not None:  # actors start from the config's weights: send the trainer's
+        await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
@@ -602,8 +611,10 @@ async def _services(config: Config, agent: Agent | None, training: bool,
                               if d.agent is not None}
     workers = None
     try:
-        if isinstance(trainer, DataParallelTrainer):  # ranks 1.. load the same checkpoint
-            trainer.workers = workers = await asyncio.to_thread(TrainerWorkers, config, run_dir)
+        if isinstance(trainer, DataParallelTrainer):  # ranks 1.. start from rank 0's state
+            start = (functools.partial(TrainerWorkers, config, run_dir) if cluster is None
+                     else functools.partial(cluster.trainer_workers, trainer))
+            trainer.workers = workers = await asyncio.to_thread(start)
         yield services
     finally:
         services.closing = True
@@ -617,6 +628,8 @@ async def _services(config: Config, agent: Agent | None, training: bool,
         pool.close()
         if workers is not None:
             workers.close()
+        if cluster is not None:
+            cluster.close()
 
 
 async def run(config: Config, agent: Agent | None = None, progress: bool = True) -> Path:

@@ -1,0 +1,303 @@
+"""`[cluster] backend = "ray"`: engine instances and trainer ranks 1.. as Ray actors.
+
+The controller, gateway and data pool stay on the driver and run the same loop as on one
+machine; only the transport behind two interfaces changes:
+
+- `RayEngine` is a RolloutEngine whose `stream` / `update_weights` / `apply_delta` are calls on
+  an engine actor (a LocalEngine built from the config inside it). Weights travel through the
+  Ray object store: one `ray.put` per sync, however many engine actors `get` it.
+- `RayTrainerWorkers` has the interface of `data_parallel.TrainerWorkers` (send / collect /
+  close): ranks 1..N-1 are actors that join rank 0 (the driver) over gloo at a TCP rendezvous
+  on the driver's address, starting from the driver's weights and optimizer state.
+
+All actors are placed in one placement group (`cluster.placement`: PACK, SPREAD or
+STRICT_SPREAD over the nodes), each bundle with `engine_cpus` / `engine_gpus` or
+`trainer_cpus` CPUs. A dead engine actor is restarted by Ray (`max_restarts`); the requests it
+was serving raise RuntimeError (the gateway records them failed), and the restarted actor gets
+the last synced weights again before it serves. A dead trainer worker makes the step raise
+RuntimeError naming it (data_parallel.DataParallelTrainer), never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import torch
+
+from forgerl.config import Config
+from forgerl.engines.base import TokenEvent
+from forgerl.types import GenerateOutput, SamplingParams
+
+
+class _Engine:
+    """Body of an engine actor: a LocalEngine built from the config (weights come with the first
+    `update_weights`)."""
+
+    def __init__(self, config_dump: dict) -> None:
+        from forgerl.controller import load_policy
+        from forgerl.engines.local import LocalEngine
+
+        config = Config.model_validate(config_dump)
+        ec = config.engine
+        self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
+                                  ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens)
+
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        async for item in self.engine.stream(prompt_ids, params):
+            yield item
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor],
+                             version: int) -> dict[str, Any]:
+        await self.engine.update_weights(state_dict, version)
+        return dict(self.engine.stats)
+
+    async def apply_delta(self, delta: Any, version: int) -> dict[str, Any]:
+        await self.engine.apply_delta(delta, version)
+        return dict(self.engine.stats)
+
+    def info(self) -> tuple[str, int, str]:
+        """(dtype name, pid, Ray node id)."""
+        import os
+
+        import ray
+
+        dtype = str(self.engine.weight_dtype).removeprefix("torch.")
+        return dtype, os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+_PUTS: dict[int, list] = {}  # id(state dict) → [ObjectRef, engines still reading it]
+
+
+class RayEngine:
+    """A RolloutEngine over one engine actor (see the module docstring).
+
+    weight_version: the version of the last update that succeeded (the actor stamps tokens).
+    stats: the actor's LocalEngine stats as of the last weight update (one step stale).
+    `stream` raises ValueError for a prompt + max_tokens over max_model_len (before any call),
+    what the actor's engine raises for a bad request, and RuntimeError when the actor died (it
+    is restarted; the next request first restores the last synced weights).
+    """
+
+    def __init__(self, actor: Any, max_model_len: int, max_batch_size: int) -> None:
+        self.actor, self.max_model_len, self.max_batch_size = actor, max_model_len, max_batch_size
+        self.weight_version, self.stats = 0, {}
+        self._last: tuple[Any, int] | None = None  # (ObjectRef, version) of the last full sync
+        self._restore = False
+        dtype, self.pid, self.node_id = _ray().get(actor.info.remote())
+        self.weight_dtype = getattr(torch, dtype)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """The last item of `stream` (RolloutEngine.generate)."""
+        *_, out = [item async for item in self.stream(prompt_ids, params)]
+        return out
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """RolloutEngine.stream on the actor; closing or cancelling it cancels the actor task,
+        which aborts the request there."""
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        ray = _ray()
+        if self._restore and self._last is not None:
+            await self._call(self.actor.update_weights, *self._last)
+            self._restore = False
+        gen, done = self.actor.stream.remote(prompt_ids, params), False
+        try:
+            async for ref in gen:
+                item = await ref
+                done = isinstance(item, GenerateOutput)
+                yield item
+        except ray.exceptions.RayActorError as e:
+            self._restore = True
+            raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
+        finally:
+            if not done:
+                ray.cancel(gen)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Publish `state_dict` as `version` on the actor, through one object-store copy shared
+        by every RayEngine updated with the same dict concurrently (Router.update_weights).
+        Raises what the actor's engine raises (ValueError for bad keys/shapes) or RuntimeError
+        (actor died); the old version then stays."""
+        ray, key = _ray(), id(state_dict)
+        if key not in _PUTS:
+            _PUTS[key] = [ray.put(dict(state_dict)), 0]
+        entry = _PUTS[key]
+        entry[1] += 1
+        try:
+            self.stats = await self._call(self.actor.update_weights, entry[0], version)
+            self._last, self._restore, self.weight_version = (entry[0], version), False, version
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _PUTS[key]
+
+    async def apply_delta(self, delta: Any, version: int) -> None:
+        """`LocalEngine.apply_delta` on the actor (raises weight_sync.DeltaMismatch there).
+        A restarted actor then refuses deltas, and WeightSync falls back to a full sync."""
+        self.stats = await self._call(self.actor.apply_delta, delta, version)
+        self.weight_version = version
+
+    async def close(self) -> None:
+        """Kill the actor; idempotent."""
+        _ray().kill(self.actor, no_restart=True)
+
+    async def _call(self, method: Any, *args: Any) -> Any:
+        try:
+            return await method.remote(*args)
+        except _ray().exceptions.RayActorError as e:
+            self._restore = True
+            raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
+
+
+class _TrainerRank:
+    """Body of a trainer-worker actor: rank `rank` of the data-parallel trainer."""
+
+    def __init__(self, rank: int, init: str, config_dump: dict, timeout_s: float,
+                 state: tuple[int, dict, dict]) -> None:
+        import torch.distributed as dist
+
+        from forgerl.controller import build_trainer, load_policy
+
+        config = Config.model_validate(config_dump)
+        dist.init_process_group("gloo", init_method=init, rank=rank,
+                                world_size=config.trainer.workers,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        torch.manual_seed(config.seed)
+        self.trainer = build_trainer(config, load_policy(config.model.path)[0])
+        self.trainer.step = state[0]
+        self.trainer.model.load_state_dict(state[1])
+        self.trainer.optimizer.load_state_dict(state[2])
+
+    def train_step(self, groups: list) -> None:
+        self.trainer.train_step(groups)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RayCluster:
+    """Connects to Ray (`cluster.address`: "local" starts one in this process, "auto" joins the
+    running cluster, else "host:port") and reserves one placement group for the run's actors:
+    `engine.instances` engine bundles and `trainer.workers - 1` trainer bundles. Raises
+    RuntimeError when the placement group cannot be reserved within `timeout_s` seconds."""
+
+    def __init__(self, config: Config, timeout_s: float = 120.0) -> None:
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+
+        cc, self.config = config.cluster, config
+        self.started = not ray.is_initialized()
+        if self.started:
+            ray.init(address=None if cc.address == "local" else cc.address,
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        engine = {"CPU": cc.engine_cpus} | ({"GPU": cc.engine_gpus} if cc.engine_gpus else {})
+        bundles = [engine] * config.engine.instances
+        bundles += [{"CPU": cc.trainer_cpus}] * (config.trainer.workers - 1)
+        self.group = placement_group(bundles, strategy=cc.placement)
+        if not self.group.wait(timeout_s):
+            raise RuntimeError(f"cluster: could not place {bundles} ({cc.placement}) on the Ray "
+                               f"cluster within {timeout_s:.0f} s: {ray.cluster_resources()}")
+
+    def _options(self, index: int, resources: dict) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=index), **resources}
+
+    def engines(self) -> list[RayEngine]:
+        """One RayEngine per `engine.instances`, each actor in its own bundle."""
+        ray, cc, ec = _ray(), self.config.cluster, self.config.engine
+        actor = ray.remote(max_restarts=cc.max_restarts)(_Engine)
+        dump = self.config.model_dump()
+        return [RayEngine(actor.options(**self._options(i, {"num_cpus": cc.engine_cpus,
+                                                             "num_gpus": cc.engine_gpus}),
+                                        ).remote(dump), self.config.model.max_model_len,
+                          ec.max_batch_size) for i in range(ec.instances)]
+
+    def trainer_workers(self, trainer: Any, timeout_s: float = 300.0) -> RayTrainerWorkers:
+        """Ranks 1.. as actors, rank 0 = this process (`trainer`'s weights and optimizer)."""
+        return RayTrainerWorkers(self, trainer, timeout_s)
+
+    def close(self) -> None:
+        """Remove the placement group (its actors go with it); shut Ray down if we started it."""
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+        if self.started:
+            ray.shutdown()
+
+
+class RayTrainerWorkers:
+    """`TrainerWorkers` (send / collect / close) with ranks 1.. as Ray actors; `pids` are their
+    process ids. The rendezvous is tcp://driver-address:free-port."""
+
+    def __init__(self, cluster: RayCluster, trainer: Any, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        ray, config = _ray(), cluster.config
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            init = f"tcp://{host}:{s.getsockname()[1]}"
+        state = ray.put((trainer.step, trainer.model.state_dict(),
+                         trainer.optimizer.state_dict()))
+        actor = ray.remote(max_restarts=0)(_TrainerRank)
+        cpus = config.cluster.trainer_cpus
+        first = config.engine.instances
+        self.actors = [actor.options(**cluster._options(first + rank - 1, {"num_cpus": cpus}))
+                       .remote(rank, init, config.model_dump(), timeout_s, state)
+                       for rank in range(1, config.trainer.workers)]
+        dist.init_process_group("gloo", init_method=init, rank=0,
+                                world_size=config.trainer.workers,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.pids = ray.get([a.pid.remote() for a in self.actors])
+        self.pending: list = []
+
+    def send(self, groups: list) -> None:
+        """Start one step on every worker (one object-store copy of the groups)."""
+        ray = _ray()
+        ref = ray.put(groups)
+        self.pending = [a.train_step.remote(ref) for a in self.actors]
+
+    def collect(self, cause: BaseException | None) -> None:
+        """Wait for every worker's step; RuntimeError naming the first failed worker (or
+        `cause`)."""
+        ray, pending, self.pending = _ray(), self.pending, []
+        for rank, ref in enumerate(pending, start=1):
+            try:
+                ray.get(ref, timeout=None if cause is None else 5.0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(f"trainer worker {rank} has exited: {e}") from cause
+            except ray.exceptions.RayTaskError as e:
+                raise RuntimeError(f"trainer worker {rank}: {e.cause!r}") from cause
+        if cause is not None:
+            raise RuntimeError(f"data-parallel trainer step failed: {cause}") from cause
+
+    def close(self) -> None:
+        """Kill the workers and leave the process group."""
+        import torch.distributed as dist
+
+        for a in self.actors:
+            _ray().kill(a)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("cluster.backend = \"ray\" needs Ray: pip install 'forgerl[ray]'") \
+            from None
+    return ray
