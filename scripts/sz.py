@@ -10,7 +10,9 @@ import ast
 import sys
 from pathlib import Path
 
-MAX_LINES = 7000
+# 7,000 was STYLE.md's v1 target (one machine); raised once, for the cluster and engine adapters
+# (forgerl/cluster.py, engines/remote.py) that take ForgeRL beyond one process.
+MAX_LINES = 7500
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
