@@ -16,8 +16,13 @@ Columns: MB = payload bytes / 1e6 in the engine's dtype (tied embedding / lm_hea
 s = wall seconds of `WeightSync.sync` (cast, compare + encode + checksums for a delta, hand-off
 to the engine's worker thread, apply + checksums there); unchanged = elements whose bits in the
 engine's dtype did not change, mean (min) over steps; exact = after the last step the delta
-engine's weights equal the full engine's bit for bit. Transport: in-process only (the payload
-is passed by reference); Ray object store and NCCL are not measured.
+engine's weights equal the full engine's bit for bit. Transport: in-process (the payload is
+passed by reference); with `--ray`, also a bf16 full/delta pair of engine actors
+(`forgerl.cluster.RayEngine`, weights through the Ray object store: `ray.put` + the actor's
+get + apply), on a Ray instance this process starts. Ray binds the machine's own address, so on
+a machine without a network run it in a private namespace:
+`unshare -n sh -c 'ip link set lo up && python benchmarks/weight_sync.py --ray'`. NCCL is not
+measured (no GPU).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import time
 
 import torch
 
+from forgerl.cluster import RayEngine, _Engine
+from forgerl.config import load_config
 from forgerl.engines.local import LocalEngine
 from forgerl.models import load_pretrained
 from forgerl.trainer.weight_sync import WeightSync
@@ -42,12 +49,39 @@ TEXTS = [
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int) -> list[dict]:
+class _BenchEngine(_Engine):
+    """An engine actor that can also hand back its weights (for the exactness check)."""
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.engine._params
+
+
+def ray_engines() -> dict[tuple[str, str], RayEngine]:
+    """A bf16 "full" and "delta" engine actor on SmolLM2 (Ray started here)."""
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    dump = load_config(None, ["--model.max_model_len", "64", "--rollout.max_tokens", "8",
+                              "--engine.max_batch_size", "1",
+                              "--engine.prefix_cache_tokens", "0"]).model_dump()
+    actor = ray.remote(num_cpus=0)(_BenchEngine)
+    return {("bf16/ray", k): RayEngine(actor.remote(dump, "bfloat16"), 64, 1)
+            for k in ("full", "delta")}
+
+
+async def _params(engine) -> dict[str, torch.Tensor]:
+    if isinstance(engine, RayEngine):
+        return await engine.actor.params.remote()
+    return engine._params
+
+
+async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int,
+                 over_ray: dict) -> list[dict]:
     """Train `steps` AdamW steps at `lr`, syncing full and delta into bf16 engines (fp32 ones
-    for the first `fp32_steps`); one result row per dtype."""
+    for the first `fp32_steps`, and the `over_ray` engine actors); one result row per dtype."""
     engines = {(d, k): LocalEngine(model, max_model_len=64, max_batch_size=1,
                                    prefix_cache_tokens=0, dtype=dt)
-               for d, dt in DTYPES.items() for k in ("full", "delta")}
+               for d, dt in DTYPES.items() for k in ("full", "delta")} | over_ray
     syncs = {key: WeightSync(e, key[1]) for key, e in engines.items()}
     records: dict[tuple[str, str], list[dict]] = {key: [] for key in engines}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -59,12 +93,13 @@ async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int) -> 
             opt.step()
             weights = {k: v.detach() for k, v in model.state_dict().items()}
             for key, sync in syncs.items():
-                if key[0] == "bf16" or step <= fp32_steps:
+                if key[0] != "fp32" or step <= fp32_steps:
                     records[key].append(await sync.sync(weights, step))
         rows = []
-        for d in DTYPES:
+        for d in dict.fromkeys(k[0] for k in engines):
             full, delta = records[(d, "full")], records[(d, "delta")][1:]
-            a, b = engines[(d, "full")]._params, engines[(d, "delta")]._params
+            a = await _params(engines[(d, "full")])
+            b = await _params(engines[(d, "delta")])
             exact = all(torch.equal(a[k].view(-1).view(torch.uint8),
                                     b[k].view(-1).view(torch.uint8)) for k in a)
             unchanged = [1 - r["changed_fraction"] for r in delta]
@@ -79,8 +114,9 @@ async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int) -> 
             })
         return rows
     finally:
-        for e in engines.values():
-            await e.close()
+        for key, e in engines.items():
+            if key not in over_ray:
+                await e.close()
 
 
 def main() -> None:
@@ -89,6 +125,7 @@ def main() -> None:
     parser.add_argument("--steps-high", type=int, default=3, help="optimizer steps at lr 5e-6")
     parser.add_argument("--fp32-steps", type=int, default=5, help="steps synced in fp32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--ray", action="store_true", help="also sync bf16 engine actors")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
@@ -99,14 +136,23 @@ def main() -> None:
     rows = []
     for lr, steps in ((1e-6, args.steps), (5e-6, args.steps_high)):
         model.load_state_dict(initial)
-        rows += asyncio.run(run_lr(model.train(), batch, lr, steps, args.fp32_steps))
-    print(f"SmolLM2-135M, batch {tuple(batch['input_ids'].shape)}, in-process LocalEngine, "
+        over_ray = ray_engines() if args.ray else {}
+        try:
+            rows += asyncio.run(run_lr(model.train(), batch, lr, steps, args.fp32_steps,
+                                       over_ray))
+        finally:
+            if over_ray:
+                import ray
+
+                ray.shutdown()
+    where = "in-process LocalEngine" + (" and Ray engine actors (bf16/ray)" if args.ray else "")
+    print(f"SmolLM2-135M, batch {tuple(batch['input_ids'].shape)}, {where}, "
           f"{args.threads} thread(s), {time.perf_counter() - began:.0f} s in all")
-    header = (f"{'lr':>6} {'dtype':>5} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "
+    header = (f"{'lr':>6} {'dtype':>8} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "
               f"{'full s':>6} {'delta s':>7} {'time':>5} {'unchanged':>15} {'exact':>5}")
     print(header)
     for r in rows:
-        print(f"{r['lr']:>6.0e} {r['dtype']:>5} {r['deltas']:>6} {r['full_mb']:>8.1f} "
+        print(f"{r['lr']:>6.0e} {r['dtype']:>8} {r['deltas']:>6} {r['full_mb']:>8.1f} "
               f"{r['delta_mb']:>8.1f} {r['delta_mb'] / r['full_mb']:>6.3f} {r['full_s']:>6.2f} "
               f"{r['delta_s']:>7.2f} {r['delta_s'] / r['full_s']:>5.1f} "
               f"{100 * r['unchanged']:>6.2f}% ({100 * r['unchanged_min']:.2f}%) "

@@ -34,16 +34,17 @@ from forgerl.types import GenerateOutput, SamplingParams
 
 class _Engine:
     """Body of an engine actor: a LocalEngine built from the config (weights come with the first
-    `update_weights`)."""
+    `update_weights`); dtype: its weights' torch dtype name (default: LocalEngine's)."""
 
-    def __init__(self, config_dump: dict) -> None:
+    def __init__(self, config_dump: dict, dtype: str | None = None) -> None:
         from forgerl.controller import load_policy
         from forgerl.engines.local import LocalEngine
 
         config = Config.model_validate(config_dump)
         ec = config.engine
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
-                                  ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens)
+                                  ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
+                                  dtype=getattr(torch, dtype) if dtype else None)
 
     async def stream(self, prompt_ids: list[int],
                      params: SamplingParams) -> AsyncIterator[TokenEvent | GenerateOutput]:
