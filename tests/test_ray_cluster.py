@@ -41,8 +41,10 @@ RAY = Path(sys.executable).with_name("ray")
 def test_two_node_cluster():
     if INSIDE:
         pytest.skip("the wrapper itself")
-    if shutil.which("unshare") is None or not RAY.exists():
-        pytest.skip("needs unshare (util-linux) and Ray (pip install 'forgerl[ray]')")
+    if not RAY.exists():
+        pytest.skip("needs Ray: pip install 'forgerl[ray]'")
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode:
+        pytest.skip("needs `unshare -n` (util-linux, root) for a private network namespace")
     env = {**os.environ, "FORGERL_RAY_NETNS": "1", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = (f"ip link set lo up && exec {sys.executable} -m pytest -rA -p no:cacheprovider "
