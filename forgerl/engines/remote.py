@@ -106,15 +106,11 @@ class RemoteEngine:
         lps: list[float] = []
         versions: list[int] = []
         finish: FinishReason | None = None
-        while finish is None:
-            if len(ids) >= params.max_tokens:
-                finish = "length"
-                break
+        while finish is None and len(ids) < params.max_tokens:
             await self._open.wait()
             version = self.weight_version
             self._running += 1
             self._drained.clear()
-            interrupted = False
             try:
                 async with contextlib.aclosing(self._request(prompt_ids, ids, params)) as items:
                     async for token, logprob, finish in items:
@@ -126,15 +122,14 @@ class RemoteEngine:
                         yield TokenEvent(token, logprob, version, time.perf_counter())
                         if finish is None and not self._open.is_set():  # a weight update waits
                             self.stats["resumes"] += 1
-                            interrupted = True
                             break
-                if finish is None and not interrupted:
+                if finish is None and self._open.is_set():
                     finish = "abort"  # the server ended the stream without a finish reason
             finally:
                 self._running -= 1
                 if self._running == 0:
                     self._drained.set()
-        yield GenerateOutput(ids, lps, versions, finish)
+        yield GenerateOutput(ids, lps, versions, finish or "length")
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` to weights_dir/v{version}, reload it in the server, publish version.
@@ -153,7 +148,9 @@ class RemoteEngine:
             self._open.clear()
             try:
                 await self._drained.wait()
-                reference = self._good_weights or await self._model_root()
+                if (reference := self._good_weights) is None:  # the folder it was started on
+                    models = (await self._client.get("/v1/models")).raise_for_status().json()
+                    reference = models["data"][0]["root"]
                 await asyncio.to_thread(_save_safetensors, state_dict, folder, Path(reference))
                 try:
                     await self._reload(str(folder))
@@ -228,12 +225,6 @@ class RemoteEngine:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
         (await self._client.post("/collective_rpc", json=rpc, timeout=None)).raise_for_status()
         (await self._client.post("/reset_prefix_cache")).raise_for_status()
-
-    async def _model_root(self) -> str:
-        """The folder the server loaded at start (`root` of its first model)."""
-        resp = await self._client.get("/v1/models")
-        resp.raise_for_status()
-        return resp.json()["data"][0]["root"]
 
 
 def _parse_chunk(chunk: dict) -> list[tuple[int | None, float, FinishReason | None]]:

