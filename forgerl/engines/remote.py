@@ -39,6 +39,7 @@ import httpx
 import torch
 
 from forgerl.engines.base import TokenEvent
+from forgerl.trainer.weight_sync import unique_tensors
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 
@@ -256,17 +257,12 @@ def _save_safetensors(
 ) -> None:
     """Save tensors as folder/model.safetensors (written to a temp name, then renamed) after
     checking names and shapes against the checkpoint in `reference` (skipped when that folder
-    is not readable here); a tensor sharing storage with an earlier one (a tied lm_head) is left
-    out, as transformers' checkpoints do. Raises ValueError on a mismatch."""
+    is not readable here); the later name of a tied tensor (lm_head) is left out, as in
+    transformers' checkpoints. Raises ValueError on a mismatch."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    tensors, seen = {}, set()
-    for name, tensor in state_dict.items():
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            tensors[name] = tensor.detach().cpu().contiguous()
+    tensors = {k: t.detach().cpu().contiguous() for k, t in unique_tensors(state_dict).items()}
     shapes: dict[str, list[int]] = {}
     for path in sorted(reference.glob("*.safetensors")) if reference.is_dir() else []:
         with safe_open(path, "pt") as f:
