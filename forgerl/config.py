@@ -52,6 +52,22 @@ class LocalEngineConfig(_Section):
     affinity = where its prompt prefix was sent; round_robin = in turn."""
 
 
+class RemoteEngineConfig(_Section):
+    """[engine] type = "remote": a vLLM server started separately (forgerl/engines/remote.py),
+    serving [model] path with --max-model-len = [model] max_model_len, VLLM_SERVER_DEV_MODE=1,
+    --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm."""
+
+    type: Literal["remote"] = "remote"
+    base_url: str = Field("http://127.0.0.1:8000", min_length=1)
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds to connect, or to wait for the next streamed chunk."""
+    retries: int = Field(2, ge=0, le=10)
+    """Extra attempts of a request that failed before its first token (never after one)."""
+    weights_dir: str | None = None
+    """Where weight updates are written as safetensors, on a filesystem the server reads
+    (default RUN_DIR/engine_weights; only the newest version is kept)."""
+
+
 class GatewayConfig(_Section):
     """[gateway]: where the OpenAI-compatible gateway listens."""
 
@@ -336,7 +352,8 @@ class Config(_Section):
     and turn): see README "Reproducibility" for what batching leaves nondeterministic. Task
     order is fixed by tasks.seed."""
     model: ModelConfig = ModelConfig()
-    engine: LocalEngineConfig = LocalEngineConfig()
+    engine: Annotated[LocalEngineConfig | RemoteEngineConfig, Field(discriminator="type")] = \
+        LocalEngineConfig()
     gateway: GatewayConfig = GatewayConfig()
     datapool: SQLitePoolConfig = SQLitePoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -363,6 +380,9 @@ class Config(_Section):
                 f"rollout.max_tokens ({self.rollout.max_tokens}) must be < "
                 f"model.max_model_len ({self.model.max_model_len})"
             )
+        if self.cluster.backend == "ray" and self.engine.type != "local":
+            raise ValueError("cluster.backend = \"ray\" places local engines as actors; "
+                             f"engine.type = {self.engine.type!r} is not placed by it")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

@@ -584,17 +584,24 @@ async def _services(config: Config, agent: Agent | None, training: bool,
 
         cluster = await asyncio.to_thread(RayCluster, config)
         engines = await asyncio.to_thread(cluster.engines)
+    elif ec.type == "remote":
+        from forgerl.engines.remote import RemoteEngine
+
+        engines = [RemoteEngine(ec.base_url, config.model.max_model_len,
+                                weights_dir=ec.weights_dir or run_dir / "engine_weights",
+                                timeout_s=ec.timeout_s, retries=ec.retries)]
     else:  # each engine keeps its own copy of the weights
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size,
                                prefix_cache_tokens=ec.prefix_cache_tokens)
                    for _ in range(ec.instances)]
-    if ec.instances == 1:
+    if len(engines) == 1:
         engine = engines[0]
     else:
         from forgerl.gateway.router import Router
         engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
-    if cluster is not None:  # actors start from the config's weights: send the trainer's
+    if cluster is not None or ec.type == "remote":
+        # actors and servers start from the config's weights: send the trainer's
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     gateway = Gateway(renderer, engine, pool,

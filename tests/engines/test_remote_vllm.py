@@ -38,10 +38,12 @@ import httpx
 import pytest
 import torch
 
+from forgerl.controller import start_services
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.remote import RemoteEngine
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
+from tests.test_controller import make_agent, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -332,6 +334,26 @@ def test_remote_engine_against_vllm(server, hf, tmp_path):
         assert engine.weight_version == 1
         assert (await engine.generate(prompt, greedy)).completion_ids == new_ref
         lap("failed_update")
+        # the controller on [engine] type = "remote": the server gets the trainer's weights at
+        # start, rollouts run there, and after one step it serves the trained weights (v1)
+        config = tiny_config(tmp_path / "run", "--model.path", "smollm2", "--model.max_model_len",
+                             "1024", "--engine.type", "remote", "--engine.base_url", url,
+                             "--rollout.group_size", "2", "--rollout.tasks_per_step", "1",
+                             "--tasks.eval_size", "0", "--trainer.lr", "1e-4")
+        async with start_services(config, make_agent()) as s:
+            assert s.engine.weight_version == 0
+            s.admit()
+            [task] = await s.next_batch()
+            await s.train([task])
+            await s.sync_weights()
+            assert s.engine.weight_version == 1
+            calls = [c for t in s.pool.get_group(task).trajectories for c in t.completions]
+            assert calls and all(c.token_exact and c.weight_versions == [0] * len(c.logprobs)
+                                 for c in calls)
+            trained = await s.engine.generate(prompt, greedy)
+            assert trained.completion_ids == hf_greedy(s.trainer.model, prompt, 16)
+            assert trained.weight_versions == [1] * 16
+        lap("controller")
         # the server killed mid-stream: a clear error, no retry, no GenerateOutput
         items = []
         with pytest.raises(RuntimeError, match="not retried"):
