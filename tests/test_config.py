@@ -58,3 +58,20 @@ def test_errors_are_one_line_and_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_engine_and_cluster_sections(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[engine]\ntype = 'remote'\nbase_url = 'http://127.0.0.1:8001'\nretries = 0\n"
+                    "[cluster]\nplacement = 'SPREAD'\n")
+    config = load_config(path)
+    assert (config.engine.type, config.engine.base_url, config.engine.retries) == (
+        "remote", "http://127.0.0.1:8001", 0)
+    assert config.cluster.backend == "local" and config.cluster.placement == "SPREAD"
+    assert load_config(None).engine.type == "local"  # the embedded default
+    with pytest.raises(ConfigError, match=r"cluster.backend = \"ray\" places local engines"):
+        load_config(path, ["--cluster.backend", "ray"])
+    with pytest.raises(ConfigError, match=r"^engine: .*'vllm'"):
+        load_config(None, ["--engine.type", "vllm"])
+    with pytest.raises(ConfigError, match=r"cluster\.placement"):
+        load_config(None, ["--cluster.placement", "EVERYWHERE"])
