@@ -202,3 +202,14 @@ def test_activation_checkpointing_gives_exact_gradients_and_saves_less():
     assert off_saved > results["selective"][0] > results["full"][0]
     with pytest.raises(ValueError, match="must be off, full or selective"):
         Trainer(build_tiny_model(), device="cpu", activation_checkpointing="some")
+
+
+@pytest.mark.smollm2
+def test_smollm2_keeps_chunked_logprobs():
+    """The main job's model: its chunked and plain logprobs differ by float rounding only
+    (1.05e-5 at 21 nats), which must not switch chunking off (it did under an absolute 1e-5)."""
+    from forgerl.models import load_pretrained
+
+    model, _ = load_pretrained("smollm2")
+    assert supports_chunked_logprobs(model)
+    assert Trainer(model, device="cpu", logprob_chunk_tokens=256).logprob_chunk_tokens == 256
