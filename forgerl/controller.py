@@ -590,6 +590,8 @@ async def _services(config: Config, agent: Agent | None, training: bool,
         engines = [RemoteEngine(ec.base_url, config.model.max_model_len,
                                 weights_dir=ec.weights_dir or run_dir / "engine_weights",
                                 timeout_s=ec.timeout_s, retries=ec.retries)]
+        if not await engines[0].health():
+            raise RuntimeError(f"engine.base_url: no vLLM server answers at {ec.base_url}/health")
     else:  # each engine keeps its own copy of the weights
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size,
