@@ -223,6 +223,8 @@ def main() -> None:
     for name in ("prompt", "completion", "observation"):
         parser.add_argument(f"--{name}-tokens", type=int, default=None, help="override length")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
+    parser.add_argument("--methods", default="padded,packed,tree",
+                        help="comma list; speedup is against the first one run")
     args = parser.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
     args.max_row_tokens = args.max_row_tokens or (1024 if args.quick else 4096)
@@ -243,7 +245,7 @@ def main() -> None:
     ctx = get_context("spawn")
     for w in workloads(args):
         ref_time = None
-        for method in ("padded", "packed", "tree"):
+        for method in args.methods.split(","):
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 r = pool.submit(measure, args, w, method).result()
             ref_time = ref_time or r["time"]
