@@ -116,6 +116,8 @@ class RayEngine:
         except ray.exceptions.RayActorError as e:
             self._restore = True
             raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
+        except ray.exceptions.RayTaskError as e:  # the engine's own error, without Ray's trace
+            raise e.cause from None
         finally:
             if not done:
                 ray.cancel(gen)
@@ -149,11 +151,14 @@ class RayEngine:
         _ray().kill(self.actor, no_restart=True)
 
     async def _call(self, method: Any, *args: Any) -> Any:
+        ray = _ray()
         try:
             return await method.remote(*args)
-        except _ray().exceptions.RayActorError as e:
+        except ray.exceptions.RayActorError as e:
             self._restore = True
             raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
 
 
 class _TrainerRank:

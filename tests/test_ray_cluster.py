@@ -154,6 +154,9 @@ async def test_inner_killed_engine_actor_fails_its_request_and_comes_back(tmp_pa
         assert out.weight_versions and set(out.weight_versions) == {7}
         with pytest.raises(ValueError, match="max_model_len"):
             await engine.generate([1] * 127, params)
+        with pytest.raises(ValueError) as bad:  # the actor's own error, without Ray's trace
+            await engine.generate([1, 10**6], params)
+        assert type(bad.value) is ValueError and "ray::" not in str(bad.value)
 
 
 @sync
