@@ -55,7 +55,7 @@ import httpx
 import torch
 
 from forgerl.engines.local import LocalEngine
-from forgerl.engines.remote import RemoteEngine
+from forgerl.engines.remote import RemoteEngine, vllm_server_command
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import SamplingParams
 
@@ -179,12 +179,8 @@ def vllm_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir()),
-           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
-           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-           "--max-model-len", str(MAX_MODEL_LEN)]
+    cmd, extra = vllm_server_command(VLLM_PY, smollm2_dir(), port, MAX_MODEL_LEN)
+    env = {**os.environ, **extra}
     log_path = Path(tempfile.gettempdir()) / f"vllm-bench-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

