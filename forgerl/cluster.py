@@ -20,9 +20,10 @@ RuntimeError naming it (data_parallel.DataParallelTrainer), never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,24 +104,19 @@ class RayEngine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) exceeds max_model_len {self.max_model_len}")
-        ray = _ray()
-        if self._restore and self._last is not None:
+        if self._restore and self._last is not None:  # after a delta: the last full sync's
             await self._call(self.actor.update_weights, *self._last)
-            self._restore = False
+            self._restore, self.weight_version = False, self._last[1]
         gen, done = self.actor.stream.remote(prompt_ids, params), False
         try:
-            async for ref in gen:
-                item = await ref
-                done = isinstance(item, GenerateOutput)
-                yield item
-        except ray.exceptions.RayActorError as e:
-            self._restore = True
-            raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
-        except ray.exceptions.RayTaskError as e:  # the engine's own error, without Ray's trace
-            raise e.cause from None
+            with self._errors():
+                async for ref in gen:
+                    item = await ref
+                    done = isinstance(item, GenerateOutput)
+                    yield item
         finally:
             if not done:
-                ray.cancel(gen)
+                _ray().cancel(gen)
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Publish `state_dict` as `version` on the actor, through one object-store copy shared
@@ -151,9 +147,16 @@ class RayEngine:
         _ray().kill(self.actor, no_restart=True)
 
     async def _call(self, method: Any, *args: Any) -> Any:
+        with self._errors():
+            return await method.remote(*args)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """A dead actor → RuntimeError (and a restore before the next request); the actor's
+        own error → itself, without Ray's traceback (ValueError for a bad request)."""
         ray = _ray()
         try:
-            return await method.remote(*args)
+            yield
         except ray.exceptions.RayActorError as e:
             self._restore = True
             raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
