@@ -41,11 +41,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -55,7 +53,8 @@ import httpx
 import torch
 
 from forgerl.engines.local import LocalEngine
-from forgerl.engines.remote import RemoteEngine, vllm_server_command
+from forgerl.engines.remote import RemoteEngine
+from forgerl.engines.remote import vllm_server as start_vllm_server
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import SamplingParams
 
@@ -179,29 +178,9 @@ def vllm_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd, extra = vllm_server_command(VLLM_PY, smollm2_dir(), port, MAX_MODEL_LEN)
-    env = {**os.environ, **extra}
     log_path = Path(tempfile.gettempdir()) / f"vllm-bench-{port}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM server exited; see {log_path}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM server not healthy in 300 s; see {log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                time.sleep(1)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with start_vllm_server(VLLM_PY, smollm2_dir(), port, MAX_MODEL_LEN, log_path) as (url, _):
+        yield url
 
 
 def on_sigterm(*_) -> None:

