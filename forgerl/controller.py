@@ -541,43 +541,13 @@ def lock_run_dir(run_dir: Path) -> int:
     return fd
 
 
-@contextlib.asynccontextmanager
-async def _services(config: Config, agent: Agent | None, training: bool,
-                    locks: list[int]) -> AsyncIterator[Services]:
-    """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
-    it, also when this raises)."""
-    import torch
-
-    from forgerl.agents.reaper import Reaper
-    from forgerl.datapool.sqlite import SQLitePool
+async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[Any, Any]:
+    """(rollout engine, RayCluster or None) for `config`: local engines in this process, Ray
+    engine actors, or a remote vLLM server; a Router before several instances. Every engine
+    serves the trainer's weights as weight_version = trainer.step. Raises RuntimeError when no
+    server answers at engine.base_url."""
     from forgerl.engines.local import LocalEngine
-    from forgerl.gateway.app import Gateway
-    from forgerl.gateway.templates import build_renderer
-    from forgerl.metrics import MetricsLogger
-    from forgerl.scheduler.policies import Scheduler
-    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
 
-    tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
-    torch.manual_seed(config.seed)
-    model, tokenizer, system = load_policy(config.model.path)
-    gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
-    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    locks.append(lock_run_dir(run_dir))
-    (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
-    trainer = build_trainer(config, model)
-    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
-    scheduler_state = None
-    if (ckpt := latest_checkpoint(run_dir)) is not None:
-        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
-        scheduler_state = extra.get("scheduler")
-        log.info("resumed from %s at step %d", ckpt, trainer.step)
-    # The checkpoint (or, before the first one, a fresh start) is the run's state: the pool and
-    # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
-    # of weights newer than it are run again, records of later steps are dropped.
-    scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     ec, cluster = config.engine, None
     if config.cluster.backend == "ray":
         from forgerl.cluster import RayCluster
@@ -606,6 +576,46 @@ async def _services(config: Config, agent: Agent | None, training: bool,
         # actors and servers start from the config's weights: send the trainer's
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
+    return engine, cluster
+
+
+@contextlib.asynccontextmanager
+async def _services(config: Config, agent: Agent | None, training: bool,
+                    locks: list[int]) -> AsyncIterator[Services]:
+    """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
+    it, also when this raises)."""
+    import torch
+
+    from forgerl.agents.reaper import Reaper
+    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.gateway.app import Gateway
+    from forgerl.gateway.templates import build_renderer
+    from forgerl.metrics import MetricsLogger
+    from forgerl.scheduler.policies import Scheduler
+    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
+
+    tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
+    torch.manual_seed(config.seed)
+    model, tokenizer, system = load_policy(config.model.path)
+    gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
+    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    locks.append(lock_run_dir(run_dir))
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
+    trainer = build_trainer(config, model)
+    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
+    scheduler_state = None
+    if (ckpt := latest_checkpoint(run_dir)) is not None:
+        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        scheduler_state = extra.get("scheduler")
+        log.info("resumed from %s at step %d", ckpt, trainer.step)
+    # The checkpoint (or, before the first one, a fresh start) is the run's state: the pool and
+    # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
+    # of weights newer than it are run again, records of later steps are dropped.
+    scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
+    engine, cluster = await _start_engines(config, trainer, run_dir)
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
