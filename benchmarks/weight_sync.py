@@ -19,10 +19,12 @@ engine's dtype did not change, mean (min) over steps; exact = after the last ste
 engine's weights equal the full engine's bit for bit. Transport: in-process (the payload is
 passed by reference); with `--ray`, also a bf16 full/delta pair of engine actors
 (`forgerl.cluster.RayEngine`, weights through the Ray object store: `ray.put` + the actor's
-get + apply), on a Ray instance this process starts. Ray binds the machine's own address, so on
+get + apply) and a bf16/bcast pair whose full syncs are one gloo broadcast of a packed
+buffer (`[cluster] weight_transport = "broadcast"`; its deltas still go through the object
+store), on a Ray instance this process starts. Ray binds the machine's own address, so on
 a machine without a network run it in a private namespace:
 `unshare -n sh -c 'ip link set lo up && python benchmarks/weight_sync.py --ray'`. NCCL is not
-measured (no GPU).
+measured here (no GPU).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 
 import torch
 
-from forgerl.cluster import RayEngine, _Engine
+from forgerl.cluster import RayEngine, _Broadcast, _Engine
 from forgerl.config import load_config
 from forgerl.engines.local import LocalEngine
 from forgerl.models import load_pretrained
@@ -57,7 +59,8 @@ class _BenchEngine(_Engine):
 
 
 def ray_engines() -> dict[tuple[str, str], RayEngine]:
-    """A bf16 "full" and "delta" engine actor on SmolLM2 (Ray started here)."""
+    """bf16 "full" and "delta" engine actors on SmolLM2 (Ray started here): through the object
+    store (bf16/ray) and with full syncs as a gloo broadcast (bf16/bcast)."""
     import ray
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
@@ -65,8 +68,13 @@ def ray_engines() -> dict[tuple[str, str], RayEngine]:
                               "--engine.max_batch_size", "1",
                               "--engine.prefix_cache_tokens", "0"]).model_dump()
     actor = ray.remote(num_cpus=0)(_BenchEngine)
-    return {("bf16/ray", k): RayEngine(actor.remote(dump, "bfloat16"), 64, 1)
-            for k in ("full", "delta")}
+    engines = {(d, k): RayEngine(actor.remote(dump, "bfloat16"), 64, 1)
+               for d in ("bf16/ray", "bf16/bcast") for k in ("full", "delta")}
+    for (d, _), engine in engines.items():
+        if d == "bf16/bcast":
+            engine.broadcast = _Broadcast("gloo")
+            engine.broadcast.engines = [engine]
+    return engines
 
 
 async def _params(engine) -> dict[str, torch.Tensor]:

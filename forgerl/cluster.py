@@ -5,7 +5,10 @@ machine; only the transport behind two interfaces changes:
 
 - `RayEngine` is a RolloutEngine whose `stream` / `update_weights` / `apply_delta` are calls on
   an engine actor (a LocalEngine built from the config inside it). Weights travel through the
-  Ray object store: one `ray.put` per sync, however many engine actors `get` it.
+  Ray object store: one `ray.put` per sync, however many engine actors `get` it; or, with
+  `cluster.weight_transport = "broadcast"`, full syncs go as one torch.distributed broadcast
+  from the driver to all engine actors (NCCL with GPUs, gloo on CPU; `_Broadcast`) and deltas
+  still through the object store.
 - `RayTrainerWorkers` has the interface of `data_parallel.TrainerWorkers` (send / collect /
   close): ranks 1..N-1 are actors that join rank 0 (the driver) over gloo at a TCP rendezvous
   on the driver's address, starting from the driver's weights and optimizer state.
@@ -61,6 +64,28 @@ class _Engine:
         await self.engine.apply_delta(delta, version)
         return dict(self.engine.stats)
 
+    async def join(self, address: tuple[str, int], rank: int, world: int, epoch: int,
+                   backend: str, timeout_s: float) -> None:
+        """Become `rank` of the weight-broadcast group hosted at `address` (_Broadcast)."""
+        import asyncio
+
+        from forgerl.trainer.weight_sync import weight_group
+
+        store = torch.distributed.TCPStore(*address, world, False, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = await asyncio.to_thread(weight_group, store, rank, world, epoch, backend,
+                                             timeout_s)
+
+    async def receive(self, specs: list, version: int) -> dict[str, Any]:
+        """Take one packed full sync from the group's broadcast, then `update_weights`."""
+        import asyncio
+
+        from forgerl.trainer.weight_sync import _offsets, unpack
+
+        buffer = torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=self.engine.device)
+        await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
+        return await self.update_weights(unpack(buffer, specs), version)
+
     def info(self) -> tuple[str, int, str]:
         """(dtype name, pid, Ray node id)."""
         import os
@@ -72,6 +97,102 @@ class _Engine:
 
 
 _PUTS: dict[int, list] = {}  # id(state dict) → [ObjectRef, engines still reading it]
+
+
+class _Broadcast:
+    """Full syncs to every engine actor of the run as one torch.distributed broadcast of a
+    `pack`ed buffer in the engines' dtype (`[cluster] weight_transport = "broadcast"`): the
+    driver is rank 0 of a group of its own (NCCL when the engines have GPUs, else gloo), engine
+    i is rank i + 1. Every engine must be updated with the same state dict at once (Router does)
+    so that one broadcast serves all: the last one to ask sends it. A failure (a member died)
+    fails the sync for all and forms the group again (a new epoch) for the next one. The last
+    packed buffer is kept, on the trainer's device, for restoring a restarted actor."""
+
+    def __init__(self, backend: str, timeout_s: float = 120.0) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
+        self.engines: list[RayEngine] = []
+        self.group: Any = None
+        self.store: Any = None
+        self.epoch = 0
+        self.waiting: dict[int, list] = {}  # id(state dict) → [(engine, future)]
+        self.sending: Any = None  # the task of the last broadcast
+
+    async def update(self, engine: RayEngine, state_dict: Mapping[str, torch.Tensor],
+                     version: int) -> tuple[dict, Mapping[str, torch.Tensor]]:
+        """(engine's stats, the weights it now holds) once the broadcast reached every engine;
+        raises what the actor raises, or RuntimeError (a member died, or not every engine was
+        updated within timeout_s)."""
+        import asyncio
+
+        entry = self.waiting.setdefault(id(state_dict), [])
+        entry.append((engine, asyncio.get_running_loop().create_future()))
+        if len(entry) == len(self.engines):
+            del self.waiting[id(state_dict)]
+            self.sending = asyncio.ensure_future(self._send(state_dict, version, entry))
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry[-1][1]), self.timeout_s)
+        except TimeoutError:
+            self.waiting.pop(id(state_dict), None)
+            raise RuntimeError(f"broadcast sync: only {len(entry)} of {len(self.engines)} "
+                               f"engines were updated within {self.timeout_s:.0f} s") from None
+
+    async def _send(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                    entry: list) -> None:
+        """Pack, broadcast (forming the group first when a member was lost; once more after a
+        failed broadcast), then each engine's own result to its future."""
+        import asyncio
+
+        from forgerl.trainer.weight_sync import pack, unpack
+
+        results: list = []
+        try:
+            buffer, specs = pack(state_dict, self.engines[0].weight_dtype)
+            for attempt in (1, 2):
+                try:
+                    if self.group is None or any(e._rejoin for e in self.engines):
+                        await self._form()
+                    refs = [e.actor.receive.remote(specs, version) for e in self.engines]
+                    await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
+                    break
+                except Exception:
+                    self.group = None
+                    if attempt == 2:
+                        raise
+            for e, ref in zip(self.engines, refs, strict=True):
+                try:
+                    with e._errors():
+                        results.append((await ref, unpack(buffer, specs)))
+                except Exception as exc:
+                    results.append(exc)
+        except BaseException as exc:
+            results = [RuntimeError(f"broadcast sync of version {version} failed: {exc}")] \
+                * len(self.engines)
+        by_engine = dict(zip(map(id, self.engines), results, strict=True))
+        for engine, future in entry:
+            result = by_engine[id(engine)]
+            future.set_exception(result) if isinstance(result, BaseException) \
+                else future.set_result(result)
+
+    async def _form(self) -> None:
+        """A new group of the driver and every engine actor (epoch + 1)."""
+        import asyncio
+
+        from forgerl.trainer.weight_sync import weight_group
+
+        ray, world = _ray(), len(self.engines) + 1
+        if self.store is None:
+            self.store = torch.distributed.TCPStore(
+                ray.util.get_node_ip_address(), 0, world, True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.group, self.epoch = None, self.epoch + 1
+        for e in self.engines:
+            e._rejoin = False
+        address = (ray.util.get_node_ip_address(), self.store.port)
+        joins = [e.actor.join.remote(address, i + 1, world, self.epoch, self.backend,
+                                     self.timeout_s) for i, e in enumerate(self.engines)]
+        self.group = await asyncio.to_thread(weight_group, self.store, 0, world, self.epoch,
+                                             self.backend, self.timeout_s)
+        await asyncio.gather(*joins)
 
 
 class RayEngine:
@@ -87,8 +208,9 @@ class RayEngine:
     def __init__(self, actor: Any, max_model_len: int, max_batch_size: int) -> None:
         self.actor, self.max_model_len, self.max_batch_size = actor, max_model_len, max_batch_size
         self.weight_version, self.stats = 0, {}
-        self._last: tuple[Any, int] | None = None  # (ObjectRef, version) of the last full sync
-        self._restore = False
+        self._last: tuple[Any, int] | None = None  # (weights or ObjectRef, version), last full
+        self._restore = self._rejoin = False  # actor died: restore weights, join a new group
+        self.broadcast: _Broadcast | None = None  # set by RayCluster.engines
         dtype, self.pid, self.node_id = _ray().get(actor.info.remote())
         self.weight_dtype = getattr(torch, dtype)
 
@@ -120,9 +242,14 @@ class RayEngine:
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Publish `state_dict` as `version` on the actor, through one object-store copy shared
-        by every RayEngine updated with the same dict concurrently (Router.update_weights).
+        by every RayEngine updated with the same dict concurrently (Router.update_weights), or
+        through `broadcast`, which then waits for all of the run's engines to be updated.
         Raises what the actor's engine raises (ValueError for bad keys/shapes) or RuntimeError
         (actor died); the old version then stays."""
+        if self.broadcast is not None:
+            self.stats, weights = await self.broadcast.update(self, state_dict, version)
+            self._last, self._restore, self.weight_version = (weights, version), False, version
+            return
         ray, key = _ray(), id(state_dict)
         if key not in _PUTS:
             _PUTS[key] = [ray.put(dict(state_dict)), 0]
@@ -158,7 +285,7 @@ class RayEngine:
         try:
             yield
         except ray.exceptions.RayActorError as e:
-            self._restore = True
+            self._restore = self._rejoin = True
             raise RuntimeError(f"engine actor (pid {self.pid}) died: {e}") from None
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
@@ -222,14 +349,22 @@ class RayCluster:
             self.group, placement_group_bundle_index=index), **resources}
 
     def engines(self) -> list[RayEngine]:
-        """One RayEngine per `engine.instances`, each actor in its own bundle."""
+        """One RayEngine per `engine.instances`, each actor in its own bundle (sharing one
+        _Broadcast with `cluster.weight_transport = "broadcast"`)."""
         ray, cc, ec = _ray(), self.config.cluster, self.config.engine
         actor = ray.remote(max_restarts=cc.max_restarts)(_Engine)
         dump = self.config.model_dump()
-        return [RayEngine(actor.options(**self._options(i, {"num_cpus": cc.engine_cpus,
+        engines = [RayEngine(actor.options(**self._options(i, {"num_cpus": cc.engine_cpus,
                                                              "num_gpus": cc.engine_gpus}),
                                         ).remote(dump), self.config.model.max_model_len,
                           ec.max_batch_size) for i in range(ec.instances)]
+        if cc.weight_transport == "broadcast":
+            cuda = cc.engine_gpus > 0 and torch.cuda.is_available()
+            broadcast = _Broadcast("nccl" if cuda else "gloo")
+            broadcast.engines = engines
+            for e in engines:
+                e.broadcast = broadcast
+        return engines
 
     def trainer_workers(self, trainer: Any, timeout_s: float = 300.0) -> RayTrainerWorkers:
         """Ranks 1.. as actors, rank 0 = this process (`trainer`'s weights and optimizer)."""

@@ -68,6 +68,20 @@ class RemoteEngineConfig(_Section):
     (default RUN_DIR/engine_weights; only the newest version is kept)."""
 
 
+class VllmEngineConfig(_Section):
+    """[engine] type = "vllm": vLLM in this process (forgerl/engines/vllm.py), serving [model]
+    path (a folder with safetensors, or "smollm2") at [model] max_model_len, eager mode, fp32
+    by default. Needs vLLM in the running Python: `.venv-vllm/bin/python -m forgerl ...`
+    (`bash scripts/setup_vllm.sh`)."""
+
+    type: Literal["vllm"] = "vllm"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    kv_cache_gb: float = Field(2.0, gt=0)
+    """KV cache size in GiB (host memory on CPU; SmolLM2-135M fp32: about 23k tokens per GiB)."""
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    """Most requests decoded together; more wait in vLLM's queue."""
+
+
 class GatewayConfig(_Section):
     """[gateway]: where the OpenAI-compatible gateway listens."""
 
@@ -337,6 +351,10 @@ class ClusterConfig(_Section):
     """CPUs (GPUs) reserved per engine actor and per trainer-worker actor."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a dead engine actor (a dead trainer worker stops the run)."""
+    weight_transport: Literal["object_store", "broadcast"] = "object_store"
+    """How full weight syncs reach the engine actors: one Ray object-store put that every actor
+    gets, or a torch.distributed broadcast of one packed buffer from the driver (NCCL when
+    engine_gpus > 0 and CUDA is there, else gloo). Deltas always use the object store."""
 
 
 class Config(_Section):
@@ -352,8 +370,8 @@ class Config(_Section):
     and turn): see README "Reproducibility" for what batching leaves nondeterministic. Task
     order is fixed by tasks.seed."""
     model: ModelConfig = ModelConfig()
-    engine: Annotated[LocalEngineConfig | RemoteEngineConfig, Field(discriminator="type")] = \
-        LocalEngineConfig()
+    engine: Annotated[LocalEngineConfig | RemoteEngineConfig | VllmEngineConfig,
+                      Field(discriminator="type")] = LocalEngineConfig()
     gateway: GatewayConfig = GatewayConfig()
     datapool: SQLitePoolConfig = SQLitePoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -7,7 +7,10 @@ the weights a 1-process trainer gets on the same groups (within 1e-5, fp32); aft
 and a resume (new actors) one more step still matches; the actors sit on both nodes; weights
 reach the engines through one object-store copy; an engine actor killed with SIGKILL fails its
 request with a clear RuntimeError, is restarted by Ray and serves the synced version again; a
-killed trainer actor stops the step with a RuntimeError naming it.
+killed trainer actor stops the step with a RuntimeError naming it. With
+`cluster.weight_transport = "broadcast"` one gloo broadcast reaches both engine actors: their
+greedy completions equal an in-process engine's on the same weights, a killed actor is restored
+to the broadcast version, and the next sync forms the group again with the restarted actor.
 
 Ray binds the machine's own address as well as loopback, so the cluster runs in a private
 network namespace (`unshare -n`, loopback only): `test_two_node_cluster` re-runs this module
@@ -52,7 +55,7 @@ def test_two_node_cluster():
     proc = subprocess.run(["unshare", "-n", "sh", "-c", cmd], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("PASSED tests/test_ray_cluster.py::test_inner_") == 3, \
+    assert proc.stdout.count("PASSED tests/test_ray_cluster.py::test_inner_") == 4, \
         proc.stdout[-3000:]
 
 
@@ -170,3 +173,42 @@ async def test_inner_killed_trainer_actor_stops_the_step(tmp_path, cluster):
         with pytest.raises(RuntimeError, match="trainer worker 1"):
             await s.train(batch)
         assert time.monotonic() - start < 60
+
+
+@sync
+async def test_inner_broadcast_sync_reaches_every_engine_and_survives_a_restart(tmp_path,
+                                                                               cluster):
+    from forgerl.engines.local import LocalEngine
+
+    config = _config(tmp_path / "run", cluster, "--trainer.workers", "1",
+                     "--cluster.weight_transport", "broadcast")
+    async with start_services(config, make_agent()) as s:
+        engines, bcast = s.engine.instances, s.engine.instances[0].broadcast
+        assert bcast is not None and bcast.backend == "gloo" and bcast.epoch == 1
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+
+        async def check(version: int, scale: float) -> None:
+            weights = {k: v.detach() * scale for k, v in s.trainer.state_dict_for_sync().items()}
+            await s.engine.update_weights(weights, version)
+            assert [e.weight_version for e in engines] == [version] * 2
+            local = LocalEngine(s.trainer.model, max_model_len=128)
+            await local.update_weights(weights, version)
+            want = (await local.generate([1, 2, 3], params)).completion_ids
+            await local.close()
+            for e in engines:
+                out = await e.generate([1, 2, 3], params)
+                assert out.completion_ids == want and set(out.weight_versions) == {version}
+
+        await check(5, 1.5)
+        assert bcast.epoch == 1  # the group formed at start served both syncs
+        os.kill(engines[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # restarted by Ray; its first request restores the last broadcast weights
+            try:
+                out = await engines[0].generate([1, 2, 3], params)
+                break
+            except RuntimeError:
+                assert time.monotonic() < deadline
+        assert set(out.weight_versions) == {5}
+        await check(6, 0.5)  # the restarted actor joined a new group
+        assert bcast.epoch == 2

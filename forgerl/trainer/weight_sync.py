@@ -26,12 +26,17 @@ Cost: delta mode holds one more copy of the model in the engine's dtype on the t
 sync. It pays when the engine's dtype hides most updates: in bf16 at lr 1e-6 about 99 % of the
 elements keep their bits, while in fp32 nearly all change and the delta is a full sync (see the
 README's weight-sync benchmark). In-process the bytes are a memory copy, so `[trainer]
-weight_sync` defaults to "full". Only the in-process transport exists: the payload is passed by
-reference; Ray object store and NCCL transports would carry the same `WeightDelta`.
+weight_sync` defaults to "full".
+
+Transports: in-process the payload is passed by reference; over Ray (forgerl/cluster.py) it goes
+through the object store (one put, many gets) or, for full syncs with `[cluster]
+weight_transport = "broadcast"`, as one `pack`ed buffer in a torch.distributed broadcast (NCCL
+on GPUs, gloo on CPU) over a process group of its own (`weight_group`).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import time
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 log = logging.getLogger("forgerl")
@@ -186,6 +192,64 @@ def apply_delta(params: Mapping[str, Tensor], delta: WeightDelta, version: int) 
             for flat, idx, old in reversed(undo):
                 flat.copy_(old) if idx is None else flat.index_copy_(0, idx, old)
         raise
+
+
+Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape)
+_ALIGN = 64  # bytes: every tensor starts at a multiple (any dtype can view it)
+
+
+def _offsets(specs: list[Spec]) -> tuple[list[int], int]:
+    """Byte offset of each spec's tensor in a packed buffer, and the buffer's size in bytes."""
+    offsets, total = [], 0
+    for _, dtype, shape in specs:
+        offsets.append(total)
+        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def pack(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None,
+         device: torch.device | str | None = None) -> tuple[Tensor, list[Spec]]:
+    """All of `tensors` (floating ones cast to `dtype` when given) in one flat uint8 buffer of
+    shape (bytes,) on `device` (default: the first tensor's), each starting at a multiple of 64
+    bytes, and the specs that `unpack` needs: for a transport that moves one buffer (a
+    collective broadcast)."""
+    specs = [(k, str(dtype if dtype and t.is_floating_point() else t.dtype)
+              .removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()]
+    total = _offsets(specs)[1]
+    first = next(iter(tensors.values()), torch.empty(0))
+    buffer = torch.empty(total, dtype=torch.uint8, device=device or first.device)
+    for t, view in zip(tensors.values(), unpack(buffer, specs).values(), strict=True):
+        view.copy_(t)
+    return buffer, specs
+
+
+def unpack(buffer: Tensor, specs: list[Spec]) -> dict[str, Tensor]:
+    """name → tensor viewing `buffer` (no copy), bitwise what `pack` put there. Raises
+    ValueError when the buffer's size does not match the specs."""
+    offsets, total = _offsets(specs)
+    if buffer.numel() != total:
+        raise ValueError(f"packed buffer has {buffer.numel()} bytes, its specs need {total}")
+    out = {}
+    for off, (name, dtype, shape) in zip(offsets, specs, strict=True):
+        dt = getattr(torch, dtype)
+        out[name] = buffer[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+    return out
+
+
+def weight_group(store: dist.Store, rank: int, world: int, epoch: int, backend: str,
+                 timeout_s: float) -> dist.ProcessGroup:
+    """Rank `rank` of `world` in a process group for weight broadcasts (rank 0 = the trainer),
+    apart from the default (data-parallel) group. `store`: a TCPStore hosted by rank 0;
+    `epoch` namespaces a group formed again after a member was lost. backend: "nccl" (CUDA) or
+    "gloo". Blocks until every rank joined; collectives wait at most `timeout_s` seconds."""
+    store = dist.PrefixStore(f"weights{epoch}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
 class WeightSync:

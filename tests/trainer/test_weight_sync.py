@@ -6,13 +6,18 @@ a bf16 engine copy, and greedy generation on both is identical; a delta against 
 or against tampered weights at the right version, is refused and the sync falls back to full; a
 corrupted delta (checksum mismatch) leaves the old weights and version; a delta that fails
 half-way restores what it wrote; the encoding is sparse for few changes, dense for many, and
-counts bit changes (-0.0 vs 0.0); tied tensors are sent once.
+counts bit changes (-0.0 vs 0.0); tied tensors are sent once. The broadcast transport's
+packing round-trips every dtype bitwise (each tensor 64-byte aligned, floats cast on request),
+and a 3-rank gloo `weight_group` broadcasts a packed state dict to both receivers, apart from
+any default process group, twice on the same store under two epochs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
+import threading
 
 import pytest
 import torch
@@ -25,7 +30,10 @@ from forgerl.trainer.weight_sync import (
     apply_delta,
     checksum,
     make_delta,
+    pack,
     unique_tensors,
+    unpack,
+    weight_group,
 )
 from forgerl.types import SamplingParams
 
@@ -258,3 +266,52 @@ def test_controller_syncs_with_the_configured_kind(tiny_model):
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_pack_round_trips_bitwise_and_casts_only_floats():
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=gen), "ids": torch.arange(7),
+               "h": torch.randn(2, 1, 3, generator=gen).to(torch.bfloat16),
+               "neg0": torch.tensor([-0.0, float("nan")]), "empty": torch.empty(0, 4)}
+    buffer, specs = pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 64 * 4  # the empty tensor takes none
+    assert [s[0] for s in specs] == list(tensors)
+    for name, t in unpack(buffer, specs).items():
+        assert t.dtype == tensors[name].dtype and t.shape == tensors[name].shape
+        assert torch.equal(t.view(-1).view(torch.uint8), tensors[name].view(-1).view(torch.uint8))
+    half, specs16 = pack(tensors, torch.bfloat16)
+    got = unpack(half, specs16)
+    assert got["ids"].dtype == torch.int64 and torch.equal(got["ids"], tensors["ids"])
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], tensors["w"].bfloat16())
+    with pytest.raises(ValueError, match="256 bytes, its specs need 320"):
+        unpack(buffer, [*specs16, ("x", "float32", (16,))])
+
+
+def test_weight_group_broadcasts_a_packed_state_dict_to_every_rank():
+    gen = torch.Generator().manual_seed(1)
+    weights = {"a": torch.randn(4, 4, generator=gen), "b": torch.randn(9, generator=gen)}
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    received: dict[tuple[int, int], dict] = {}
+
+    def member(rank: int, epoch: int, specs: list) -> None:
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, 3, False,
+                                            timeout=datetime.timedelta(seconds=30))
+        group = weight_group(client, rank, 3, epoch, "gloo", 30.0)
+        buffer = torch.empty(pack(weights)[0].numel(), dtype=torch.uint8)
+        group.broadcast(buffer, 0).wait()
+        received[rank, epoch] = {k: v.clone() for k, v in unpack(buffer, specs).items()}
+
+    for epoch, scale in ((1, 1.0), (2, -2.0)):
+        buffer, specs = pack({k: v * scale for k, v in weights.items()})
+        threads = [threading.Thread(target=member, args=(r, epoch, specs)) for r in (1, 2)]
+        for t in threads:
+            t.start()
+        group = weight_group(store, 0, 3, epoch, "gloo", 30.0)
+        group.broadcast(buffer, 0).wait()
+        for t in threads:
+            t.join(30)
+        for rank in (1, 2):
+            for k, v in weights.items():
+                assert torch.equal(received[rank, epoch][k], v * scale)
+    assert not torch.distributed.is_initialized()
