@@ -310,8 +310,8 @@ class _TrainerRank:
         self.trainer.model.load_state_dict(state[1])
         self.trainer.optimizer.load_state_dict(state[2])
 
-    def train_step(self, groups: list) -> None:
-        self.trainer.train_step(groups)
+    def train_step(self, message: list | str) -> None:
+        self.trainer.serve(message)
 
     def pid(self) -> int:
         import os
@@ -406,10 +406,11 @@ class RayTrainerWorkers:
         self.pids = ray.get([a.pid.remote() for a in self.actors])
         self.pending: list = []
 
-    def send(self, groups: list) -> None:
-        """Start one step on every worker (one object-store copy of the groups)."""
+    def send(self, message: list | str) -> None:
+        """Start one `DataParallelTrainer.serve` on every worker (one object-store copy of a
+        step's groups)."""
         ray = _ray()
-        ref = ray.put(groups)
+        ref = ray.put(message)
         self.pending = [a.train_step.remote(ref) for a in self.actors]
 
     def collect(self, cause: BaseException | None) -> None:

@@ -277,6 +277,10 @@ class TrainerConfig(_Section):
     """Data-parallel trainer workers: this process is rank 0 and spawns N - 1 more, each with
     a full replica, over torch.distributed gloo on CPU (`trainer/data_parallel.py`); each step's
     prefix-tree rows are split between them and the gradients all-reduced."""
+    sharding: Literal["replicate", "fsdp"] = "replicate"
+    """With workers > 1: "replicate" keeps a full replica per worker; "fsdp" shards parameters,
+    gradients and AdamW state over the workers with FSDP2 (per decoder layer; the policy
+    logprobs then come from the model's own forward, not the chunked head)."""
     logprob_chunk_tokens: int = Field(256, ge=0)
     """Policy logprobs from the final hidden states in chunks of this many predictions (lm_head,
     log_softmax and gather per chunk, recomputed in the backward), so no (tokens, vocab) logits

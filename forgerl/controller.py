@@ -350,10 +350,10 @@ class Services:
         a resume reconciles the pool's trained marks and the metrics log with it."""
         from forgerl.trainer.checkpoint import save_checkpoint
 
-        await asyncio.to_thread(save_checkpoint, self.run_dir, self.trainer.model,
-                                self.trainer.optimizer, self.trainer.step,
-                                {"scheduler": self.scheduler.state()},
-                                self.config.trainer.keep_checkpoints)
+        extra = {"scheduler": self.scheduler.state()}
+        await asyncio.to_thread(lambda: save_checkpoint(
+            self.run_dir, self.trainer.model, self.trainer.optimizer, self.trainer.step, extra,
+            self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state()))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
@@ -431,7 +431,7 @@ def build_trainer(config: Config, model: Any) -> Trainer:
     if tc.workers > 1 and resolve_device(tc.device).type != "cpu":
         raise ConfigError("trainer.workers > 1 runs on CPU (gloo) only; set trainer.device = "
                           "'cpu'")
-    return (DataParallelTrainer if tc.workers > 1 else Trainer)(
+    trainer = (DataParallelTrainer if tc.workers > 1 else Trainer)(
         model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
         max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
         max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
@@ -441,6 +441,8 @@ def build_trainer(config: Config, model: Any) -> Trainer:
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         activation_checkpointing=tc.activation_checkpointing,
         checkpoint_every_layers=tc.checkpoint_every_layers)
+    trainer.sharding = tc.sharding
+    return trainer
 
 
 def load_policy(path: str) -> tuple[Any, Any, str | None]:

@@ -31,12 +31,15 @@ def save_checkpoint(
     step: int,
     extra: dict[str, Any],
     keep: int = 1,
+    states: tuple[dict, dict] | None = None,
 ) -> Path:
     """Write checkpoint `step` under `run_dir/checkpoints/` and return its folder.
 
     `model` must offer `save_pretrained` (HF). `extra` must be JSON-serialisable (TypeError
     otherwise, raised before anything is written). Once the new one is in place, all but the
     `keep` newest checkpoints (by step) are deleted; rewriting an existing step replaces it.
+    `states`: (model, optimizer) state dicts to write instead of `model`'s and `optimizer`'s
+    own (`Trainer.checkpoint_state`: gathered in full from a sharded trainer).
     Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
     0.54 GB + 1.08 GB).
     """
@@ -48,8 +51,9 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    model_state, optimizer_state = states or (None, optimizer.state_dict())
+    model.save_pretrained(tmp, state_dict=model_state)
+    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
     (tmp / STATE_FILE).write_text(state)
     if final.exists():
         shutil.rmtree(final)

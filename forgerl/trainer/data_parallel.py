@@ -15,6 +15,13 @@ checkpoint or seed). One step, on every worker with the same groups:
 
 This is what DDP's gradient all-reduce does, without DDP's requirement that every worker runs
 the same number of forwards (a step's rows need not divide evenly).
+
+`sharding = "fsdp"` (`trainer.sharding`) shards instead of replicating: FSDP2 (`fully_shard` on
+every decoder layer and at the root, before the first step) keeps 1/N of the parameters,
+gradients and AdamW state per worker; the backward reduce-scatters the gradient sums (divide
+factor 1: row losses are already divided by the global N), a worker with fewer rows runs
+zero-advantage copies of a row so that every worker runs as many forwards (FSDP's all-gathers
+are collective), and after each step the full weights are gathered for weight sync.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import multiprocessing as mp
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -60,31 +67,110 @@ class DataParallelTrainer(Trainer):
     each step's groups to the other ranks first."""
 
     workers: TrainerWorkers | None = None
+    sharding = "replicate"
+    """"replicate" (full replicas, one gradient all-reduce) or "fsdp" (see the module)."""
+    _sharded = False
+    _full: dict[str, torch.Tensor] | None = None  # rank 0, fsdp: the gathered weights
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """`Trainer.train_step` on every rank at once (rank 0 sends the groups); raises
         RuntimeError naming a worker's error when a worker failed or died."""
+        return self._on_all_ranks(groups)
+
+    def serve(self, message: list[Group] | str) -> None:
+        """Ranks 1..: one message from rank 0, a step's groups or "checkpoint_state"."""
+        self.checkpoint_state() if message == "checkpoint_state" else self.train_step(message)
+
+    def _on_all_ranks(self, message: list[Group] | str) -> Any:
         if self.workers is None:  # ranks 1..: driven by rank 0
-            return super().train_step(groups)
-        self.workers.send(groups)
+            return self._local(message)
+        self.workers.send(message)
         try:
-            metrics = super().train_step(groups)
+            result = self._local(message)
         except RuntimeError as e:  # e.g. gloo: a peer closed its connection
             self.workers.collect(e)
             raise
         self.workers.collect(None)
+        return result
+
+    def _local(self, message: list[Group] | str) -> Any:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        if message == "checkpoint_state":
+            if not self._sharded:
+                return super().checkpoint_state()
+            osd = get_optimizer_state_dict(self.model, self.optimizer, options=full)
+            return self._full, _by_index(osd, self._names)
+        if self.sharding == "fsdp" and not self._sharded:
+            self._shard()
+        metrics = super().train_step(message)
+        if self._sharded:
+            weights = get_model_state_dict(self.model, options=full)
+            self._full = weights if dist.get_rank() == 0 else None
         return metrics
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(model state dict, optimizer state dict) in full; under fsdp gathered from every
+        rank (a collective: rank 0 asks the other ranks to join)."""
+        if self.sharding != "fsdp":
+            return super().checkpoint_state()
+        return self._on_all_ranks("checkpoint_state")
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """`Trainer.state_dict_for_sync`; under fsdp the full weights gathered after the last
+        step (rank 0)."""
+        return self._full if self._sharded else super().state_dict_for_sync()
+
+    def _shard(self) -> None:
+        """FSDP2 over the default process group, keeping the AdamW state loaded so far."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        state = self.optimizer.state_dict()
+        if dist.get_rank() == 0:  # until the first gather (the unsharded tensors stay alive)
+            self._full = super().state_dict_for_sync()
+        for module in [m for m in self.model.modules()
+                       if type(m).__name__ in (self.model._no_split_modules or ())]:
+            fully_shard(module)
+        fully_shard(self.model)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters()
+                                            if p.requires_grad])
+        self.optimizer.param_groups[0].update(hyper)
+        if state["state"]:
+            set_optimizer_state_dict(self.model, self.optimizer, _by_name(state, self._names),
+                                     options=StateDictOptions(full_state_dict=True))
+        self.logprob_chunk_tokens = 0  # the chunked head runs outside the root's forward
+        self._sharded = True
 
     def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
         """Forward + backward of this worker's rows, then the all-reduced gradient sum: one
         flat fp32 buffer of shape (Σ numel of the parameters + 3,) (the gradients, then the
         loss, Σ ratio and Σ clipped over this worker's loss tokens), summed over workers, and
         ratio_max reduced with MAX. Each parameter's .grad becomes its slice of that buffer."""
-        shares = balance_rows([r.input_ids.numel() for r in batch.tree.rows],
-                              dist.get_world_size())
-        mine = [batch.tree.rows[i] for i in shares[dist.get_rank()]]
+        rows = [r for r in batch.tree.rows if r.pred_pos.numel()]
+        shares = balance_rows([r.input_ids.numel() for r in rows], dist.get_world_size())
+        mine = [rows[i] for i in shares[dist.get_rank()]]
+        if self._sharded and batch.num_loss_tokens and len(mine) < max(map(len, shares)):
+            idle = replace(batch.tree, rows=[rows[0]] * (max(map(len, shares)) - len(mine)))
+            super().accumulate_gradients(  # zero loss and gradient, the same collectives
+                replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages)))
         local = super().accumulate_gradients(replace(batch, tree=replace(batch.tree, rows=mine)))
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [] if self._sharded else [p for g in self.optimizer.param_groups
+                                           for p in g["params"]]
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
         n = max(batch.num_loss_tokens, 1)  # the base class divides sums by the global N
         stats = torch.tensor([local["loss"], local["ratio_mean"] * n, local["clip_frac"] * n],
@@ -133,11 +219,12 @@ class TrainerWorkers:
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
-    def send(self, groups: list[Group]) -> None:
-        """Hand one step's groups to every worker (RuntimeError when one has gone)."""
+    def send(self, message: list[Group] | str) -> None:
+        """Hand one message (`DataParallelTrainer.serve`) to every worker (RuntimeError when
+        one has gone)."""
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
             try:
-                conn.send(groups)
+                conn.send(message)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 proc.join(1)
                 self.collect(RuntimeError(
@@ -186,11 +273,27 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
     trainer = build_trainer(config, load_policy(config.model.path)[0])
     if (ckpt := latest_checkpoint(run_dir)) is not None:
         trainer.step = load_checkpoint(ckpt, trainer.model, trainer.optimizer)[0]
-    while (groups := conn.recv()) is not None:
+    while (message := conn.recv()) is not None:
         try:
-            trainer.train_step(groups)
+            trainer.serve(message)
         except Exception as e:
             conn.send(f"{type(e).__name__}: {e}")
             raise SystemExit(1) from None
         conn.send(None)
     dist.destroy_process_group()
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """A torch optimizer state dict (params numbered in `names` order) keyed by name instead,
+    as torch.distributed.checkpoint's full optimizer state dicts are."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
+def _by_index(state: dict, names: list[str]) -> dict:
+    """The inverse of `_by_name`: what `torch.optim.Optimizer.load_state_dict` takes."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                             for g in state["param_groups"]]}

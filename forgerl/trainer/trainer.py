@@ -164,7 +164,8 @@ class Trainer:
             if batch.num_loss_tokens > 0:
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
                 clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip).item()
+                norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                metrics["grad_norm"] = float(getattr(norm, "full_tensor", lambda: norm)())
                 self.optimizer.step()
                 self.step += 1
             else:
@@ -296,6 +297,10 @@ class Trainer:
             "ratio_max": ratio_max,
             "clip_frac": clipped / n,
         }
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(model state dict, optimizer state dict) to save in a checkpoint."""
+        return self.model.state_dict(), self.optimizer.state_dict()
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the

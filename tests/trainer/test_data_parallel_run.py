@@ -4,7 +4,9 @@ process building its replica from the same config (and checkpoint), real rollout
 Pins (issue 13): the controller's 2-worker steps on real recorded groups give the weights a
 1-process trainer gets on the same groups (within 1e-5, fp32); a resumed run's worker starts
 from the checkpoint (its steps still match); a worker killed with SIGKILL makes the next step
-raise a RuntimeError naming the worker within seconds, never a hang.
+raise a RuntimeError naming the worker within seconds, never a hang. The same run with
+`trainer.sharding = "fsdp"` (FSDP2 over gloo): the synced (gathered) weights match too, and the
+checkpoint it writes is the full model and AdamW state, which both ranks resume from.
 """
 
 from __future__ import annotations
@@ -39,16 +41,17 @@ async def _step_against_reference(s, reference):
     assert got["num_loss_tokens"] == want["num_loss_tokens"] > 0
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
     assert rows >= 2 and got["rows_per_worker_max"] < rows  # both workers had rows
-    ref = dict(reference.model.named_parameters())
-    for name, p in s.trainer.model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=0, atol=1e-5)
+    ref = reference.model.state_dict()
+    for name, p in s.trainer.state_dict_for_sync().items():  # gathered under fsdp
+        torch.testing.assert_close(p, ref[name].detach(), rtol=0, atol=1e-5)
     await s.sync_weights()
 
 
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
 @sync
-async def test_two_workers_train_like_one_and_resume(tmp_path):
+async def test_two_workers_train_like_one_and_resume(tmp_path, sharding):
     run_dir = tmp_path / "run"
-    config = _config(run_dir)
+    config = _config(run_dir, "--trainer.sharding", sharding)
     async with start_services(config, make_agent()) as s:
         assert isinstance(s.trainer, DataParallelTrainer)
         reference = build_trainer(_config(run_dir, "--trainer.workers", "1"),
