@@ -153,7 +153,8 @@ def main() -> None:
                 import ray
 
                 ray.shutdown()
-    where = "in-process LocalEngine" + (" and Ray engine actors (bf16/ray, bf16/bcast)" if args.ray else "")
+    where = "in-process LocalEngine" + (" and Ray engine actors (bf16/ray, bf16/bcast)"
+                                        if args.ray else "")
     print(f"SmolLM2-135M, batch {tuple(batch['input_ids'].shape)}, {where}, "
           f"{args.threads} thread(s), {time.perf_counter() - began:.0f} s in all")
     header = (f"{'lr':>6} {'dtype':>8} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "

@@ -296,14 +296,11 @@ class _TrainerRank:
 
     def __init__(self, rank: int, init: str, config_dump: dict, timeout_s: float,
                  state: tuple[int, dict, dict]) -> None:
-        import torch.distributed as dist
-
         from forgerl.controller import build_trainer, load_policy
+        from forgerl.trainer.data_parallel import join_trainer_group
 
         config = Config.model_validate(config_dump)
-        dist.init_process_group("gloo", init_method=init, rank=rank,
-                                world_size=config.trainer.workers,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
         self.trainer = build_trainer(config, load_policy(config.model.path)[0])
         self.trainer.step = state[0]
@@ -336,7 +333,8 @@ class RayCluster:
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
         engine = {"CPU": cc.engine_cpus} | ({"GPU": cc.engine_gpus} if cc.engine_gpus else {})
         bundles = [engine] * config.engine.instances
-        bundles += [{"CPU": cc.trainer_cpus}] * (config.trainer.workers - 1)
+        trainer = {"CPU": cc.trainer_cpus} | ({"GPU": cc.trainer_gpus} if cc.trainer_gpus else {})
+        bundles += [trainer] * (config.trainer.workers - 1)
         self.group = placement_group(bundles, strategy=cc.placement)
         if not self.group.wait(timeout_s):
             raise RuntimeError(f"cluster: could not place {bundles} ({cc.placement}) on the Ray "
@@ -385,7 +383,7 @@ class RayTrainerWorkers:
     process ids. The rendezvous is tcp://driver-address:free-port."""
 
     def __init__(self, cluster: RayCluster, trainer: Any, timeout_s: float) -> None:
-        import torch.distributed as dist
+        from forgerl.trainer.data_parallel import join_trainer_group
 
         ray, config = _ray(), cluster.config
         host = ray.util.get_node_ip_address()
@@ -395,14 +393,12 @@ class RayTrainerWorkers:
         state = ray.put((trainer.step, trainer.model.state_dict(),
                          trainer.optimizer.state_dict()))
         actor = ray.remote(max_restarts=0)(_TrainerRank)
-        cpus = config.cluster.trainer_cpus
-        first = config.engine.instances
-        self.actors = [actor.options(**cluster._options(first + rank - 1, {"num_cpus": cpus}))
+        cc, first = config.cluster, config.engine.instances
+        resources = {"num_cpus": cc.trainer_cpus, "num_gpus": cc.trainer_gpus}
+        self.actors = [actor.options(**cluster._options(first + rank - 1, resources))
                        .remote(rank, init, config.model_dump(), timeout_s, state)
                        for rank in range(1, config.trainer.workers)]
-        dist.init_process_group("gloo", init_method=init, rank=0,
-                                world_size=config.trainer.workers,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_trainer_group(config, init, 0, timeout_s)
         self.pids = ray.get([a.pid.remote() for a in self.actors])
         self.pending: list = []
 

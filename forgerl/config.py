@@ -275,8 +275,9 @@ class TrainerConfig(_Section):
     """Merge samples that share token prefixes into one prefix tree (Forge §3.2)."""
     workers: int = Field(1, ge=1, le=64)
     """Data-parallel trainer workers: this process is rank 0 and spawns N - 1 more, each with
-    a full replica, over torch.distributed gloo on CPU (`trainer/data_parallel.py`); each step's
-    prefix-tree rows are split between them and the gradients all-reduced."""
+    a full replica (or a shard: `sharding`), over torch.distributed gloo on CPU or NCCL with one
+    GPU per rank (`trainer/data_parallel.py`); each step's prefix-tree rows are split between
+    them and the gradients all-reduced."""
     sharding: Literal["replicate", "fsdp"] = "replicate"
     """With workers > 1: "replicate" keeps a full replica per worker; "fsdp" shards parameters,
     gradients and AdamW state over the workers with FSDP2 (per decoder layer; the policy
@@ -352,6 +353,7 @@ class ClusterConfig(_Section):
     engine_cpus: float = Field(1.0, ge=0)
     engine_gpus: float = Field(0.0, ge=0)
     trainer_cpus: float = Field(1.0, ge=0)
+    trainer_gpus: float = Field(0.0, ge=0)
     """CPUs (GPUs) reserved per engine actor and per trainer-worker actor."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a dead engine actor (a dead trainer worker stops the run)."""

@@ -423,14 +423,11 @@ def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
 
 def build_trainer(config: Config, model: Any) -> Trainer:
     """The [trainer] section's trainer for `model`: a `DataParallelTrainer` (one rank) when
-    trainer.workers > 1. Raises ConfigError for workers > 1 on CUDA (gloo on CPU only)."""
+    trainer.workers > 1 (gloo on CPU, NCCL with one GPU per rank)."""
     from forgerl.trainer.data_parallel import DataParallelTrainer
-    from forgerl.trainer.trainer import Trainer, resolve_device
+    from forgerl.trainer.trainer import Trainer
 
     tc = config.trainer
-    if tc.workers > 1 and resolve_device(tc.device).type != "cpu":
-        raise ConfigError("trainer.workers > 1 runs on CPU (gloo) only; set trainer.device = "
-                          "'cpu'")
     trainer = (DataParallelTrainer if tc.workers > 1 else Trainer)(
         model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
         max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),

@@ -44,6 +44,21 @@ if TYPE_CHECKING:
     from forgerl.config import Config
 
 
+def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -> None:
+    """Join the data-parallel trainer's default process group of `trainer.workers` ranks at
+    `init` (a file:// or tcp:// rendezvous) as `rank`: NCCL with GPU `rank` mod the visible
+    GPUs when `trainer.device` resolves to CUDA, else gloo. Collectives and the rendezvous wait
+    at most `timeout_s` seconds."""
+    from forgerl.trainer.trainer import resolve_device
+
+    cuda = resolve_device(config.trainer.device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
+                            world_size=config.trainer.workers,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def balance_rows(row_tokens: list[int], workers: int) -> list[list[int]]:
     """Row indices per worker, longest row first to the least-loaded worker (LPT greedy): the
     largest share is at most 4/3 of the optimum. Each share is in ascending row order; a worker
@@ -177,7 +192,7 @@ class DataParallelTrainer(Trainer):
                              device=self.device)
         flat = torch.cat([*(g.reshape(-1).float() for g in grads), stats])
         dist.all_reduce(flat)
-        ratio_max = torch.tensor([local["ratio_max"]])
+        ratio_max = torch.tensor([local["ratio_max"]], device=self.device)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         offset = 0
         for p, g in zip(params, grads, strict=True):
@@ -192,7 +207,8 @@ class TrainerWorkers:
     """Ranks 1..N-1 of a data-parallel trainer: spawned processes, each building the policy and
     a `DataParallelTrainer` from the same config (and the run's latest checkpoint, so replicas
     start equal), then running `train_step` on each step's groups from a pipe. This process
-    joins as rank 0 (`dist.init_process_group` over gloo, rendezvous file in `run_dir`).
+    joins as rank 0 (`join_trainer_group`: gloo, or NCCL on GPUs; rendezvous file in
+    `run_dir`).
 
     A worker that raises reports its error and exits; one killed outright closes its gloo
     connections. Either way rank 0's next collective fails within `timeout_s` at most and the
@@ -216,8 +232,7 @@ class TrainerWorkers:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_trainer_group(config, init, 0, timeout_s)
 
     def send(self, message: list[Group] | str) -> None:
         """Hand one message (`DataParallelTrainer.serve`) to every worker (RuntimeError when
@@ -266,9 +281,7 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
     config = Config.model_validate(config_dump)
-    dist.init_process_group("gloo", init_method=init, rank=rank,
-                            world_size=config.trainer.workers,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)
     trainer = build_trainer(config, load_policy(config.model.path)[0])
     if (ckpt := latest_checkpoint(run_dir)) is not None:

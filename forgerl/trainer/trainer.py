@@ -125,8 +125,11 @@ class Trainer:
                 self.logprob_chunk_tokens = 0
         set_activation_checkpointing(self.model, activation_checkpointing,
                                      checkpoint_every_layers)
+        # on CPU the per-tensor AdamW is faster than the multi-tensor one and its transient
+        # buffers are one parameter's, not all of them (SmolLM2: +218 vs +508 MiB peak per step)
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+            foreach=self.device.type == "cuda",
         )
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
