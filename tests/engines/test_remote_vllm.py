@@ -16,6 +16,8 @@ started once by `scripts/setup_vllm.sh`'s venv (skipped when `.venv-vllm/bin/vll
 - update_weights mid-stream splits the versions 0…0 1…1, later tokens being the new weights'
   greedy continuation; afterwards greedy equals transformers with the new weights; a failed
   update (a wrong-shaped tensor) raises, keeps version 1 and the server serves the v1 weights;
+- two servers behind the router (`engine.base_url` a list, round robin): one controller step
+  runs rollouts on both, and both then serve the trained weights;
 - killing the server mid-stream raises a clear RuntimeError (no retry, no GenerateOutput);
   requests and updates to a dead server raise and leave the version alone.
 All server checks run in one test so that `pytest -n 2` starts one server (about 40 s).
@@ -24,6 +26,7 @@ All server checks run in one test so that `pytest -n 2` starts one server (about
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -218,6 +221,19 @@ async def running_requests(url: str) -> float:
 def test_remote_engine_against_vllm(server, hf, tmp_path):
     url, proc = server
     model, tokenizer = hf
+    second = contextlib.ExitStack()  # a second server for the router, started meanwhile
+    log2 = tmp_path / "vllm-second.log"
+    starting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        second.enter_context, vllm_server(VLLM_PY, smollm2_dir(), free_port(), 1024, log2))
+    try:
+        _against_vllm(url, proc, model, tokenizer, tmp_path, starting)
+    finally:
+        with contextlib.suppress(Exception):
+            starting.result()
+        second.close()
+
+
+def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a short poem about the sea."}],
         add_generation_prompt=True,
@@ -332,6 +348,29 @@ def test_remote_engine_against_vllm(server, hf, tmp_path):
             assert trained.completion_ids == hf_greedy(s.trainer.model, prompt, 16)
             assert trained.weight_versions == [1] * 16
         lap("controller")
+        # two servers behind the router (round robin): rollouts run on both, and after one step
+        # both serve the trained weights
+        url2, _ = starting.result()
+        config = tiny_config(tmp_path / "run2", "--model.path", "smollm2",
+                             "--model.max_model_len", "1024", "--engine.type", "remote",
+                             "--engine.base_url", f'["{url}", "{url2}"]',
+                             "--engine.router", "round_robin", "--rollout.group_size", "4",
+                             "--rollout.tasks_per_step", "1", "--tasks.eval_size", "0",
+                             "--trainer.lr", "1e-4")
+        async with start_services(config, make_agent()) as s:
+            servers = s.engine.instances
+            assert [e.base_url for e in servers] == [url, url2]
+            assert [e.weight_version for e in servers] == [0, 0]
+            s.admit()
+            [task] = await s.next_batch()
+            await s.train([task])
+            await s.sync_weights()
+            assert all(e.stats["requests"] >= 1 for e in servers), [e.stats for e in servers]
+            want = hf_greedy(s.trainer.model, prompt, 16)
+            for e in servers:
+                out = await e.generate(prompt, greedy)
+                assert out.completion_ids == want and out.weight_versions == [1] * 16
+        lap("two_servers")
         # the server killed mid-stream: a clear error, no retry, no GenerateOutput
         items = []
         with pytest.raises(RuntimeError, match="not retried"):
