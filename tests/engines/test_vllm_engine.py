@@ -44,6 +44,7 @@ from forgerl.controller import start_services
 from forgerl.engines.base import TokenEvent
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
+from tests.engines.test_remote_vllm import max_diff, teacher_forced
 from tests.test_controller import make_agent, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,17 +126,6 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
             ids.append(int(out.logits[0, -1].argmax()))
             step = torch.tensor([[ids[-1]]])
     return ids[len(prompt):]
-
-
-def teacher_forced(model, prompt: list[int], completion: list[int], t: float) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def unfinished(engine) -> int:
