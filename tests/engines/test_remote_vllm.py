@@ -26,7 +26,6 @@ All server checks run in one test so that `pytest -n 2` starts one server (about
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import copy
 import json
@@ -221,19 +220,7 @@ async def running_requests(url: str) -> float:
 def test_remote_engine_against_vllm(server, hf, tmp_path):
     url, proc = server
     model, tokenizer = hf
-    second = contextlib.ExitStack()  # a second server for the router, started meanwhile
-    log2 = tmp_path / "vllm-second.log"
-    starting = concurrent.futures.ThreadPoolExecutor(1).submit(
-        second.enter_context, vllm_server(VLLM_PY, smollm2_dir(), free_port(), 1024, log2))
-    try:
-        _against_vllm(url, proc, model, tokenizer, tmp_path, starting)
-    finally:
-        with contextlib.suppress(Exception):
-            starting.result()
-        second.close()
 
-
-def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a short poem about the sea."}],
         add_generation_prompt=True,
@@ -265,7 +252,7 @@ def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
         assert measured["greedy"] < LOGPROB_TOL and out.weight_versions == [0] * 16
         text = httpx.post(f"{url}/v1/completions", json={
             "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "skip_special_tokens": False}).json()["choices"][0]["text"]
+            "skip_special_tokens": False}, timeout=120).json()["choices"][0]["text"]
         assert tokenizer.decode(out.completion_ids, skip_special_tokens=False) == text
         lap("greedy")
         # seeded sampling at T = 0.7: the logprobs of the distribution actually sampled
@@ -350,7 +337,8 @@ def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
         lap("controller")
         # two servers behind the router (round robin): rollouts run on both, and after one step
         # both serve the trained weights
-        url2, _ = starting.result()
+        url2, _ = await asyncio.to_thread(second.enter_context, vllm_server(
+            VLLM_PY, smollm2_dir(), free_port(), 1024, tmp_path / "vllm-second.log"))
         config = tiny_config(tmp_path / "run2", "--model.path", "smollm2",
                              "--model.max_model_len", "1024", "--engine.type", "remote",
                              "--engine.base_url", f'["{url}", "{url2}"]',
@@ -370,6 +358,7 @@ def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
             for e in servers:
                 out = await e.generate(prompt, greedy)
                 assert out.completion_ids == want and out.weight_versions == [1] * 16
+        second.close()
         lap("two_servers")
         # the server killed mid-stream: a clear error, no retry, no GenerateOutput
         items = []
@@ -388,5 +377,6 @@ def _against_vllm(url, proc, model, tokenizer, tmp_path, starting):
         lap("killed")
 
     lap("references")
-    asyncio.run(main())
+    with contextlib.ExitStack() as second:  # the router's second server, killed at the end
+        asyncio.run(main())
     print(f"logprob max abs diff vs transformers fp32: {measured}")
