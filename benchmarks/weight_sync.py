@@ -72,8 +72,7 @@ def ray_engines() -> dict[tuple[str, str], RayEngine]:
                for d in ("bf16/ray", "bf16/bcast") for k in ("full", "delta")}
     for (d, _), engine in engines.items():
         if d == "bf16/bcast":
-            engine.broadcast = _Broadcast("gloo")
-            engine.broadcast.engines = [engine]
+            _Broadcast([engine], "gloo")
     return engines
 
 

@@ -80,9 +80,9 @@ class _Engine:
         """Take one packed full sync from the group's broadcast, then `update_weights`."""
         import asyncio
 
-        from forgerl.trainer.weight_sync import _offsets, unpack
+        from forgerl.trainer.weight_sync import packed_nbytes, unpack
 
-        buffer = torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=self.engine.device)
+        buffer = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=self.engine.device)
         await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
         return await self.update_weights(unpack(buffer, specs), version)
 
@@ -106,11 +106,13 @@ class _Broadcast:
     i is rank i + 1. Every engine must be updated with the same state dict at once (Router does)
     so that one broadcast serves all: the last one to ask sends it. A failure (a member died)
     fails the sync for all and forms the group again (a new epoch) for the next one. The last
-    packed buffer is kept, on the trainer's device, for restoring a restarted actor."""
+    packed buffer is kept, on the trainer's device, for restoring a restarted actor. Building
+    one sets each of `engines`' `broadcast` to it."""
 
-    def __init__(self, backend: str, timeout_s: float = 120.0) -> None:
-        self.backend, self.timeout_s = backend, timeout_s
-        self.engines: list[RayEngine] = []
+    def __init__(self, engines: list[RayEngine], backend: str, timeout_s: float = 120.0) -> None:
+        self.engines, self.backend, self.timeout_s = engines, backend, timeout_s
+        for e in engines:
+            e.broadcast = self
         self.group: Any = None
         self.store: Any = None
         self.epoch = 0
@@ -158,10 +160,11 @@ class _Broadcast:
                     self.group = None
                     if attempt == 2:
                         raise
+            weights = unpack(buffer, specs)  # what every engine now holds (for restores)
             for e, ref in zip(self.engines, refs, strict=True):
                 try:
                     with e._errors():
-                        results.append((await ref, unpack(buffer, specs)))
+                        results.append((await ref, weights))
                 except Exception as exc:
                     results.append(exc)
         except BaseException as exc:
@@ -179,15 +182,15 @@ class _Broadcast:
 
         from forgerl.trainer.weight_sync import weight_group
 
-        ray, world = _ray(), len(self.engines) + 1
+        host, world = _ray().util.get_node_ip_address(), len(self.engines) + 1
         if self.store is None:
             self.store = torch.distributed.TCPStore(
-                ray.util.get_node_ip_address(), 0, world, True, wait_for_workers=False,
+                host, 0, world, True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.timeout_s))
         self.group, self.epoch = None, self.epoch + 1
         for e in self.engines:
             e._rejoin = False
-        address = (ray.util.get_node_ip_address(), self.store.port)
+        address = (host, self.store.port)
         joins = [e.actor.join.remote(address, i + 1, world, self.epoch, self.backend,
                                      self.timeout_s) for i, e in enumerate(self.engines)]
         self.group = await asyncio.to_thread(weight_group, self.store, 0, world, self.epoch,
@@ -358,10 +361,7 @@ class RayCluster:
                           ec.max_batch_size) for i in range(ec.instances)]
         if cc.weight_transport == "broadcast":
             cuda = cc.engine_gpus > 0 and torch.cuda.is_available()
-            broadcast = _Broadcast("nccl" if cuda else "gloo")
-            broadcast.engines = engines
-            for e in engines:
-                e.broadcast = broadcast
+            _Broadcast(engines, "nccl" if cuda else "gloo")
         return engines
 
     def trainer_workers(self, trainer: Any, timeout_s: float = 300.0) -> RayTrainerWorkers:

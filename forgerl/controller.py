@@ -570,14 +570,14 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
     elif ec.type == "vllm":
         try:
             from forgerl.engines.vllm import VllmEngine
-            from forgerl.models import smollm2_dir
         except ImportError as exc:
             raise ConfigError(f"engine.type = \"vllm\" needs vLLM in this Python ({exc}): run "
                               "`bash scripts/setup_vllm.sh`, then `.venv-vllm/bin/python -m "
                               "forgerl ...`") from exc
-        path = smollm2_dir() if config.model.path == "smollm2" else config.model.path
+        from forgerl.models import model_dir
+
         engines = [await asyncio.to_thread(
-            VllmEngine, path, config.model.max_model_len, dtype=ec.dtype,
+            VllmEngine, model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
             kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)]
     else:  # each engine keeps its own copy of the weights
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,

@@ -160,6 +160,12 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def model_dir(path: str) -> Path:
+    """The local folder `[model] path` names: the packaged SmolLM2 cache for "smollm2" (built
+    on first use, `smollm2_dir`), else `path` itself, with ~ expanded."""
+    return smollm2_dir() if path == SMOLLM2 else Path(path).expanduser()
+
+
 def load_pretrained(
     path: str, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -178,7 +184,7 @@ def load_pretrained(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = smollm2_dir() if path == SMOLLM2 else Path(path).expanduser()
+    folder = model_dir(path)
     if not (folder / "config.json").is_file():
         raise RuntimeError(
             f"model path {path!r} is neither 'smollm2' nor a local HF folder with config.json"

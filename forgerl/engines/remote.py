@@ -306,18 +306,32 @@ def _save_safetensors(
     checking names and shapes against the checkpoint in `reference` (skipped when that folder
     is not readable here); the later name of a tied tensor (lm_head) is left out, as in
     transformers' checkpoints. Raises ValueError on a mismatch."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     tensors = {k: t.detach().cpu().contiguous() for k, t in unique_tensors(state_dict).items()}
-    shapes: dict[str, list[int]] = {}
-    for path in sorted(reference.glob("*.safetensors")) if reference.is_dir() else []:
-        with safe_open(path, "pt") as f:
-            shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
-    bad = sorted(set(shapes) ^ set(tensors))
-    bad += [k for k, t in tensors.items() if k in shapes and list(t.shape) != shapes[k]]
-    if shapes and bad:
+    shapes = checkpoint_shapes(reference)
+    if shapes and (bad := shape_mismatches(tensors, shapes)):
         raise ValueError(f"state_dict does not match the served checkpoint {reference}: {bad[:5]}")
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors.tmp")
     (folder / "model.safetensors.tmp").rename(folder / "model.safetensors")
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """name → shape of every tensor in `folder`'s *.safetensors files, read from their headers
+    ({} for a folder that is missing here or holds none)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        with safe_open(path, "pt") as f:
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    return shapes
+
+
+def shape_mismatches(tensors: Mapping[str, torch.Tensor],
+                     shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Names in only one of `tensors` and `shapes` (sorted), then names whose shapes differ:
+    what a vLLM reload of `tensors` into a model of `shapes` would fail on."""
+    bad = sorted(set(shapes) ^ set(tensors))
+    return bad + [k for k, t in tensors.items() if k in shapes and tuple(t.shape) != shapes[k]]

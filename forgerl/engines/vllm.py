@@ -50,13 +50,13 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from safetensors import safe_open
 from vllm import SamplingParams as VllmParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from forgerl.engines.base import TokenEvent
+from forgerl.engines.remote import checkpoint_shapes, shape_mismatches
 from forgerl.trainer.weight_sync import unique_tensors
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
@@ -100,10 +100,7 @@ class VllmEngine:
                  kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0) -> None:
         start = time.perf_counter()
         self.max_model_len, self.weight_version = max_model_len, 0
-        self._shapes: dict[str, tuple[int, ...]] = {}  # the checkpoint's, to check updates
-        for path in sorted(Path(model_dir).glob("*.safetensors")):
-            with safe_open(path, "pt") as f:
-                self._shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        self._shapes = checkpoint_shapes(Path(model_dir))  # to check updates against
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                           enforce_eager=True, logprobs_mode="processed_logprobs",
@@ -168,9 +165,7 @@ class VllmEngine:
         left out) or RuntimeError (closed, or vLLM failed to load them); the version then stays.
         """
         tensors = {k: t.detach().cpu() for k, t in unique_tensors(state_dict).items()}
-        bad = sorted(set(self._shapes) ^ set(tensors))
-        bad += [k for k, t in tensors.items() if k in self._shapes and t.shape != self._shapes[k]]
-        if bad:
+        if bad := shape_mismatches(tensors, self._shapes):
             raise ValueError(f"state_dict does not match the model's checkpoint: {bad[:5]}")
         if self._closed:
             raise RuntimeError("VllmEngine is closed")

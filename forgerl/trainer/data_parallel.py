@@ -109,6 +109,7 @@ class DataParallelTrainer(Trainer):
         return result
 
     def _local(self, message: list[Group] | str) -> Any:
+        """This rank's part of `message`: the step, or its share of gathering the state."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -124,7 +125,7 @@ class DataParallelTrainer(Trainer):
         if self.sharding == "fsdp" and not self._sharded:
             self._shard()
         metrics = super().train_step(message)
-        if self._sharded:
+        if self._sharded:  # every rank joins the gather; rank 0 keeps the result
             weights = get_model_state_dict(self.model, options=full)
             self._full = weights if dist.get_rank() == 0 else None
         return metrics
@@ -179,8 +180,9 @@ class DataParallelTrainer(Trainer):
         rows = [r for r in batch.tree.rows if r.pred_pos.numel()]
         shares = balance_rows([r.input_ids.numel() for r in rows], dist.get_world_size())
         mine = [rows[i] for i in shares[dist.get_rank()]]
-        if self._sharded and batch.num_loss_tokens and len(mine) < max(map(len, shares)):
-            idle = replace(batch.tree, rows=[rows[0]] * (max(map(len, shares)) - len(mine)))
+        missing = max(map(len, shares)) - len(mine)
+        if self._sharded and batch.num_loss_tokens and missing:
+            idle = replace(batch.tree, rows=[rows[0]] * missing)
             super().accumulate_gradients(  # zero loss and gradient, the same collectives
                 replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages)))
         local = super().accumulate_gradients(replace(batch, tree=replace(batch.tree, rows=mine)))

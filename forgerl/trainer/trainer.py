@@ -167,8 +167,10 @@ class Trainer:
             if batch.num_loss_tokens > 0:
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
                 clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-                norm = torch.nn.utils.clip_grad_norm_(params, clip)
-                metrics["grad_norm"] = float(getattr(norm, "full_tensor", lambda: norm)())
+                norm = torch.nn.utils.clip_grad_norm_(params, clip)  # a DTensor under FSDP
+                if hasattr(norm, "full_tensor"):
+                    norm = norm.full_tensor()
+                metrics["grad_norm"] = norm.item()
                 self.optimizer.step()
                 self.step += 1
             else:

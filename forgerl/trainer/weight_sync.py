@@ -208,6 +208,11 @@ def _offsets(specs: list[Spec]) -> tuple[list[int], int]:
     return offsets, total
 
 
+def packed_nbytes(specs: list[Spec]) -> int:
+    """Bytes of the buffer `pack` makes for `specs` (what a receiver allocates)."""
+    return _offsets(specs)[1]
+
+
 def pack(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None,
          device: torch.device | str | None = None) -> tuple[Tensor, list[Spec]]:
     """All of `tensors` (floating ones cast to `dtype` when given) in one flat uint8 buffer of
@@ -216,7 +221,7 @@ def pack(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None,
     collective broadcast)."""
     specs = [(k, str(dtype if dtype and t.is_floating_point() else t.dtype)
               .removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()]
-    total = _offsets(specs)[1]
+    total = packed_nbytes(specs)
     first = next(iter(tensors.values()), torch.empty(0))
     buffer = torch.empty(total, dtype=torch.uint8, device=device or first.device)
     for t, view in zip(tensors.values(), unpack(buffer, specs).values(), strict=True):

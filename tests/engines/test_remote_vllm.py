@@ -205,6 +205,24 @@ def teacher_forced(model, prompt: list[int], completion: list[int], t: float) ->
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
+async def one_trained_step(s, prompt: list[int], greedy_of) -> None:
+    """Through the controller services `s`, whose engine starts at version 0: one group of
+    rollouts, one step, one sync. Its completions are token-exact on version 0, and afterwards
+    the engine serves version 1, whose greedy ids equal `greedy_of(trainer model, prompt, 16)`."""
+    assert s.engine.weight_version == 0
+    s.admit()
+    [task] = await s.next_batch()
+    await s.train([task])
+    await s.sync_weights()
+    assert s.engine.weight_version == 1
+    calls = [c for t in s.pool.get_group(task).trajectories for c in t.completions]
+    assert calls and all(c.token_exact and c.weight_versions == [0] * len(c.logprobs)
+                         for c in calls)
+    trained = await s.engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert trained.completion_ids == greedy_of(s.trainer.model, prompt, 16)
+    assert trained.weight_versions == [1] * 16
+
+
 def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -322,18 +340,7 @@ def test_remote_engine_against_vllm(server, hf, tmp_path):
                              "--rollout.group_size", "2", "--rollout.tasks_per_step", "1",
                              "--tasks.eval_size", "0", "--trainer.lr", "1e-4")
         async with start_services(config, make_agent()) as s:
-            assert s.engine.weight_version == 0
-            s.admit()
-            [task] = await s.next_batch()
-            await s.train([task])
-            await s.sync_weights()
-            assert s.engine.weight_version == 1
-            calls = [c for t in s.pool.get_group(task).trajectories for c in t.completions]
-            assert calls and all(c.token_exact and c.weight_versions == [0] * len(c.logprobs)
-                                 for c in calls)
-            trained = await s.engine.generate(prompt, greedy)
-            assert trained.completion_ids == hf_greedy(s.trainer.model, prompt, 16)
-            assert trained.weight_versions == [1] * 16
+            await one_trained_step(s, prompt, hf_greedy)
         lap("controller")
         # two servers behind the router (round robin): rollouts run on both, and after one step
         # both serve the trained weights
@@ -349,10 +356,7 @@ def test_remote_engine_against_vllm(server, hf, tmp_path):
             servers = s.engine.instances
             assert [e.base_url for e in servers] == [url, url2]
             assert [e.weight_version for e in servers] == [0, 0]
-            s.admit()
-            [task] = await s.next_batch()
-            await s.train([task])
-            await s.sync_weights()
+            await one_trained_step(s, prompt, hf_greedy)
             assert all(e.stats["requests"] >= 1 for e in servers), [e.stats for e in servers]
             want = hf_greedy(s.trainer.model, prompt, 16)
             for e in servers:

@@ -44,7 +44,7 @@ from forgerl.controller import start_services
 from forgerl.engines.base import TokenEvent
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
-from tests.engines.test_remote_vllm import max_diff, teacher_forced
+from tests.engines.test_remote_vllm import max_diff, one_trained_step, teacher_forced
 from tests.test_controller import make_agent, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -308,18 +308,8 @@ def test_controller_on_vllm_engine(tmp_path, hf, measured):
 
     async def main():
         async with start_services(config, make_agent()) as s:
-            assert type(s.engine).__name__ == "VllmEngine" and s.engine.weight_version == 0
-            s.admit()
-            [task] = await s.next_batch()
-            await s.train([task])
-            await s.sync_weights()
-            assert s.engine.weight_version == 1
-            calls = [c for t in s.pool.get_group(task).trajectories for c in t.completions]
-            assert calls and all(c.token_exact and c.weight_versions == [0] * len(c.logprobs)
-                                 for c in calls)
-            trained = await s.engine.generate(prompt, GREEDY)
-            assert trained.completion_ids == hf_greedy(s.trainer.model, prompt, 16)
-            assert trained.weight_versions == [1] * 16
+            assert type(s.engine).__name__ == "VllmEngine"
+            await one_trained_step(s, prompt, hf_greedy)
 
     start = time.perf_counter()
     asyncio.run(main())
