@@ -181,7 +181,7 @@ class Sim:
         self.route(req, now)
 
     def route(self, req: Request, now: float) -> None:
-        i, cached = self.router.choose(req.prompt, req.hashes)
+        i, cached = self.router.choose(req.prompt, req.hashes, 512)
         if i is None:
             self.parked.append(req)
             return
@@ -214,8 +214,8 @@ class Sim:
                 continue
             self.finish(i, req, now)
         self.running[i] = keep
-        while self.parked and self.router.choose(self.parked[0].prompt, self.parked[0].hashes)[0] \
-                is not None:
+        while self.parked and self.router.choose(
+                self.parked[0].prompt, self.parked[0].hashes, 512)[0] is not None:
             self.route(self.parked.popleft(), now)
         self.start_step(i, now)
 

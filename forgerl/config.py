@@ -55,7 +55,8 @@ class LocalEngineConfig(_Section):
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
     """How each request picks an instance when instances > 1 (forgerl/gateway/router.py):
-    cost_aware = least queue delay + uncached prefill within a load bound of max_batch_size;
+    cost_aware = least uncached prefill + marginal decode slowdown (measured t(B) = a + b·B)
+    within a load bound of max_batch_size;
     affinity = where its prompt prefix was sent; round_robin = in turn."""
 
 

@@ -478,6 +478,8 @@ class LocalEngine:
                 raise ValueError(
                     f"{name}: expected shape {tuple(self._params[name].shape)}, got {got}"
                 )
+            if value.is_meta or value.is_complex() or value.is_sparse:
+                raise ValueError(f"{name}: a meta, complex or sparse tensor cannot be loaded")
 
     # ---- worker thread --------------------------------------------------------------------------
 
@@ -537,17 +539,12 @@ class LocalEngine:
         _settle(update.loop, update.future, None)
 
     def _copy_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy tensors into the weights; on failure restore the old ones and re-raise."""
-        backup = {k: self._params[k].clone() for k in state_dict}
-        try:
-            with torch.no_grad():
-                for name, value in state_dict.items():
-                    self._params[name].copy_(value)
-        except Exception:
-            with torch.no_grad():
-                for name, value in backup.items():
-                    self._params[name].copy_(value)
-            raise
+        """Copy tensors into the weights in place. `_check_state_dict` has vetted every key,
+        shape and tensor, so no copy can fail half-way and no backup of the old weights is kept
+        (a full clone cost the model's size, 0.54 GB for SmolLM2 in fp32, at every update)."""
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                self._params[name].copy_(value)
 
     @torch.inference_mode()
     def _step(self) -> None:

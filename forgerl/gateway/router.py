@@ -12,15 +12,19 @@ token rates, load bound) and asks a policy, a pure function of those loads, for 
   completion (session affinity), and the G rollouts of a task share their prompt (group
   affinity: the first one's prompt is recorded when it is sent, so the siblings sent right after
   follow it).
-- `cost_aware` (Forge §3.3): the minimum of `estimated_seconds` = queue delay + prefill of the
-  prompt tokens the instance does not hold, among instances below their load bound.
+- `cost_aware` (Forge §3.3): the minimum of `estimated_seconds`, among instances below their
+  load bound: the prefill of the prompt tokens the instance does not hold plus the decode time
+  the request adds there, both with the delay they impose on the requests already running (a
+  continuous-batching engine's step costs t(B) = a + b·B seconds for B rows, so a request
+  queues behind nobody but slows every row it shares steps with).
 
 What each instance holds is the router's own estimate, a `PrefixIndex` (a trie of chained
 `BLOCK`-token block hashes, LRU-bounded per instance like the engines' prefix caches): a request's
 prompt is recorded when it is sent, its prompt + completion when it finishes, and an instance's
-record is dropped when it loads new weights (LocalEngine clears its cache then). Token rates are
-measured from the requests (see `RouterState`). `RouterState` is this bookkeeping without I/O,
-on a clock the caller passes, so benchmarks/router.py runs the same code in a simulation.
+record is dropped when it loads new weights (LocalEngine clears its cache then). The prefill
+rate and the step-time line t(B) are measured from the requests (see `RouterState`).
+`RouterState` is this bookkeeping without I/O, on a clock the caller passes, so
+benchmarks/router.py runs the same code in a simulation.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from forgerl.types import GenerateOutput, SamplingParams
 log = logging.getLogger("forgerl")
 BLOCK = 16  # tokens per PrefixIndex block
 AFFINITY_MIN_MATCH = 0.5  # affinity follows a cached prefix covering at least this prompt share
-PRIOR_PREFILL_TOK_S, PRIOR_DECODE_TOK_S = 2000.0, 100.0  # until a rate has been measured
+PRIOR_PREFILL_TOK_S, PRIOR_STEP_S = 2000.0, 0.01  # until measured: tokens/s, s per decode step
 EWMA = 0.2  # weight of a new rate sample
+FIT_DECAY = 0.05  # weight of a new sample in the step-time line's least-squares sums
 
 
 def block_hashes(ids: Sequence[int]) -> list[int]:
@@ -112,18 +117,22 @@ class InstanceLoad:
     """What a policy sees of one instance for one request.
 
     healthy: routable (not failed, weights at the router's weight_version). in_flight: requests
-    sent and not finished. owed_tokens: decode tokens those are still expected to produce.
-    cached_tokens: prompt tokens of this request it is estimated to hold. prefill_tok_s /
-    decode_tok_s: measured rates (tokens/s; decode = the instance's aggregate). load_bound: most
-    requests in flight that cost_aware allows it.
+    sent and not finished. cached_tokens: prompt tokens of this request it is estimated to hold.
+    prefill_tok_s: measured prefill rate (tokens/s). step_s, row_s: the measured decode step time
+    t(B) = step_s + row_s · B (seconds, B rows in the batch). expected_tokens: the completion
+    length expected of this request (tokens). overlap_tokens: Σ over the requests in flight of
+    min(tokens still owed, expected_tokens), the rows this request will share its steps with,
+    summed over those steps. load_bound: most requests in flight that cost_aware allows it.
     """
 
     healthy: bool
     in_flight: int
-    owed_tokens: float
     cached_tokens: int
     prefill_tok_s: float
-    decode_tok_s: float
+    step_s: float
+    row_s: float
+    expected_tokens: float
+    overlap_tokens: float
     load_bound: int
 
 
@@ -152,11 +161,21 @@ def affinity(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int |
 
 
 def estimated_seconds(load: InstanceLoad, prompt_len: int) -> float:
-    """Forge §3.3 cost of sending a prompt of prompt_len tokens to an instance, in seconds:
-    queue delay (owed_tokens / decode_tok_s, the decode work ahead of it) + prefill of the tokens
-    it does not hold ((prompt_len - cached_tokens) / prefill_tok_s)."""
+    """Forge §3.3 cost of sending a prompt of prompt_len tokens to an instance, in seconds of
+    request time summed over the new request and those in flight there:
+
+        p = (prompt_len - cached_tokens) / prefill_tok_s          its uncached prefill
+        cost = p · (1 + in_flight)                                 it stalls every running row
+             + L · step_s + row_s · (L + 2 · overlap_tokens)       its L decode steps at t(B),
+                                                                   and its row in theirs
+
+    L = expected_tokens. The decode terms differ between instances only by row_s · overlap (the
+    marginal slowdown of sharing steps, counted once for it and once for the others), so a
+    cached prefix is worth a proportionally larger imbalance when steps are nearly flat in B."""
     uncached = max(prompt_len - load.cached_tokens, 0)
-    return load.owed_tokens / load.decode_tok_s + uncached / load.prefill_tok_s
+    prefill = uncached / load.prefill_tok_s * (1 + load.in_flight)
+    big_l = load.expected_tokens
+    return prefill + big_l * load.step_s + load.row_s * (big_l + 2 * load.overlap_tokens)
 
 
 def cost_aware(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int | None:
@@ -169,7 +188,7 @@ def cost_aware(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int
 POLICIES: dict[str, Policy] = {p.__name__: p for p in (round_robin, affinity, cost_aware)}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two flights with equal fields are still two
 class Flight:
     """One request routed to `instance` (times in the RouterState's clock, seconds)."""
 
@@ -179,19 +198,23 @@ class Flight:
     uncached: int
     sent_at: float
     first_at: float | None = None
-    streamed_at_first: int = 0
     produced: int = 0
+    batch_sum: int = 0  # Σ over its tokens after the first of the instance's flights then
 
 
 @dataclass
 class RouterState:
-    """The router's bookkeeping without I/O: prefixes sent, flights, measured rates, counters.
+    """The router's bookkeeping without I/O: prefixes sent, flights, measured costs, counters.
 
-    Rates per instance (tokens/s, EWMA): prefill = uncached prompt tokens / time to first token
-    (from requests with at least BLOCK uncached tokens); decode = tokens the instance streamed
-    per second while a request decoded (first token → end). Before a sample: the mean over the
-    measured instances, else PRIOR_PREFILL_TOK_S / PRIOR_DECODE_TOK_S. Owed decode tokens per
-    flight = max(min(max_tokens, mean completion length) - produced, 0).
+    Per instance: prefill rate (tokens/s, EWMA) = uncached prompt tokens / time to first token
+    (from requests with at least BLOCK uncached tokens); the step-time line t(B) = a + b·B by
+    exponentially weighted least squares (FIT_DECAY) over finished requests, each one sample
+    (B = its mean number of flights on the instance while it decoded, t = its seconds per token
+    after the first). While the samples' B spread less than one row the line is taken through
+    half their mean time: a = b·B̄ (half fixed, half per row). Before a sample: the mean over the
+    measured instances, else PRIOR_PREFILL_TOK_S and a = PRIOR_STEP_S, b = a / load_bound.
+    Expected completion L = EWMA of finished completion lengths (the request's max_tokens before
+    one), capped by its max_tokens; owed tokens per flight = max(min(max_tokens, L) - produced, 0).
     """
 
     n: int
@@ -207,9 +230,9 @@ class RouterState:
         n = self.n
         self.index = PrefixIndex(n, self.cache_tokens // BLOCK)
         self.flights: list[list[Flight]] = [[] for _ in range(n)]
-        self.healthy, self.versions, self.streamed = [True] * n, [0] * n, [0] * n
+        self.healthy, self.versions = [True] * n, [0] * n
         self.prefill_tok_s: list[float | None] = [None] * n
-        self.decode_tok_s: list[float | None] = [None] * n
+        self.fits: list[list[float] | None] = [None] * n  # EW sums w, Σx, Σy, Σxx, Σxy
         for i in range(self.n):
             for key in ("requests", "prompt_tokens", "cache_hit_tokens", "queue_peak"):
                 self.counters[f"instance{i}_{key}"] = 0
@@ -218,18 +241,40 @@ class RouterState:
         """Healthy and serving the router's weight version."""
         return self.healthy[i] and self.versions[i] == self.version
 
-    def loads(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> list[InstanceLoad]:
-        """Every instance's InstanceLoad for this prompt."""
+    def loads(self, prompt_ids: Sequence[int], hashes: Sequence[int],
+              max_tokens: int | None = None) -> list[InstanceLoad]:
+        """Every instance's InstanceLoad for this prompt (max_tokens caps its expected length)."""
         cached = self.index.matched(hashes)
-        return [InstanceLoad(self.routable(i), len(self.flights[i]), self._owed(i),
-                             min(cached[i], len(prompt_ids) - 1),
-                             self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S),
-                             self._rate(self.decode_tok_s, i, PRIOR_DECODE_TOK_S),
-                             self.load_bound) for i in range(self.n)]
+        big_l = min(self.mean_completion or max_tokens or 256, max_tokens or 1 << 30)
+        out = []
+        for i in range(self.n):
+            a, b = self.step_line(i)
+            overlap = sum(min(self._owed(f), big_l) for f in self.flights[i])
+            out.append(InstanceLoad(
+                self.routable(i), len(self.flights[i]), min(cached[i], len(prompt_ids) - 1),
+                self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S), a, b, big_l, overlap,
+                self.load_bound))
+        return out
 
-    def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int]) -> tuple[int | None, int]:
+    def step_line(self, i: int) -> tuple[float, float]:
+        """(a, b) of instance i's decode step time t(B) = a + b·B, seconds (class docstring)."""
+        fit = self.fits[i]
+        if fit is None:
+            known = [self.step_line(j) for j in range(self.n) if self.fits[j] is not None]
+            if known:
+                return tuple(sum(col) / len(known) for col in zip(*known, strict=True))
+            return PRIOR_STEP_S, PRIOR_STEP_S / self.load_bound
+        w, sx, sy, sxx, sxy = fit
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        b = (sxy / w - mx * my) / var if var >= 1.0 else my / (2 * max(mx, 1.0))
+        b = min(max(b, 0.0), my / max(mx, 1.0))
+        return max(my - b * mx, 0.0), b
+
+    def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int],
+               max_tokens: int | None = None) -> tuple[int | None, int]:
         """(instance the policy picks or None, its estimated cached prompt tokens)."""
-        loads = self.loads(prompt_ids, hashes)
+        loads = self.loads(prompt_ids, hashes, max_tokens)
         i = self.policy(loads, len(prompt_ids), self.turn)
         return i, (loads[i].cached_tokens if i is not None else 0)
 
@@ -250,16 +295,17 @@ class RouterState:
     def token(self, flight: Flight, now: float, count: int = 1) -> None:
         """`count` tokens of `flight` arrived at `now`; the first one gives a prefill sample."""
         i = flight.instance
-        flight.produced += count
-        self.streamed[i] += count
         if flight.first_at is None:
-            flight.first_at, flight.streamed_at_first = now, self.streamed[i]
+            flight.first_at = now
             if flight.uncached >= BLOCK and now > flight.sent_at:
                 self._sample(self.prefill_tok_s, i, flight.uncached / (now - flight.sent_at))
+            flight.produced, count = 1, count - 1
+        flight.produced += count  # decode steps, each shared with the flights there now
+        flight.batch_sum += count * len(self.flights[i])
 
     def land(self, flight: Flight, completion_ids: list[int] | None, now: float) -> None:
-        """`flight` ended: finished with `completion_ids` (its prefix is recorded and the decode
-        rate sampled), or aborted/failed (None)."""
+        """`flight` ended: finished with `completion_ids` (its prefix is recorded and the step
+        time sampled), or aborted/failed (None)."""
         i = flight.instance
         self.flights[i].remove(flight)
         if completion_ids is None:
@@ -269,24 +315,30 @@ class RouterState:
         c = len(completion_ids)
         self.mean_completion = c if self.mean_completion is None else (
             (1 - EWMA) * self.mean_completion + EWMA * c)
-        if flight.first_at is not None and c >= 2 and now > flight.first_at:
-            rate = (self.streamed[i] - flight.streamed_at_first) / (now - flight.first_at)
-            self._sample(self.decode_tok_s, i, rate)
+        if flight.first_at is not None and flight.produced >= 2 and now > flight.first_at:
+            steps = flight.produced - 1
+            self._fit(i, flight.batch_sum / steps, (now - flight.first_at) / steps)
 
     def stats(self) -> dict[str, int | float]:
         """Flat counters per instance: requests, prompt_tokens, cache_hit_tokens (estimated),
-        queue_depth (in flight now), queue_peak, healthy (0/1), prefill_tok_s, decode_tok_s."""
+        queue_depth (in flight now), queue_peak, healthy (0/1), prefill_tok_s, and the step line
+        step_s, row_s (seconds; 0 until measured)."""
         out = dict(self.counters)
         for i in range(self.n):
             out[f"instance{i}_queue_depth"] = len(self.flights[i])
             out[f"instance{i}_healthy"] = int(self.routable(i))
             out[f"instance{i}_prefill_tok_s"] = self._rate(self.prefill_tok_s, i, 0.0)
-            out[f"instance{i}_decode_tok_s"] = self._rate(self.decode_tok_s, i, 0.0)
+            a, b = self.step_line(i) if self.fits[i] is not None else (0.0, 0.0)
+            out[f"instance{i}_step_s"], out[f"instance{i}_row_s"] = a, b
         return out
 
-    def _owed(self, i: int) -> float:
-        return sum(max(min(f.max_tokens, self.mean_completion or f.max_tokens) - f.produced, 0)
-                   for f in self.flights[i])
+    def _owed(self, f: Flight) -> float:
+        return max(min(f.max_tokens, self.mean_completion or f.max_tokens) - f.produced, 0)
+
+    def _fit(self, i: int, x: float, y: float) -> None:
+        old = self.fits[i] or [0.0] * 5
+        keep = 1 - FIT_DECAY if self.fits[i] is not None else 0.0
+        self.fits[i] = [keep * o + v for o, v in zip(old, (1.0, x, y, x * x, x * y), strict=True)]
 
     def _rate(self, rates: list[float | None], i: int, prior: float) -> float:
         own = rates[i]
@@ -373,7 +425,7 @@ class Router:
         while True:
             if not any(s.routable(i) for i in range(s.n)):
                 s.healthy = [True] * s.n  # nothing left: try every instance again
-            i, cached = s.choose(prompt_ids, hashes)
+            i, cached = s.choose(prompt_ids, hashes, params.max_tokens)
             if i is not None and i in tried:
                 raise RuntimeError(f"no engine instance could serve the request (tried {tried})")
             if i is None:

@@ -269,6 +269,10 @@ def test_failed_update_keeps_weights(tiny_model):
             await engine.update_weights(bad, 1)
         with pytest.raises(ValueError, match="unknown"):
             await engine.update_weights({"not.a.weight": torch.ones(1)}, 1)
+        meta = dict(tiny_model.state_dict(), **{"model.norm.weight": torch.empty(
+            tiny_model.state_dict()["model.norm.weight"].shape, device="meta")})
+        with pytest.raises(ValueError, match="meta"):  # caught before any tensor is copied
+            await engine.update_weights(meta, 1)
         after = await engine.generate(prompt, GREEDY)
         version = engine.weight_version
         await engine.close()

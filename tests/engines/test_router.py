@@ -3,7 +3,8 @@
 Pinned here:
 - Policies are pure functions of InstanceLoad lists (hypothesis): none ever picks an unhealthy
   instance; affinity keeps a request on the healthy instance holding most of its prefix;
-  cost_aware never picks an instance at its load bound and picks the least estimated seconds;
+  cost_aware never picks an instance at its load bound and picks the least estimated seconds
+  (hand-computed for a cached prefix against an imbalance of rows);
   round robin over n consecutive turns hits every healthy instance equally.
 - PrefixIndex: a prompt matches the blocks recorded for an instance, per instance, and stays
   within its LRU bound (the root of a chain outlives its leaves).
@@ -48,10 +49,12 @@ loads_st = st.lists(
         InstanceLoad,
         healthy=st.booleans(),
         in_flight=st.integers(0, 40),
-        owed_tokens=st.floats(0, 5000),
         cached_tokens=st.integers(0, 600),
         prefill_tok_s=st.floats(10, 1e5),
-        decode_tok_s=st.floats(1, 1e4),
+        step_s=st.floats(0, 1),
+        row_s=st.floats(0, 0.1),
+        expected_tokens=st.floats(1, 512),
+        overlap_tokens=st.floats(0, 5000),
         load_bound=st.integers(1, 32),
     ),
     min_size=1,
@@ -76,9 +79,9 @@ def test_affinity_kept_while_the_holder_is_healthy(loads, prompt_len, data):
     holder = data.draw(st.integers(0, len(loads) - 1))
     others = max((x.cached_tokens for j, x in enumerate(loads) if j != holder), default=0)
     held = data.draw(st.integers(max(others + 1, (prompt_len + 1) // 2), max(others + 1, 600)))
-    loads[holder] = InstanceLoad(True, loads[holder].in_flight, 0, held, 1, 1, 1)
+    loads[holder] = InstanceLoad(True, loads[holder].in_flight, held, 1, 1, 1, 1, 0, 1)
     assert affinity(loads, prompt_len, 0) == holder
-    sick = InstanceLoad(False, 0, 0, held, 1, 1, 1)  # once it fails, the request moves
+    sick = InstanceLoad(False, 0, held, 1, 1, 1, 1, 0, 1)  # once it fails, the request moves
     assert affinity([*loads[:holder], sick, *loads[holder + 1 :]], prompt_len, 0) != holder
 
 
@@ -96,20 +99,23 @@ def test_cost_aware_respects_the_load_bound_and_minimises_the_estimate(loads, pr
 
 
 def test_cost_aware_trades_cache_against_queue():
-    idle = InstanceLoad(True, 0, 0.0, 0, 1000.0, 100.0, 8)  # nothing cached, nothing queued
-    warm = InstanceLoad(True, 2, 50.0, 900, 1000.0, 100.0, 8)  # 0.5 s queue, 0.9 s prefill saved
-    assert estimated_seconds(warm, 1000) == pytest.approx(0.5 + 0.1)
-    assert cost_aware([idle, warm], 1000, 0) == 1
-    busy = InstanceLoad(True, 6, 500.0, 900, 1000.0, 100.0, 8)  # 5 s of queue: not worth it
-    assert cost_aware([idle, busy], 1000, 0) == 0
-    full = InstanceLoad(True, 8, 0.0, 900, 1000.0, 100.0, 8)
+    # 1000-token prompts at 1000 tok/s prefill, t(B) = 0.01 + 0.001·B s, 50 tokens expected
+    idle = InstanceLoad(True, 0, 0, 1000.0, 0.01, 0.001, 50, 0, 8)  # nothing cached or running
+    assert estimated_seconds(idle, 1000) == pytest.approx(1.0 + 0.5 + 0.05)
+    warm = InstanceLoad(True, 2, 900, 1000.0, 0.01, 0.001, 50, 100, 8)  # 2 rows, 100 shared steps
+    assert estimated_seconds(warm, 1000) == pytest.approx(0.1 * 3 + 0.5 + 0.001 * (50 + 200))
+    assert cost_aware([idle, warm], 1000, 0) == 1  # 1.05 s < 1.55 s: the cache wins
+    busy = InstanceLoad(True, 6, 900, 1000.0, 0.01, 0.001, 50, 300, 8)
+    assert estimated_seconds(busy, 1000) == pytest.approx(0.1 * 7 + 0.5 + 0.001 * 650)
+    assert cost_aware([idle, busy], 1000, 0) == 0  # 1.85 s: 6 rows outweigh the cached prefix
+    full = InstanceLoad(True, 8, 900, 1000.0, 0.01, 0.001, 50, 0, 8)
     assert cost_aware([full], 1000, 0) is None
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=10).filter(any), st.integers(0, 100))
 def test_round_robin_is_balanced(healthy, start):
-    loads = [InstanceLoad(h, 0, 0, 0, 1, 1, 1) for h in healthy]
+    loads = [InstanceLoad(h, 0, 0, 1, 1, 1, 1, 0, 1) for h in healthy]
     picks = [round_robin(loads, 10, start + k) for k in range(len(healthy) * 3)]
     counts = {i: picks.count(i) for i in set(picks)}
     assert set(counts) == {i for i, h in enumerate(healthy) if h}
@@ -133,19 +139,35 @@ def test_prefix_index_matches_and_stays_bounded():
 
 
 def test_router_state_measures_rates_on_its_clock():
-    s = RouterState(2, cost_aware, cache_tokens=1024, load_bound=4)
+    s = RouterState(2, cost_aware, cache_tokens=1024, load_bound=8)
     prompt = list(range(200))
     f = s.dispatch(0, prompt, block_hashes(prompt), 0, 64, now=0.0)
     s.token(f, now=0.1)  # 200 uncached tokens in 0.1 s
-    s.token(f, now=0.6, count=49)  # 49 more tokens in 0.5 s
-    s.land(f, list(range(50)), now=0.6)
-    assert s.prefill_tok_s[0] == pytest.approx(2000) and s.decode_tok_s[0] == pytest.approx(98)
-    loads = s.loads(prompt + [1] * 30, block_hashes(prompt + [1] * 30))
+    s.token(f, now=0.22, count=10)  # alone: 10 decode steps of 0.012 s at batch 1
+    s.land(f, list(range(11)), now=0.22)
+    assert s.prefill_tok_s[0] == pytest.approx(2000)
+    assert s.step_line(0) == pytest.approx((0.006, 0.006))  # one batch size: half per row
+    five = [s.dispatch(0, [7] * 8, [], 0, 64, now=1.0) for _ in range(5)]
+    for g in five:
+        s.token(g, now=1.1)
+    for g in five:
+        s.token(g, now=1.3, count=10)  # 10 steps of 0.02 s at batch 5
+    for g in five:
+        s.land(g, list(range(11)), now=1.3)
+    # the line through (1, 0.012) and (5, 0.020): t(B) = 0.010 + 0.002·B
+    assert s.step_line(0) == pytest.approx((0.010, 0.002))
+    g = s.dispatch(0, [7] * 8, [], 0, 64, now=2.0)
+    s.token(g, now=2.1, count=3)
+    loads = s.loads(prompt + [1] * 30, block_hashes(prompt + [1] * 30), max_tokens=64)
     assert loads[0].cached_tokens == 192 and loads[1].cached_tokens == 0  # 12 blocks of 16
+    assert loads[0].expected_tokens == 11  # the mean completion so far
+    assert loads[0].overlap_tokens == 8 and loads[1].overlap_tokens == 0  # 11 - 3 still owed
     assert loads[1].prefill_tok_s == pytest.approx(2000)  # unmeasured: the others' mean
+    assert (loads[1].step_s, loads[1].row_s) == pytest.approx((0.010, 0.002))
     stats = s.stats()
-    assert stats["instance0_requests"] == 1 and stats["instance0_queue_peak"] == 1
-    assert stats["instance0_queue_depth"] == 0 and stats["instance1_requests"] == 0
+    assert stats["instance0_requests"] == 7 and stats["instance0_queue_peak"] == 5
+    assert stats["instance0_queue_depth"] == 1 and stats["instance1_requests"] == 0
+    assert stats["instance0_row_s"] == pytest.approx(0.002) and stats["instance1_row_s"] == 0
 
 
 def run(coro):
