@@ -445,7 +445,7 @@ class Config(_Section):
             raise ValueError("cluster.backend = \"ray\" places local or vllm engines as actors; "
                              "engine.type = \"remote\" servers are started apart from it")
         if (self.engine.type == "vllm" and self.engine.instances > 1
-                and self.cluster.backend != "ray"):
+                and self.cluster.backend == "local"):
             raise ValueError("engine.instances > 1 with engine.type = \"vllm\" needs "
                              "cluster.backend = \"ray\" (one vLLM per process)")
         names = [d.name for d in self.domains]

@@ -255,17 +255,15 @@ class _GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, n = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
-        bufs = getattr(self, "_bufs", None)
+        bufs, end = getattr(self, "_bufs", None), length + n
         if (bufs is None or self.keys.data_ptr() != bufs[0].data_ptr()
-                or length + n > bufs[0].shape[2] or bufs[0].shape[:2] != key_states.shape[:2]):
+                or end > bufs[0].shape[2] or bufs[0].shape[:2] != key_states.shape[:2]):
             b, h, _, d = key_states.shape
-            bufs = tuple(key_states.new_empty(b, h, length + n + self.SPARE, d) for _ in range(2))
+            self._bufs = bufs = tuple(key_states.new_empty(b, h, end + self.SPARE, d) for _ in "kv")
             if length:
                 bufs[0][:, :, :length], bufs[1][:, :, :length] = self.keys, self.values
-            self._bufs = bufs
-        bufs[0][:, :, length : length + n], bufs[1][:, :, length : length + n] = (
-            key_states, value_states)
-        self.keys, self.values = bufs[0][:, :, : length + n], bufs[1][:, :, : length + n]
+        bufs[0][:, :, length:end], bufs[1][:, :, length:end] = key_states, value_states
+        self.keys, self.values = bufs[0][:, :, :end], bufs[1][:, :, :end]
         return self.keys, self.values
 
 

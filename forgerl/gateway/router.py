@@ -249,7 +249,7 @@ class RouterState:
         out = []
         for i in range(self.n):
             a, b = self.step_line(i)
-            overlap = sum(min(self._owed(f), big_l) for f in self.flights[i])
+            overlap = sum(max(min(f.max_tokens, big_l) - f.produced, 0) for f in self.flights[i])
             out.append(InstanceLoad(
                 self.routable(i), len(self.flights[i]), min(cached[i], len(prompt_ids) - 1),
                 self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S), a, b, big_l, overlap,
@@ -265,8 +265,7 @@ class RouterState:
                 return tuple(sum(col) / len(known) for col in zip(*known, strict=True))
             return PRIOR_STEP_S, PRIOR_STEP_S / self.load_bound
         w, sx, sy, sxx, sxy = fit
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
+        mx, my, var = sx / w, sy / w, sxx / w - (sx / w) ** 2
         b = (sxy / w - mx * my) / var if var >= 1.0 else my / (2 * max(mx, 1.0))
         b = min(max(b, 0.0), my / max(mx, 1.0))
         return max(my - b * mx, 0.0), b
@@ -331,9 +330,6 @@ class RouterState:
             a, b = self.step_line(i) if self.fits[i] is not None else (0.0, 0.0)
             out[f"instance{i}_step_s"], out[f"instance{i}_row_s"] = a, b
         return out
-
-    def _owed(self, f: Flight) -> float:
-        return max(min(f.max_tokens, self.mean_completion or f.max_tokens) - f.produced, 0)
 
     def _fit(self, i: int, x: float, y: float) -> None:
         old = self.fits[i] or [0.0] * 5
