@@ -49,11 +49,8 @@ class _Engine:
         ec = config.engine
         if ec.type == "vllm":
             from forgerl.engines.vllm import VllmEngine
-            from forgerl.models import model_dir
 
-            self.engine: Any = VllmEngine(
-                model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
-                kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
+            self.engine: Any = VllmEngine.from_config(config)
             return
         from forgerl.engines.local import LocalEngine
 

@@ -574,11 +574,7 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
             raise ConfigError(f"engine.type = \"vllm\" needs vLLM in this Python ({exc}): run "
                               "`bash scripts/setup_vllm.sh`, then `.venv-vllm/bin/python -m "
                               "forgerl ...`") from exc
-        from forgerl.models import model_dir
-
-        engines = [await asyncio.to_thread(
-            VllmEngine, model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
-            kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)]
+        engines = [await asyncio.to_thread(VllmEngine.from_config, config)]
     else:  # each engine keeps its own copy of the weights
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size,

@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from vllm import SamplingParams as VllmParams
@@ -120,6 +120,17 @@ class VllmEngine:
         self.vocab_size: int = self.llm_engine.model_config.get_vocab_size()
         self.start_seconds = time.perf_counter() - start
         self.stats = {"start_seconds": self.start_seconds}
+
+    @classmethod
+    def from_config(cls, config: Any) -> VllmEngine:
+        """The engine a `forgerl.config.Config` with `[engine] type = "vllm"` describes: its
+        [model] path and max_model_len, the section's dtype, kv_cache_gb and max_num_seqs, and
+        the run's seed (the controller's in-process engine and every Ray engine actor)."""
+        from forgerl.models import model_dir
+
+        ec = config.engine
+        return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
+                   kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """The last item of `stream(prompt_ids, params)`; see `RolloutEngine.generate`."""
