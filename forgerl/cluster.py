@@ -52,11 +52,12 @@ class _Engine:
 
             self.engine: Any = VllmEngine.from_config(config)
             return
-        from forgerl.engines.local import LocalEngine
+        from forgerl.engines.local import LocalEngine, engine_dtype
 
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
-                                  dtype=getattr(torch, dtype) if dtype else None)
+                                  dtype=engine_dtype(dtype or ec.dtype, device))
 
     async def stream(self, prompt_ids: list[int],
                      params: SamplingParams) -> AsyncIterator[TokenEvent | GenerateOutput]:

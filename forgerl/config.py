@@ -51,6 +51,9 @@ class LocalEngineConfig(_Section):
     """Most sequences decoded together (continuous batching)."""
     prefix_cache_tokens: int = Field(8192, ge=0)
     """KV prefix-cache capacity in tokens (LRU; 0 disables). SmolLM2 fp32: 46 KB per token."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """The engine's weights and KV cache; behavior logprobs are always float32. "auto" =
+    bfloat16 where its matmuls are fast (CUDA, or a CPU with AMX-BF16), else float32."""
     instances: int = Field(1, ge=1, le=64)
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
@@ -325,6 +328,11 @@ class TrainerConfig(_Section):
     are held: 192 KiB per token at SmolLM2's 49k vocab in fp32, several times that with their
     gradients. 0 = the model's own forward over all predictions (also the fallback for a family
     whose logit transform the chunked head does not reproduce)."""
+    autocast: Literal["off", "bfloat16", "auto"] = "off"
+    """Mixed precision: the trainer's forwards run under torch.autocast in bfloat16 (weights,
+    gradients and AdamW stay float32; logprobs and the loss in float32). "auto" = bfloat16 where
+    its matmuls are fast (as `[engine] dtype`), else off. SmolLM2 on an AMX CPU: 1.75x faster
+    forward+backward, logprobs within 0.04 nats (mean) of float32's."""
     activation_checkpointing: Literal["off", "full", "selective"] = "off"
     """Recompute decoder layers in the backward instead of keeping their activations: "full"
     (every layer; README "Trainer memory" measures its saving and its cost in step time),

@@ -437,7 +437,7 @@ def build_trainer(config: Config, model: Any) -> Trainer:
         rewards=config.reward.weights(), mask_truncated=tc.truncated_turns == "mask",
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         activation_checkpointing=tc.activation_checkpointing,
-        checkpoint_every_layers=tc.checkpoint_every_layers)
+        checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast)
     trainer.sharding = tc.sharding
     return trainer
 
@@ -546,7 +546,7 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
     instances. Every engine serves the trainer's weights as weight_version = trainer.step.
     Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
     without vLLM installed."""
-    from forgerl.engines.local import LocalEngine
+    from forgerl.engines.local import LocalEngine, engine_dtype
 
     ec, cluster = config.engine, None
     if config.cluster.backend == "ray":
@@ -576,9 +576,10 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
                               "forgerl ...`") from exc
         engines = [await asyncio.to_thread(VllmEngine.from_config, config)]
     else:  # each engine keeps its own copy of the weights
+        dtype = engine_dtype(ec.dtype, trainer.device)
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
-                               max_batch_size=ec.max_batch_size,
-                               prefix_cache_tokens=ec.prefix_cache_tokens)
+                               max_batch_size=ec.max_batch_size, device=str(trainer.device),
+                               prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype)
                    for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]

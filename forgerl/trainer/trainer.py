@@ -12,6 +12,7 @@ whatever mix of temperatures a batch holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from forgerl.engines.local import engine_dtype
 from forgerl.rewards.composite import RewardWeights
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import (
@@ -85,6 +87,9 @@ class Trainer:
         activation_checkpointing: "off"; "full" recomputes every decoder layer in the backward
             (only layer inputs are kept); "selective" every `checkpoint_every_layers`-th layer
             (transformers' `activation_checkpointing_enable`, non-reentrant).
+        autocast: "off", "bfloat16" or "auto" (`engines.local.engine_dtype`): the policy
+            forwards run under `torch.autocast` in that dtype; parameters, gradients and AdamW
+            stay in the model's dtype, the returned logprobs are float32.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
             FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
             CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
@@ -113,8 +118,11 @@ class Trainer:
         logprob_chunk_tokens: int = 256,
         activation_checkpointing: str = "off",
         checkpoint_every_layers: int = 2,
+        autocast: str = "off",
     ) -> None:
         self.device = resolve_device(device)
+        half = engine_dtype(autocast, self.device) if autocast != "off" else torch.float32
+        self.autocast_dtype = half if half != torch.float32 else None
         self.model = model.to(self.device).train()
         self.attn_implementation = preferred_attn_implementation(self.model, self.device)
         with attn_implementation(self.model, self.attn_implementation):
@@ -268,6 +276,12 @@ class Trainer:
             metrics=metrics,
         )
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """torch.autocast in `autocast_dtype` on the trainer's device, or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
         """Forward + backward of every row, accumulating gradients (no optimizer step).
 
@@ -282,7 +296,7 @@ class Trainer:
             if row.pred_pos.numel() == 0:
                 continue
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
-            with attn_implementation(self.model, self.attn_implementation):
+            with attn_implementation(self.model, self.attn_implementation), self._autocast():
                 policy_logprobs = forward_logprobs(self.model, row, self.logprob_chunk_tokens)
             loss, stats = self.loss_fn(
                 policy_logprobs,

@@ -213,3 +213,34 @@ def test_smollm2_keeps_chunked_logprobs():
     model, _ = load_pretrained("smollm2")
     assert supports_chunked_logprobs(model)
     assert Trainer(model, device="cpu", logprob_chunk_tokens=256).logprob_chunk_tokens == 256
+
+
+def test_bf16_autocast_keeps_fp32_state_and_close_gradients():
+    """trainer.autocast = "bfloat16": the forwards run in bf16, but parameters and gradients
+    stay fp32 and the gradients are those of fp32 up to bf16 rounding (relative to their size);
+    the saved activations are smaller."""
+    groups = [_long_group()]
+    results = {}
+    for mode in ("off", "bfloat16"):
+        trainer = Trainer(build_tiny_model(), device="cpu", autocast=mode, logprob_chunk_tokens=16)
+        assert trainer.autocast_dtype == (None if mode == "off" else torch.bfloat16)
+        results[mode] = _saved_bytes_and_gradients(trainer, groups)
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    (saved32, g32), (saved16, g16) = results["off"], results["bfloat16"]
+    assert all(g.dtype == torch.float32 for g in g16.values())
+    scale = max(g.abs().max().item() for g in g32.values())
+    assert 0 < _max_grad_diff(g32, g16) < 0.05 * scale  # bf16 keeps 8 mantissa bits
+    assert saved16 < 0.8 * saved32
+
+
+def test_engine_dtype_auto_follows_the_hardware(monkeypatch):
+    from forgerl.engines.local import engine_dtype
+
+    cpu = torch.device("cpu")
+    assert engine_dtype("float32", cpu) == torch.float32
+    assert engine_dtype("bfloat16", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert engine_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert engine_dtype("auto", cpu) == torch.float32
+    assert Trainer(build_tiny_model(), device="cpu", autocast="auto").autocast_dtype is None
