@@ -87,6 +87,8 @@ class Services:
     """Full or delta sync to the engine (`trainer.weight_sync`); built at the first sync."""
     domain_agents: dict[str, tuple[list[str], AgentConfig]] = field(default_factory=dict)
     """[[domains]] with their own agent: name → (command, its section)."""
+    forkservers: dict[tuple[str, ...], asyncio.Future] = field(default_factory=dict)
+    """`[agent] preload` → its fork server (forgerl/agents/forkserver.py), started at first use."""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -112,15 +114,36 @@ class Services:
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
                    **(self.reaper.env() if self.reaper else {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
+        forkserver = None
+        if (isinstance(agent, list) and agent_cfg is not None and agent_cfg.preload
+                and agent[0] == sys.executable and len(agent) > 1 and agent[1][:1] != "-"):
+            forkserver = await self.forkserver(tuple(agent_cfg.preload), env or {})
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(agent, task, self.server.base_url, api_key,
-                                 cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path)
+                                 cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
+                                 forkserver=forkserver)
         if result.status == "finished":
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"
         tail = result.stderr_tail[-2000:]
         return result.status, result.answer, f"agent {result.status}{code}" + (
             f"\n{tail}" if tail else "")
+
+    async def forkserver(self, preload: tuple[str, ...], env: dict[str, str]) -> Any:
+        """The run's ForkServer for `preload`, started with this environment plus `env` (the
+        reaper's tag) at first use; None (agents are exec'd) when it cannot start."""
+        from forgerl.agents.forkserver import ForkServer
+
+        async def start() -> ForkServer | None:
+            try:
+                return await ForkServer.start(list(preload), {**os.environ, **env})
+            except OSError as exc:
+                log.warning("%s; agents start as plain processes", exc)
+                return None
+
+        if preload not in self.forkservers:
+            self.forkservers[preload] = asyncio.ensure_future(start())
+        return await asyncio.shield(self.forkservers[preload])
 
     async def rollout(self, task_index: int, rollout_index: int, task: dict,
                       temperature: float) -> float:
@@ -654,6 +677,9 @@ async def _services(config: Config, agent: Agent | None, training: bool,
         for task in list(services.rollouts.values()):
             task.cancel()
         await asyncio.gather(*services.rollouts.values(), return_exceptions=True)
+        for started in services.forkservers.values():
+            if started.done() and started.exception() is None and started.result() is not None:
+                await started.result().close()
         await server.stop()
         await engine.close()
         services.reaper.close()

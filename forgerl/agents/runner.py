@@ -24,7 +24,10 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal
+
+if TYPE_CHECKING:
+    from forgerl.agents.forkserver import ForkServer
 
 AgentStatus = Literal["finished", "failed", "timeout"]
 AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
@@ -75,12 +78,13 @@ async def run_agent(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
+    forkserver: ForkServer | None = None,
 ) -> AgentResult:
-    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path` apply) or an async
-    callable agent; see `run_command_agent` and `run_callable_agent`."""
+    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path`, `forkserver`
+    apply) or an async callable agent; see `run_command_agent` and `run_callable_agent`."""
     if isinstance(agent, list):
         return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env,
-                                       log_path=log_path)
+                                       log_path=log_path, forkserver=forkserver)
     return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
 
 
@@ -94,6 +98,7 @@ async def run_command_agent(
     env: dict[str, str] | None = None,
     grace_s: float = 2.0,
     log_path: Path | None = None,
+    forkserver: ForkServer | None = None,
 ) -> AgentResult:
     """Run `command` as one agent episode and return its answer and status.
 
@@ -103,7 +108,9 @@ async def run_command_agent(
     At `timeout_s` seconds, or when the calling task is cancelled, the group gets SIGTERM,
     then SIGKILL `grace_s` seconds later;
     a finished agent's leftover children get SIGKILL too. Cancellation re-raises
-    `asyncio.CancelledError` after the group is dead. Never raises for agent faults.
+    `asyncio.CancelledError` after the group is dead. Never raises for agent faults. With
+    `forkserver` (a Python script agent, `[agent] preload`) the process is forked from it
+    instead of exec'd (same contract; a plain process when the server is gone).
     """
     start = time.monotonic()
     full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
@@ -112,7 +119,8 @@ async def run_command_agent(
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = log_path.open("ab")
     try:
-        return await _run_command(command, task, full_env, timeout_s, cwd, grace_s, log, start)
+        return await _run_command(command, task, full_env, timeout_s, cwd, grace_s, log, start,
+                                  forkserver)
     finally:
         if log is not None:
             log.close()
@@ -120,18 +128,22 @@ async def run_command_agent(
 
 async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
                        timeout_s: float, cwd: str | None, grace_s: float,
-                       log: BinaryIO | None, start: float) -> AgentResult:
+                       log: BinaryIO | None, start: float,
+                       forkserver: ForkServer | None = None) -> AgentResult:
     """`run_command_agent` once its stderr destination is open (`log`, or a pipe if None)."""
     log_start = os.fstat(log.fileno()).st_size if log is not None else 0
-    spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=log or asyncio.subprocess.PIPE,
-        cwd=cwd,
-        env=full_env,
-        start_new_session=True,
-    ))
+
+    async def fork_or_exec():
+        if forkserver is not None:
+            with contextlib.suppress(OSError):
+                return await forkserver.spawn(command, full_env, cwd,
+                                              None if log is None else log.fileno())
+        return await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=log or asyncio.subprocess.PIPE, cwd=cwd, env=full_env,
+            start_new_session=True)
+
+    spawn = asyncio.ensure_future(fork_or_exec())
     try:
         proc = await asyncio.shield(spawn)  # a cancel mid-spawn must not lose the process
     except asyncio.CancelledError:
