@@ -54,10 +54,9 @@ class _Engine:
             return
         from forgerl.engines.local import LocalEngine, engine_dtype
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
-                                  dtype=engine_dtype(dtype or ec.dtype, device))
+                                  dtype=engine_dtype(dtype or ec.dtype))
 
     async def stream(self, prompt_ids: list[int],
                      params: SamplingParams) -> AsyncIterator[TokenEvent | GenerateOutput]:

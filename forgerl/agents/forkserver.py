@@ -39,12 +39,17 @@ MAX_MSG = 1 << 20  # bytes of one request (argv + environment)
 class ForkedProcess:
     """The runner's view of one forked agent, shaped like `asyncio.subprocess.Process` where
     `runner._run_command` uses it: pid (= its process group), returncode (None until it
-    exits), stdin (StreamWriter), stdout and stderr (StreamReader, or None for a log file)."""
+    exits, from the server's exit reports), stdin (StreamWriter), stdout and stderr
+    (StreamReader, or None for a log file)."""
 
-    def __init__(self, pid: int, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
-                 stderr: asyncio.StreamReader | None) -> None:
-        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
-        self.returncode: int | None = None
+    def __init__(self, pid: int, codes: dict[int, int], stdin: asyncio.StreamWriter,
+                 stdout: asyncio.StreamReader, stderr: asyncio.StreamReader | None) -> None:
+        self.pid, self._codes, self.stdin, self.stdout, self.stderr = (
+            pid, codes, stdin, stdout, stderr)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._codes.get(self.pid)
 
 
 class ForkServer:
@@ -58,7 +63,8 @@ class ForkServer:
     def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
         self.replies: asyncio.Queue[dict] = asyncio.Queue()
-        self.children: dict[int, ForkedProcess] = {}
+        self.children: set[int] = set()  # forked, not yet reported exited
+        self.codes: dict[int, int] = {}  # pid → exit code (< 0: killed by that signal)
         self.lock = asyncio.Lock()
         loop = asyncio.get_running_loop()
         self.reader = loop.create_task(self._read())
@@ -90,14 +96,15 @@ class ForkServer:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     msg = json.loads(line)
-                    if "exit" in msg:
-                        child = self.children.pop(msg["exit"], None)
-                        if child is not None:
-                            child.returncode = msg["code"]
+                    if "exit" in msg:  # recorded by pid: it may come before spawn returns
+                        self.children.discard(msg["exit"])
+                        self.codes[msg["exit"]] = msg["code"]
                     else:
+                        if "pid" in msg:
+                            self.children.add(msg["pid"])
                         await self.replies.put(msg)
-        for child in self.children.values():  # the server died: its children are orphans
-            child.returncode = -signal.SIGKILL
+        for pid in self.children:  # the server died: its children are orphans
+            self.codes.setdefault(pid, -signal.SIGKILL)
         await self.replies.put({"error": "the fork server exited"})
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None,
@@ -116,19 +123,14 @@ class ForkServer:
                 socket.send_fds(self.sock, [request], child_fds)
                 reply = await self.replies.get()
                 if "pid" in reply:
-                    self.children[reply["pid"]] = child = ForkedProcess(
-                        reply["pid"], *await _streams(loop, pipes))
-        except BaseException:
-            if child is None:  # the runner's ends were not handed to streams
+                    child = ForkedProcess(reply["pid"], self.codes, *await _streams(loop, pipes))
+        finally:
+            for fd in (pipes[0][0], *(p[1] for p in pipes[1:])):  # the child's ends
+                os.close(fd)
+            if child is None:  # ours, not handed to streams
                 for fd in (pipes[0][1], *(p[0] for p in pipes[1:])):
                     os.close(fd)
-            raise
-        finally:
-            for fd in (pipes[0][0], *(p[1] for p in pipes[1:])):
-                os.close(fd)
         if child is None:
-            for fd in (pipes[0][1], *(p[0] for p in pipes[1:])):
-                os.close(fd)
             raise OSError(reply.get("error", "no reply"))
         return child
 

@@ -55,12 +55,14 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (
 WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
 
 
-def engine_dtype(name: str, device: torch.device) -> torch.dtype:
-    """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device`: "auto" is
-    bfloat16 on CUDA with bf16 support or on a CPU with AMX-BF16 tiles (there SmolLM2's batch-16
-    decode ran 1.65x and its prefill 4.5x faster than fp32), else float32."""
+def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device` (None: the
+    engine's default, CUDA when available): "auto" is bfloat16 on CUDA with bf16 support or on a
+    CPU with AMX-BF16 tiles (there SmolLM2's batch-16 decode ran 1.65x and its prefill 4.5x
+    faster than fp32), else float32."""
     if name != "auto":
         return getattr(torch, name)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     amx = device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
