@@ -13,7 +13,8 @@ numbers). Logs go to stderr.
 
 Environment: OPENAI_BASE_URL, OPENAI_API_KEY (read by the openai client), OPENAI_MODEL (default
 "policy"), FORGERL_MAX_TURNS (default 4), FORGERL_MAX_TOKENS (default 96),
-FORGERL_TOOL_LATENCY_S (default 2.0).
+FORGERL_TOOL_LATENCY_S (default 2.0). Argument: `--styles XYZ`, one letter per few-shot example,
+"p" (both calls in one reply) or "s" (one call per reply); default "psp".
 
 Run by hand:
     echo '{"question": "Compute 1234 + 5678 and 4321 - 876."}' | python agent.py
@@ -47,10 +48,11 @@ CALCULATOR = {
         },
     },
 }
-# Three worked examples: both calls in one reply, one call per reply, both in one reply.
-SHOTS = [(("4821 + 3907", "8728"), ("9034 - 7658", "1376"), True),
-         (("652 - 1479", "-827"), ("3310 + 2046", "5356"), False),
-         (("7215 + 1388", "8603"), ("5120 - 6494", "-1374"), True)]
+# Three worked examples; `--styles` says which show both calls in one reply ("p", parallel)
+# and which one call per reply ("s", sequential).
+SHOTS = [(("4821 + 3907", "8728"), ("9034 - 7658", "1376")),
+         (("652 - 1479", "-827"), ("3310 + 2046", "5356")),
+         (("7215 + 1388", "8603"), ("5120 - 6494", "-1374"))]
 
 
 def calculate(expression: str) -> str:
@@ -74,10 +76,12 @@ def run_tool(name: str, arguments: str) -> str:
     return calculate(str(args.get("expression", "")))
 
 
-def few_shot_messages() -> list[dict]:
-    """The SHOTS as real earlier turns, in the gateway's own tool format once rendered."""
+def few_shot_messages(styles: str = "psp") -> list[dict]:
+    """The SHOTS as real earlier turns, in the gateway's own tool format once rendered; shot i
+    makes both calls in one reply when styles[i] == "p", one call per reply when it is "s"."""
     messages: list[dict] = []
-    for i, (first, second, parallel) in enumerate(SHOTS):
+    for i, ((first, second), style) in enumerate(zip(SHOTS, styles, strict=True)):
+        parallel = style == "p"
         calls = [{"id": f"call_ex{i}_{k}", "type": "function",
                   "function": {"name": "calculator",
                                "arguments": json.dumps({"expression": expr})}}
@@ -94,11 +98,13 @@ def few_shot_messages() -> list[dict]:
     return messages
 
 
-def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens: int) -> str:
+def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens: int,
+          styles: str = "psp") -> str:
     """Chat until the model replies without tool calls or `max_turns` calls are used up; the
-    final reply on one line ("" when the turns ran out first)."""
+    final reply on one line ("" when the turns ran out first). Each reply's count of tool calls
+    goes to stderr (`reply: N tool calls`)."""
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
-                            *few_shot_messages(), {"role": "user", "content": question}]
+                            *few_shot_messages(styles), {"role": "user", "content": question}]
     with ThreadPoolExecutor(max_workers=8) as pool:
         for _ in range(max_turns):
             response = client.chat.completions.create(
@@ -110,6 +116,7 @@ def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens:
                 assistant["tool_calls"] = [c.model_dump(include={"id", "type", "function"})
                                            for c in calls]
             messages.append(assistant)
+            print(f"reply: {len(calls)} tool calls", file=sys.stderr)
             if not calls:
                 return " ".join(reply.split())
             results = pool.map(lambda c: run_tool(c.function.name, c.function.arguments), calls)
@@ -119,12 +126,23 @@ def solve(client: OpenAI, question: str, model: str, max_turns: int, max_tokens:
     return ""
 
 
+def parse_styles(argv: list[str]) -> str:
+    """`--styles XYZ` (one of p/s per shot, default "psp"); ValueError for anything else."""
+    if not argv:
+        return "psp"
+    ok = len(argv) == 2 and argv[0] == "--styles" and len(argv[1]) == len(SHOTS)
+    if not ok or set(argv[1]) - {"p", "s"}:
+        raise ValueError(f"usage: agent.py [--styles {len(SHOTS)} of p|s, e.g. psp], got {argv}")
+    return argv[1]
+
+
 def main() -> None:
     raw = os.environ.get("FORGERL_TASK") or sys.stdin.read()
     answer = solve(OpenAI(), json.loads(raw)["question"],
                    model=os.environ.get("OPENAI_MODEL", "policy"),
                    max_turns=int(os.environ.get("FORGERL_MAX_TURNS", "4")),
-                   max_tokens=int(os.environ.get("FORGERL_MAX_TOKENS", "96")))
+                   max_tokens=int(os.environ.get("FORGERL_MAX_TOKENS", "96")),
+                   styles=parse_styles(sys.argv[1:]))
     print(answer)
 
 

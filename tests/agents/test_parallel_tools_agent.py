@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from forgerl.agents.runner import run_command_agent
 from forgerl.rewards.reasoning_gym import make_tasks, score
 from tests.agents.test_chain_sum_agent import chat_response, scripted_server  # noqa: F401
@@ -114,3 +116,14 @@ def test_few_shot_history_shows_both_styles():
             assert results[c["id"]] == str(eval(expression))  # the shown results are right
     assert agent.run_tool("calculator", "{bad").startswith("error")
     assert agent.run_tool("search", "{}") == "error: unknown tool 'search'"
+
+
+def test_styles_choose_how_each_shot_calls_its_tools():
+    for styles, counts in [("sps", [1, 1, 2, 1, 1]), ("ppp", [2, 2, 2]), ("sss", [1] * 6)]:
+        replies = [m for m in agent.few_shot_messages(styles)
+                   if m["role"] == "assistant" and m.get("tool_calls")]
+        assert [len(m["tool_calls"]) for m in replies] == counts
+    assert agent.parse_styles([]) == "psp" and agent.parse_styles(["--styles", "ssp"]) == "ssp"
+    for bad in (["--styles", "sp"], ["--styles", "spx"], ["--shots", "psp"], ["--styles"]):
+        with pytest.raises(ValueError, match="usage"):
+            agent.parse_styles(bad)
