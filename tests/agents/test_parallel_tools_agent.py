@@ -123,7 +123,36 @@ def test_styles_choose_how_each_shot_calls_its_tools():
         replies = [m for m in agent.few_shot_messages(styles)
                    if m["role"] == "assistant" and m.get("tool_calls")]
         assert [len(m["tool_calls"]) for m in replies] == counts
-    assert agent.parse_styles([]) == "psp" and agent.parse_styles(["--styles", "ssp"]) == "ssp"
-    for bad in (["--styles", "sp"], ["--styles", "spx"], ["--shots", "psp"], ["--styles"]):
+    assert agent.parse_args([]) == ("psp", "ccc")
+    assert agent.parse_args(["--styles", "ssp"]) == ("ssp", "ccc")
+    assert agent.parse_args(["--tools", "rcr", "--styles", "ppp"]) == ("ppp", "rcr")
+    for bad in (["--styles", "sp"], ["--styles", "spx"], ["--shots", "psp"], ["--styles"],
+                ["--tools", "ccx"]):
         with pytest.raises(ValueError, match="usage"):
-            agent.parse_styles(bad)
+            agent.parse_args(bad)
+
+
+def test_remote_calculator_gives_the_same_answers_slower(monkeypatch):
+    monkeypatch.setenv("FORGERL_TOOL_LATENCY_S", "0")
+    monkeypatch.setenv("FORGERL_REMOTE_LATENCY_S", "0.3")
+    args = json.dumps({"expression": "652 - 1479"})
+    start = time.monotonic()
+    assert agent.run_tool("calculator", args) == "-827"
+    fast = time.monotonic() - start
+    assert agent.run_tool("calculator_remote", args) == "-827"
+    assert fast < 0.1 and time.monotonic() - start - fast >= 0.3
+    names = [c["function"]["name"] for m in agent.few_shot_messages("ppp", "rcr")
+             if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    assert names == ["calculator_remote"] * 2 + ["calculator"] * 2 + ["calculator_remote"] * 2
+
+
+def test_remote_tool_is_declared_only_when_an_example_uses_it(scripted_server):  # noqa: F811
+    from openai import OpenAI
+
+    base_url, script, requests = scripted_server
+    script += [chat_response("6912, 3445"), chat_response("6912, 3445")]
+    for tools in ("ccc", "rcr"):
+        agent.solve(OpenAI(base_url=base_url, api_key="sk-session-1"), QUESTION, "policy",
+                    max_turns=4, max_tokens=96, styles="ppp", tools=tools)
+    assert [[t["function"]["name"] for t in r["tools"]] for r in requests] == [
+        ["calculator"], ["calculator", "calculator_remote"]]
