@@ -6,8 +6,9 @@ beside its checkpoint) the held-out tasks are run greedily with the run's latest
 `--repeats` times, through the real gateway, engine and agent processes. Printed per run:
 held-out accuracy, mean completion time of a rollout (wall seconds from session open to the
 agent's exit, `eval_rollout_seconds`), the share of rollouts with a reply holding >= 2 tool
-calls (parallel calls) and model calls per rollout; the last column is the completion time
-against the first run's.
+calls (parallel calls), model calls per rollout and the share of tool calls to `--slow-tool`
+(default calculator_remote: `agent.py --tools` with an "r"; 0 when the agent never declares
+it); the last column is the completion time against the first run's.
 
 Run: `.venv/bin/python benchmarks/completion_time.py runs/pt_off runs/pt_on [--repeats 2]`.
 """
@@ -26,9 +27,10 @@ from forgerl.controller import start_services
 from forgerl.trainer.checkpoint import latest_checkpoint
 
 
-async def evaluate(run_dir: Path, repeats: int) -> list[dict[str, float]]:
+async def evaluate(run_dir: Path, repeats: int, slow_tool: str) -> list[dict[str, float]]:
     """Held-out metrics of `run_dir`'s latest checkpoint, `repeats` times (a scratch copy of
-    the run directory holds the eval trajectories, so the run itself is not changed)."""
+    the run directory holds the eval trajectories, so the run itself is not changed), each with
+    `slow_tool_share`: the fraction of the agents' tool calls (over all repeats) to `slow_tool`."""
     config = Config.model_validate(json.loads((run_dir / "config.json").read_text()))
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -39,28 +41,37 @@ async def evaluate(run_dir: Path, repeats: int) -> list[dict[str, float]]:
         shutil.copytree(ckpt, scratch / "checkpoints" / ckpt.name)
         config = config.model_copy(update={"run_dir": str(scratch)})
         async with start_services(config, training=False) as s:
-            return [await s.evaluate() for _ in range(repeats)]
+            results = [await s.evaluate() for _ in range(repeats)]
+        # the agents' logs name each tool they ran: "tool NAME {arguments} -> result"
+        names = [line.split()[1] for log in (scratch / "agent_logs").glob("eval*.log")
+                 for line in log.read_text().splitlines() if line.startswith("tool ")]
+        share = names.count(slow_tool) / len(names) if names else float("nan")
+        return [r | {"slow_tool_share": share} for r in results]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--slow-tool", default="calculator_remote",
+                        help="tool whose share of calls is reported (agent.py --tools r)")
     args = parser.parse_args()
     rows = []
     for run_dir in args.run_dirs:
-        results = asyncio.run(evaluate(run_dir, args.repeats))
+        results = asyncio.run(evaluate(run_dir, args.repeats, args.slow_tool))
         mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]
                 if isinstance(results[0][k], float)}
         rows.append((run_dir, mean, [r["eval_rollout_seconds"] for r in results]))
     print(f"| run | held-out accuracy | completion time (s), mean of {args.repeats} | per "
-          "repeat | parallel-call share | model calls / rollout | time vs first |")
-    print("|---|---|---|---|---|---|---|")
+          "repeat | parallel-call share | model calls / rollout | calls to the slow tool | time vs "
+          "first |")
+    print("|---|---|---|---|---|---|---|---|")
     base = rows[0][1]["eval_rollout_seconds"]
     for run_dir, m, each in rows:
         print(f"| {run_dir} | {m['eval_accuracy']:.3f} | {m['eval_rollout_seconds']:.2f} | "
               f"{', '.join(f'{x:.2f}' for x in each)} | {m['eval_parallel_call_rate']:.3f} | "
-              f"{m['eval_turns_per_trajectory']:.2f} | {m['eval_rollout_seconds'] / base:.3f} |")
+              f"{m['eval_turns_per_trajectory']:.2f} | {m['slow_tool_share']:.3f} | "
+              f"{m['eval_rollout_seconds'] / base:.3f} |")
 
 
 if __name__ == "__main__":
