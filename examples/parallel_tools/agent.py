@@ -57,6 +57,7 @@ REMOTE = {"type": "function", "function": {
     "description": "Evaluate one arithmetic expression on the remote service: same answers."}}
 LATENCY_ENV = {"calculator": ("FORGERL_TOOL_LATENCY_S", "2.0"),
                "calculator_remote": ("FORGERL_REMOTE_LATENCY_S", "15.0")}
+TOOL_NAMES = {"c": "calculator", "r": "calculator_remote"}  # `--tools` letters
 # Three worked examples; `--styles` says which show both calls in one reply ("p", parallel)
 # and which one call per reply ("s", sequential); `--tools` which calculator each one uses
 # ("c" calculator, "r" calculator_remote).
@@ -92,7 +93,7 @@ def few_shot_messages(styles: str = "psp", tools: str = "ccc") -> list[dict]:
     calculator_remote when tools[i] == "r", else to calculator."""
     messages: list[dict] = []
     for i, ((first, second), style, tool) in enumerate(zip(SHOTS, styles, tools, strict=True)):
-        parallel, name = style == "p", REMOTE["function"]["name"] if tool == "r" else "calculator"
+        parallel, name = style == "p", TOOL_NAMES[tool]
         calls = [{"id": f"call_ex{i}_{k}", "type": "function",
                   "function": {"name": name,
                                "arguments": json.dumps({"expression": expr})}}
@@ -145,10 +146,10 @@ def parse_args(argv: list[str]) -> tuple[str, str]:
     "psp") and c|r (default "ccc"); ValueError for anything else."""
     opts = {"--styles": "psp", "--tools": "ccc"}
     usage = f"usage: agent.py [--styles {len(SHOTS)} of p|s] [--tools {len(SHOTS)} of c|r]"
-    if len(argv) % 2 or set(argv[::2]) - set(opts):
+    if len(argv) % 2 or set(argv[::2]) - opts.keys():
         raise ValueError(f"{usage}, got {argv}")
     opts |= dict(zip(argv[::2], argv[1::2], strict=True))
-    for (key, value), letters in zip(opts.items(), ("ps", "cr"), strict=True):
+    for (key, value), letters in zip(opts.items(), ("ps", "".join(TOOL_NAMES)), strict=True):
         if len(value) != len(SHOTS) or set(value) - set(letters):
             raise ValueError(f"{usage}, got {key} {value!r}")
     return opts["--styles"], opts["--tools"]
@@ -156,11 +157,12 @@ def parse_args(argv: list[str]) -> tuple[str, str]:
 
 def main() -> None:
     raw = os.environ.get("FORGERL_TASK") or sys.stdin.read()
+    styles, tools = parse_args(sys.argv[1:])
     answer = solve(OpenAI(), json.loads(raw)["question"],
                    model=os.environ.get("OPENAI_MODEL", "policy"),
                    max_turns=int(os.environ.get("FORGERL_MAX_TURNS", "4")),
                    max_tokens=int(os.environ.get("FORGERL_MAX_TOKENS", "96")),
-                   **dict(zip(("styles", "tools"), parse_args(sys.argv[1:]), strict=True)))
+                   styles=styles, tools=tools)
     print(answer)
 
 
