@@ -246,6 +246,9 @@ class TasksConfig(_Section):
     """Held-out tasks (other seed) evaluated greedily; 0 disables evaluation."""
     eval_every: int = Field(5, ge=1)
     """Evaluate before training and every this many optimizer steps."""
+    eval_concurrency: int = Field(0, ge=0)
+    """Held-out rollouts in flight at once (a task's latency without the others' queueing
+    at 1); 0: all at once."""
 
 
 class DomainConfig(_Section):

@@ -335,7 +335,8 @@ class Services:
         await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
 
     async def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently.
+        """Held-out accuracy: each eval task once, greedy (temperature 0), concurrently
+        ([tasks] eval_concurrency at most).
 
         eval_accuracy = fraction of tasks with reward >= 1 (and `domain_<name>_eval_accuracy`
         per [[domains]] domain), eval_reward_mean, eval_seconds (wall time of the evaluation),
@@ -346,10 +347,14 @@ class Services:
 
         if not self.eval_tasks:
             return {}
-        start = time.time()
-        rewards = await asyncio.gather(*(
-            self.rollout(-1 - i, 0, task, temperature=0.0) for i, task in enumerate(self.eval_tasks)
-        ))
+        start, limit = time.time(), self.config.tasks.eval_concurrency or len(self.eval_tasks)
+        gate = asyncio.Semaphore(limit)
+
+        async def one(i: int, task: dict) -> float:
+            async with gate:
+                return await self.rollout(-1 - i, 0, task, temperature=0.0)
+
+        rewards = await asyncio.gather(*(one(i, t) for i, t in enumerate(self.eval_tasks)))
         n = len(rewards)
         # each held-out task's newest trajectory: earlier evaluations share its task index
         trajs = [self.pool.get_group(-1 - i).trajectories[-1] for i in range(n)]

@@ -231,6 +231,29 @@ async def test_a_finished_group_frees_its_slot_even_while_a_step_trains(tmp_path
         assert set(generating) == {1}  # never two groups at once
 
 
+@pytest.mark.parametrize(("limit", "most"), [(0, 4), (1, 1), (3, 3)])
+@sync
+async def test_eval_concurrency_bounds_held_out_rollouts_in_flight(tmp_path, limit, most):
+    """[tasks] eval_concurrency = K runs at most K held-out rollouts at once (0: all 4); every
+    task is still evaluated once, and right answers give eval_accuracy 1."""
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "4",
+                         "--tasks.eval_concurrency", str(limit))
+    now, peak = [0], [0]
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        now[0] += 1
+        peak[0] = max(peak[0], now[0])
+        await asyncio.sleep(0.2)  # every rollout is started before the first one ends
+        await make_agent()(task, base_url, api_key)
+        now[0] -= 1
+        return _solve(task["question"])
+
+    async with start_services(config, agent) as s:
+        metrics = await s.evaluate()
+    assert peak[0] == most
+    assert metrics["eval_accuracy"] == 1.0 and metrics["eval_rollout_seconds"] >= 0.2
+
+
 def test_duration_bias_compares_trained_with_admission_order(tmp_path):
     """Quick-first training shows up: tasks 0 and 2 (1 s, 2 s) were trained while task 1 (5 s
     per rollout) was admitted before task 2; a still-running rollout counts with its elapsed
