@@ -8,9 +8,13 @@ held-out accuracy, mean completion time of a rollout (wall seconds from session 
 agent's exit, `eval_rollout_seconds`), the share of rollouts with a reply holding >= 2 tool
 calls (parallel calls), model calls per rollout and the share of tool calls to `--slow-tool`
 (default calculator_remote: `agent.py --tools` with an "r"; 0 when the agent never declares
-it); the last column is the completion time against the first run's.
+it); the last column is the completion time against the first run's at the same concurrency.
+`--concurrency K ...` evaluates each run at each K held-out rollouts in flight at once ([tasks]
+eval_concurrency; 0 = all at once, as in training): at K above the engine's batch the rollouts
+queue for it, and the queueing hides the tools' own seconds.
 
-Run: `.venv/bin/python benchmarks/completion_time.py runs/pt_off runs/pt_on [--repeats 2]`.
+Run: `.venv/bin/python benchmarks/completion_time.py runs/pt_off runs/pt_on [--repeats 2]
+[--concurrency 0 4]`.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from forgerl.controller import start_services
 from forgerl.trainer.checkpoint import latest_checkpoint
 
 
-async def evaluate(run_dir: Path, repeats: int, slow_tool: str) -> list[dict[str, float]]:
-    """Held-out metrics of `run_dir`'s latest checkpoint, `repeats` times (a scratch copy of
+async def evaluate(run_dir: Path, repeats: int, slow_tool: str,
+                   concurrency: int = 0) -> list[dict[str, float]]:
+    """Held-out metrics of `run_dir`'s latest checkpoint, `repeats` times, at most `concurrency`
+    rollouts at once (0: all; a scratch copy of
     the run directory holds the eval trajectories, so the run itself is not changed), each with
     `slow_tool_share`: the fraction of the agents' tool calls (over all repeats) to `slow_tool`."""
     config = Config.model_validate(json.loads((run_dir / "config.json").read_text()))
@@ -39,7 +45,8 @@ async def evaluate(run_dir: Path, repeats: int, slow_tool: str) -> list[dict[str
         scratch = Path(tmp) / "run"
         (scratch / "checkpoints").mkdir(parents=True)
         shutil.copytree(ckpt, scratch / "checkpoints" / ckpt.name)
-        config = config.model_copy(update={"run_dir": str(scratch)})
+        tasks = config.tasks.model_copy(update={"eval_concurrency": concurrency})
+        config = config.model_copy(update={"run_dir": str(scratch), "tasks": tasks})
         async with start_services(config, training=False) as s:
             results = [await s.evaluate() for _ in range(repeats)]
         # the agents' logs name each tool they ran: "tool NAME {arguments} -> result"
@@ -55,21 +62,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--slow-tool", default="calculator_remote",
                         help="tool whose share of calls is reported (agent.py --tools r)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[0],
+                        help="held-out rollouts in flight at once, one table row each (0: all)")
     args = parser.parse_args()
     rows = []
-    for run_dir in args.run_dirs:
-        results = asyncio.run(evaluate(run_dir, args.repeats, args.slow_tool))
-        mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]
-                if isinstance(results[0][k], float)}
-        rows.append((run_dir, mean, [r["eval_rollout_seconds"] for r in results]))
-    print(f"| run | held-out accuracy | completion time (s), mean of {args.repeats} | per "
-          "repeat | parallel-call share | model calls / rollout | calls to the slow tool | time vs "
-          "first |")
-    print("|---|---|---|---|---|---|---|---|")
-    base = rows[0][1]["eval_rollout_seconds"]
-    for run_dir, m, each in rows:
-        print(f"| {run_dir} | {m['eval_accuracy']:.3f} | {m['eval_rollout_seconds']:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in each)} | {m['eval_parallel_call_rate']:.3f} | "
+    for k in args.concurrency:
+        for run_dir in args.run_dirs:
+            results = asyncio.run(evaluate(run_dir, args.repeats, args.slow_tool, k))
+            mean = {key: sum(r[key] for r in results) / len(results) for key in results[0]
+                    if isinstance(results[0][key], float)}
+            rows.append((k, run_dir, mean, [r["eval_rollout_seconds"] for r in results]))
+    print(f"| run | in flight | held-out accuracy | completion time (s), mean of {args.repeats} | "
+          "per repeat | eval wall (s) | parallel-call share | model calls / rollout | calls to "
+          "the slow tool | time vs first |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, run_dir, m, each in rows:
+        base = next(r[2] for r in rows if r[0] == k)["eval_rollout_seconds"]
+        print(f"| {run_dir} | {k or 'all'} | {m['eval_accuracy']:.3f} | "
+              f"{m['eval_rollout_seconds']:.2f} | {', '.join(f'{x:.2f}' for x in each)} | "
+              f"{m['eval_seconds']:.1f} | {m['eval_parallel_call_rate']:.3f} | "
               f"{m['eval_turns_per_trajectory']:.2f} | {m['slow_tool_share']:.3f} | "
               f"{m['eval_rollout_seconds'] / base:.3f} |")
 

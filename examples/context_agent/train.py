@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from agent import make_agent
+from agent import MODES, make_agent
 
 from forgerl.config import ConfigError, load_config
 from forgerl.controller import run, start_services
@@ -35,7 +35,7 @@ async def evaluate(config, agent) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cm", choices=["learned", "truncate", "none"], default="learned")
+    parser.add_argument("--cm", choices=MODES, default="learned")
     parser.add_argument("--eval", action="store_true", help="held-out evaluation only")
     args, overrides = parser.parse_known_args()
     try:

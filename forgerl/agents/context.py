@@ -45,12 +45,15 @@ DROPPED = "[dropped]"
 class ManagedContext:
     """An agent's chat history (OpenAI message dicts): `head` always kept, `body` managed.
 
-    cm_actions: CM calls applied so far, by name.
+    cm_actions: CM calls applied so far, by name. tokens: prompt + completion tokens of the
+    last model call `run_tool_loop` made (its usage; 0 before one), what a harness compares
+    with its context budget.
     """
 
     head: list[dict[str, Any]]
     body: list[dict[str, Any]] = field(default_factory=list)
     cm_actions: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -105,7 +108,7 @@ async def run_tool_loop(client: Any, model: str, ctx: ManagedContext, tools: lis
         response = await client.chat.completions.create(
             model=model, messages=ctx.messages, max_tokens=max_tokens,
             tools=[*tools, *(t for t in CM_TOOLS if t["function"]["name"] in cm_tools)])
-        message = response.choices[0].message
+        message, ctx.tokens = response.choices[0].message, response.usage.total_tokens
         reply = message.content or ""
         calls = [c.model_dump(include={"id", "type", "function"}) for c in message.tool_calls or []]
         ctx.body.append({"role": "assistant", "content": reply,
