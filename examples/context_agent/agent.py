@@ -153,7 +153,8 @@ async def run_rounds(client: openai.AsyncOpenAI, ctx: ManagedContext, question: 
             if mode == "summarize":
                 ctx.body.append({"role": "user", "content": SUMMARIZE})
                 out = await client.chat.completions.create(
-                    model="policy", messages=ctx.messages, max_tokens=max_tokens)
+                    model="policy", messages=ctx.messages, max_tokens=max_tokens,
+                    tools=[CALCULATOR])  # the same tools: the request extends the recorded prompt
                 prefix = SUMMARY + " ".join((out.choices[0].message.content or "").split()) + "\n"
             ctx.body = []
             ctx.cm_actions[mode] = ctx.cm_actions.get(mode, 0) + 1

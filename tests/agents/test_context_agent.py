@@ -86,3 +86,41 @@ def test_none_mode_overflows_and_ends_without_an_answer(serve, tokenizer):  # no
     assert answer == "" and len(prompts) == 2
     assert srv.gateway.counters["context_overflows"] == 1
     assert [e.kind for e in srv.pool.get_trajectory(tid).events] == ["context_overflow"]
+
+
+def _after_head(prompt: str) -> str:
+    """A round-mode prompt after its worked examples (the last ends with this answer)."""
+    return prompt.split("assistant\n-827, 5356\n")[-1]
+
+
+def test_summarize_mode_replaces_old_rounds_by_the_model_summary(serve, tokenizer):  # noqa: F811
+    """Round modes: "Compute A.", "Compute B.", FINAL; past COMPACT_AT tokens (always here: the
+    byte tokenizer makes the head alone longer) the harness asks for a summary after rounds 1
+    and 2, and the next round's prompt holds the summary, not the old rounds: a new branch."""
+    script = [_call("calculator", {"expression": "1234 + 5678"}), "6912", "6912",
+              _call("calculator", {"expression": "4321 - 876"}), "3445", "6912, 3445",
+              "6912, 3445"]
+    answer, prompts, srv, _ = _run(serve, tokenizer, "summarize", script)
+    prompts = [_after_head(p) for p in prompts]
+    assert answer == "6912, 3445" and len(prompts) == 7
+    assert "user\nCompute 1234 + 5678." in prompts[0] and "Compute 4321" not in prompts[0]
+    assert "result: 6912" in prompts[2] and prompts[2].endswith(
+        f"user\n{agent.SUMMARIZE}\nassistant\n")
+    assert "result: 6912" not in prompts[3]
+    assert f"user\n{agent.SUMMARY}6912\nCompute 4321 - 876." in prompts[3]
+    assert "result: 3445" not in prompts[6] and "Compute 4321" not in prompts[6]
+    assert f"user\n{agent.SUMMARY}6912, 3445\n{agent.FINAL}" in prompts[6]
+    assert srv.gateway.counters["prefix_misses"] == 2  # two compactions, two new branches
+
+
+def test_drop_mode_loses_the_first_result(serve, tokenizer):  # noqa: F811
+    script = [_call("calculator", {"expression": "1234 + 5678"}), "6912",
+              _call("calculator", {"expression": "4321 - 876"}), "3445", "3445"]
+    answer, prompts, _, _ = _run(serve, tokenizer, "drop", script)
+    prompts = [_after_head(p) for p in prompts]
+    assert answer == "3445" and len(prompts) == 5
+    assert "6912" not in prompts[2] and "Summary" not in prompts[2]
+    assert prompts[4].split("user\n")[-1].startswith(agent.FINAL)
+    assert "6912" not in prompts[4] and "3445" not in prompts[4].split(agent.FINAL)[-1]
+    with pytest.raises(ValueError, match="Compute A and B"):
+        agent.rounds("What is 2 + 2?")
