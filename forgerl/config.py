@@ -248,7 +248,7 @@ class TasksConfig(_Section):
     """Evaluate before training and every this many optimizer steps."""
     eval_concurrency: int = Field(0, ge=0)
     """Held-out rollouts in flight at once (a task's latency without the others' queueing
-    at 1); 0: all at once."""
+    at 1); 0: all at once. The run's [tasks] value holds for every [[domains]] entry."""
 
 
 class DomainConfig(_Section):

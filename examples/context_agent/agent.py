@@ -21,7 +21,7 @@ results, separated by a comma." Each round is one user message. Once the last mo
 more than `COMPACT_AT` tokens (its usage), the harness manages the context before the next round
 (as coding agents auto-compact near a full window):
 
-- "summarize": the harness asks the model for a one-line summary (`SUMMARIZE`); the summary is
+- "summarize": the harness asks the model for the results so far (`SUMMARIZE`); its reply is
   the model's action, trained like any other turn; the old rounds are then replaced by it (the
   next prompt starts a new branch of the trajectory);
 - "drop": the fixed baseline of the same schedule: the old rounds are dropped, no summary.

@@ -46,8 +46,8 @@ class ManagedContext:
     """An agent's chat history (OpenAI message dicts): `head` always kept, `body` managed.
 
     cm_actions: CM calls applied so far, by name. tokens: prompt + completion tokens of the
-    last model call `run_tool_loop` made (its usage; 0 before one), what a harness compares
-    with its context budget.
+    last model call `run_tool_loop` made (its usage; 0 before one or without usage), what a
+    harness compares with its context budget.
     """
 
     head: list[dict[str, Any]]
@@ -108,7 +108,8 @@ async def run_tool_loop(client: Any, model: str, ctx: ManagedContext, tools: lis
         response = await client.chat.completions.create(
             model=model, messages=ctx.messages, max_tokens=max_tokens,
             tools=[*tools, *(t for t in CM_TOOLS if t["function"]["name"] in cm_tools)])
-        message, ctx.tokens = response.choices[0].message, response.usage.total_tokens
+        message, usage = response.choices[0].message, response.usage
+        ctx.tokens = usage.total_tokens if usage is not None else 0
         reply = message.content or ""
         calls = [c.model_dump(include={"id", "type", "function"}) for c in message.tool_calls or []]
         ctx.body.append({"role": "assistant", "content": reply,
