@@ -34,9 +34,9 @@ from forgerl.trainer.checkpoint import latest_checkpoint
 async def evaluate(run_dir: Path, repeats: int, slow_tool: str,
                    concurrency: int = 0) -> list[dict[str, float]]:
     """Held-out metrics of `run_dir`'s latest checkpoint, `repeats` times, at most `concurrency`
-    rollouts at once (0: all; a scratch copy of
-    the run directory holds the eval trajectories, so the run itself is not changed), each with
-    `slow_tool_share`: the fraction of the agents' tool calls (over all repeats) to `slow_tool`."""
+    rollouts at once (0: all), each with `slow_tool_share`: the fraction of the agents' tool
+    calls (over all repeats) to `slow_tool`. A scratch copy of the run directory holds the eval
+    trajectories, so the run itself is not changed."""
     config = Config.model_validate(json.loads((run_dir / "config.json").read_text()))
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -76,8 +76,9 @@ def main() -> None:
           "per repeat | eval wall (s) | parallel-call share | model calls / rollout | calls to "
           "the slow tool | time vs first |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    first: dict[int, float] = {}  # per concurrency: the first run's completion time
     for k, run_dir, m, each in rows:
-        base = next(r[2] for r in rows if r[0] == k)["eval_rollout_seconds"]
+        base = first.setdefault(k, m["eval_rollout_seconds"])
         print(f"| {run_dir} | {k or 'all'} | {m['eval_accuracy']:.3f} | "
               f"{m['eval_rollout_seconds']:.2f} | {', '.join(f'{x:.2f}' for x in each)} | "
               f"{m['eval_seconds']:.1f} | {m['eval_parallel_call_rate']:.3f} | "

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import heapq
 import math
-import os
 import random
 import tempfile
 import time
@@ -358,11 +357,12 @@ def vllm_run(n_groups: int = 6, turns: int = 4) -> list[dict]:
     with contextlib.ExitStack() as stack:
         urls = []
         for core in range(2):
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
             port = 18_400 + core
             log = Path(tempfile.gettempdir()) / f"vllm-router-{port}.log"
             t0 = time.perf_counter()
-            urls.append(stack.enter_context(vllm_server(py, smollm2_dir(), port, 2048, log))[0])
+            urls.append(stack.enter_context(vllm_server(
+                py, smollm2_dir(), port, 2048, log,
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(core)}))[0])
             print(f"    vllm serve on core {core}: started in {time.perf_counter() - t0:.1f} s")
 
         async def main(policy: str) -> dict:

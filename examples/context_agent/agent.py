@@ -56,7 +56,8 @@ REPORT_LINES = 24
 KEEP_MESSAGES = 2  # the truncation baseline keeps the newest call and its report
 EXAMPLES = [(("4821 + 3907", 8728), ("9034 - 7658", 1376)),
             (("652 - 1479", -827), ("3310 + 2046", 5356))]
-MODES = ("learned", "truncate", "none", "summarize", "drop")
+ROUND_MODES = ("summarize", "drop")
+MODES = ("learned", "truncate", "none", *ROUND_MODES)
 ROUND_SYSTEM = ("You are a math assistant with a calculator. Call the calculator for every "
                 "expression; after its report, reply with only the result.")
 FINAL = "Now reply with both results, separated by a comma."
@@ -142,14 +143,14 @@ def round_examples() -> list[dict]:
 async def run_rounds(client: openai.AsyncOpenAI, ctx: ManagedContext, question: str, mode: str,
                      max_turns: int, max_tokens: int) -> str:
     """One round-mode session ("summarize" or "drop"); returns the last reply."""
-    prefix, reply = "", ""
-    for k, text in enumerate(rounds(question)):
+    prefix, reply, texts = "", "", rounds(question)
+    for k, text in enumerate(texts):
         ctx.body.append({"role": "user", "content": prefix + text})
         reply = await run_tool_loop(client, "policy", ctx, [CALCULATOR],
                                     {"calculator": calculator}, max_turns, max_tokens,
                                     cm_tools=frozenset())
         prefix = ""
-        if k < 2 and ctx.tokens > COMPACT_AT:
+        if k < len(texts) - 1 and ctx.tokens > COMPACT_AT:  # not after the final round
             if mode == "summarize":
                 ctx.body.append({"role": "user", "content": SUMMARIZE})
                 out = await client.chat.completions.create(
@@ -170,7 +171,7 @@ def make_agent(mode: str, max_turns: int = 5,
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
 
     async def agent(task: dict, base_url: str, api_key: str) -> str | None:
-        if mode in ("summarize", "drop"):
+        if mode in ROUND_MODES:
             head = [{"role": "system", "content": ROUND_SYSTEM}, *round_examples()]
         else:
             system = SYSTEM_PROMPT + (CM_HINT if mode == "learned" else "")
@@ -179,7 +180,7 @@ def make_agent(mode: str, max_turns: int = 5,
         ctx = ManagedContext(head)
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as c:
             try:
-                if mode in ("summarize", "drop"):
+                if mode in ROUND_MODES:
                     reply = await run_rounds(c, ctx, task["question"], mode, max_turns,
                                              max_tokens)
                 else:

