@@ -304,6 +304,9 @@ def make_tasks(n_groups: int, system: int, task: tuple[int, int], vocab: int) ->
 
 
 def row(policy: str, run: dict, hit: float, st: dict, n: int) -> dict:
+    """One printed row from `drive`'s result: hit (fraction of prompt tokens), p50 / p99 request
+    latency (seconds), tok/s (completion tokens / wall seconds), wall (seconds), and the
+    requests per instance of the router's stats `st` over `n` instances ("a/b")."""
     lat = run["lat"]
     return {"policy": policy, "hit": hit, "p50": lat[len(lat) // 2],
             "p99": lat[int(len(lat) * 0.99)], "tok_s": run["tokens"] / run["wall"],
@@ -382,6 +385,7 @@ def vllm_run(n_groups: int = 6, turns: int = 4) -> list[dict]:
 
 
 def print_real(rows: list[dict]) -> None:
+    """Print `row` dicts, one line per policy."""
     for r in rows:
         print(f"    {r['policy']:<12} hit {r['hit']:6.1%}  p50 {r['p50']:.3f} s  "
               f"p99 {r['p99']:.3f} s  {r['tok_s']:5.0f} tok/s  wall {r['wall']:.1f} s  "
