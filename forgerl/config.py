@@ -225,10 +225,11 @@ class AgentConfig(_Section):
     """Passed to the agent as FORGERL_MAX_TURNS."""
     cwd: str | None = None
     """Working directory; default: the directory of the config file."""
-    preload: list[str] = Field(default_factory=list)
+    preload: list[str] | None = None
     """Modules a Python script agent (`command = ["python", "agent.py", ...]`) imports, loaded
     once in a fork server that forks each rollout's process instead of starting an interpreter
-    (forgerl/agents/forkserver.py; e.g. ["openai"]: 0.47 s of CPU per rollout). Empty: exec."""
+    (forgerl/agents/forkserver.py; e.g. ["openai"]: 0.47 s of CPU per rollout). Unset: the
+    installed packages the script imports at its top level (`script_imports`). []: exec."""
 
 
 class TasksConfig(_Section):

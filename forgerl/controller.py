@@ -115,9 +115,14 @@ class Services:
                    **(self.reaper.env() if self.reaper else {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
         forkserver = None
-        if (isinstance(agent, list) and agent_cfg is not None and agent_cfg.preload
-                and agent[0] == sys.executable and len(agent) > 1 and agent[1][:1] != "-"):
-            forkserver = await self.forkserver(tuple(agent_cfg.preload), env or {})
+        if (isinstance(agent, list) and agent_cfg is not None and agent[0] == sys.executable
+                and len(agent) > 1 and agent[1][:1] != "-"):
+            from forgerl.agents.forkserver import script_imports
+
+            preload = agent_cfg.preload if agent_cfg.preload is not None else script_imports(
+                os.path.join(cwd or os.getcwd(), agent[1]))
+            if preload:
+                forkserver = await self.forkserver(tuple(preload), env or {})
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(agent, task, self.server.base_url, api_key,
                                  cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,

@@ -2,7 +2,8 @@
 
 A fresh `python agent.py` per rollout spends about 0.47 s of CPU importing `openai` before its
 first request (measured on this 2-core machine; 16 rollouts per step and 64 per evaluation in the
-main jobs, about 29 % of a chain_sum run's CPU). With `[agent] preload = ["openai"]` the runner
+main jobs, about 29 % of a chain_sum run's CPU). With `[agent] preload = ["openai"]` (or preload
+unset: the installed packages the script imports at its top level, `script_imports`) the runner
 starts one server process per run (`python -m forgerl.agents.forkserver MODULE...`), which
 imports those modules and then forks one child per rollout: the child starts a new session (its
 own process group, like a spawned agent), takes the rollout's stdin / stdout / stderr (file
@@ -19,10 +20,13 @@ server (fork in a threaded process is unsafe): it polls the socket and `waitpid(
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import atexit
 import contextlib
+import functools
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -34,6 +38,39 @@ import threading
 import traceback
 
 MAX_MSG = 1 << 20  # bytes of one request (argv + environment)
+
+
+@functools.lru_cache(maxsize=64)
+def script_imports(script: str) -> tuple[str, ...]:
+    """The installed packages a Python agent script imports at its top level: the first name of
+    each `import a.b` / `from a import b` statement in the module body (absolute imports only)
+    whose package this interpreter finds under a site-packages or dist-packages directory. The
+    standard library, the script's own modules and imports inside functions or `try` blocks
+    are left out, so a fork server never runs code of the agent's before the agent does.
+    () when the script cannot be read or parsed (the agent is then exec'd and reports it)."""
+    try:
+        with open(script, "rb") as f:
+            body = ast.parse(f.read()).body
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    names: list[str] = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return tuple(name for name in dict.fromkeys(n.split(".")[0] for n in names)
+                 if name not in sys.stdlib_module_names and _installed(name))
+
+
+def _installed(name: str) -> bool:
+    """Whether this interpreter finds the top-level package `name` in site- or dist-packages."""
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec(name)
+        where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
+        return bool(where) and bool({"site-packages", "dist-packages"} & set(
+            os.path.normpath(where).split(os.sep)))
+    return False
 
 
 class ForkedProcess:

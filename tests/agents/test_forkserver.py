@@ -1,8 +1,9 @@
-"""The agent fork server (`[agent] preload`): a Python script agent forked from a process that
-already imported its heavy modules keeps the command-agent contract of a plain process: stdin
-task, environment, cwd, argv, answer on the last stdout line, stderr appended to its log, exit
-codes, its own process group killed whole at the timeout, the reaper's tag in /proc/PID/environ;
-and the controller runs a real openai-client agent through it."""
+"""The agent fork server (`[agent] preload`; unset: the script's installed imports): a Python
+script agent forked from a process that already imported its heavy modules keeps the
+command-agent contract of a plain process: stdin task, environment, cwd, argv, answer on the
+last stdout line, stderr appended to its log, exit codes, its own process group killed whole at
+the timeout, the reaper's tag in /proc/PID/environ; and the controller runs a real
+openai-client agent through it."""
 
 from __future__ import annotations
 
@@ -142,26 +143,55 @@ def test_bad_preload_is_refused_and_a_dead_server_falls_back_to_exec(script):
     assert result.status == "finished" and json.loads(result.answer)[0] == "k"
 
 
-def test_controller_runs_the_openai_example_agent_through_the_fork_server(tmp_path):
+def test_script_imports_lists_only_installed_top_level_packages(tmp_path, monkeypatch):
+    from forgerl.agents.forkserver import script_imports
+
+    (tmp_path / "tools.py").write_text("raise SystemExit('never imported by the server')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the agent's own module is findable, yet local
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent('''
+        import json, os
+        from openai import OpenAI
+        import numpy.linalg as la, tools
+        from . import sibling
+        import openai.types
+        try:
+            import anthropic
+        except ImportError:
+            pass
+        def later():
+            import torch
+    '''))
+    (tmp_path / "broken.py").write_text("import openai\ndef (:\n")
+    assert script_imports(str(agent)) == ("openai", "numpy")
+    assert script_imports(str(tmp_path / "broken.py")) == ()
+    assert script_imports(str(tmp_path / "missing.py")) == ()
+
+
+@pytest.mark.parametrize("preload", [None, "[]"])
+def test_controller_runs_the_openai_example_agent_forked_unless_preload_is_empty(tmp_path,
+                                                                                 preload):
+    """Unset `[agent] preload`: the fork server preloads what the script imports (openai);
+    `preload = []`: every rollout is a plain `python agent.py`."""
     from forgerl.controller import start_services
     from tests.test_controller import EXAMPLE_AGENT, tiny_config
 
     config = tiny_config(tmp_path / "run", "--max_steps", "1", "--tasks.eval_size", "0",
                          "--agent.command", json.dumps(["python", str(EXAMPLE_AGENT)]),
-                         "--agent.preload", '["openai"]', "--agent.max_turns", "2",
-                         "--model.max_model_len", "2048")
+                         "--agent.max_turns", "2", "--model.max_model_len", "2048",
+                         *(["--agent.preload", preload] if preload else []))
 
     async def main():
         async with start_services(config) as s:
             s.admit()
             batch = await s.next_batch()
             group = s.pool.get_group(batch[0])
-            (started,) = s.forkservers.values()
-            server = started.result()
-            assert server is not None and server.proc.returncode is None
-        return group, server
+            servers = {k: v.result() for k, v in s.forkservers.items()}
+            assert all(v is not None and v.proc.returncode is None for v in servers.values())
+        return group, servers
 
-    group, server = _run(main())
+    group, servers = _run(main())
     assert [t.status for t in group.trajectories] == ["finished"] * 4, group.trajectories[0].error
     assert all(t.completions for t in group.trajectories)
-    assert server.proc.returncode is not None  # stopped with the run
+    assert list(servers) == ([("openai",)] if preload is None else [])
+    assert all(v.proc.returncode is not None for v in servers.values())  # stopped with the run
