@@ -21,9 +21,8 @@ from pathlib import Path
 # (held-out latency without queueing, issue 11) and ManagedContext.tokens (a harness's budget),
 # and to 8,200 for the fork server by default (agents/forkserver.script_imports: an unset
 # `[agent] preload` preloads the script's installed imports; crash_check.py's one-call
-# rollouts: 5.4 → 1.0 s), and to 8,210 for controller.tune_heap (a fixed 1 MiB mmap threshold:
-# the calculator main job's peak RSS 5.8 → 4.2 GiB, issue 14).
-MAX_LINES = 8210
+# rollouts: 5.4 → 1.0 s).
+MAX_LINES = 8200
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
