@@ -36,6 +36,7 @@ import socket
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 MAX_MSG = 1 << 20  # bytes of one request (argv + environment)
 
@@ -65,12 +66,12 @@ def script_imports(script: str) -> tuple[str, ...]:
 
 def _installed(name: str) -> bool:
     """Whether this interpreter finds the top-level package `name` in site- or dist-packages."""
-    with contextlib.suppress(ImportError, ValueError):
+    try:
         spec = importlib.util.find_spec(name)
-        where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
-        return bool(where) and bool({"site-packages", "dist-packages"} & set(
-            os.path.normpath(where).split(os.sep)))
-    return False
+    except (ImportError, ValueError):
+        return False
+    where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
+    return bool(where) and not {"site-packages", "dist-packages"}.isdisjoint(Path(where).parts)
 
 
 class ForkedProcess:
