@@ -58,15 +58,17 @@ WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this man
 def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device` (None: the
     engine's default, CUDA when available): "auto" is bfloat16 on CUDA with bf16 support or on a
-    CPU with AMX-BF16 tiles (there SmolLM2's batch-16 decode ran 1.65x and its prefill 4.5x
-    faster than fp32), else float32."""
+    CPU with bf16 matmul instructions, AMX-BF16 tiles (there SmolLM2's batch-16 decode ran 1.65x
+    and its prefill 4.5x faster than fp32) or AVX512-BF16 (an AMD EPYC: decode 1.5x, prefill
+    2x), else float32 (without either, bf16 matmuls are emulated and slower than fp32)."""
     if name != "auto":
         return getattr(torch, name)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    amx = device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return torch.bfloat16 if amx else torch.float32
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    fast = device.type == "cpu" and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+    return torch.bfloat16 if fast else torch.float32
 
 
 def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -239,8 +239,10 @@ def test_engine_dtype_auto_follows_the_hardware(monkeypatch):
     cpu = torch.device("cpu")
     assert engine_dtype("float32", cpu) == torch.float32
     assert engine_dtype("bfloat16", cpu) == torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert engine_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert engine_dtype("auto", cpu) == torch.float32
+    for amx, avx512_bf16, want in [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                   (False, False, torch.float32)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda a=amx: a, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda b=avx512_bf16: b,
+                            raising=False)
+        assert engine_dtype("auto", cpu) == want, (amx, avx512_bf16)
     assert Trainer(build_tiny_model(), device="cpu", autocast="auto").autocast_dtype is None
