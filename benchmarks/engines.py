@@ -21,7 +21,7 @@ Engines, each warmed up with one request first:
   torch.cat every step (transformers' DynamicLayer, the engine's cache before 2026-12-01), the
   baseline of its in-place `_GrowingLayer`;
 - local bf16 (`--local-only`): a LocalEngine with bf16 weights and KV (`[engine] dtype`; fast
-  on CPUs with AMX-BF16, slow without), its ratio against the fp32 local engine;
+  on CPUs with AMX-BF16 or AVX512-BF16, slow without), its ratio against the fp32 local engine;
 - hf generate: transformers `model.generate` on the left-padded batch of the prompts,
   do_sample, top_k 0, top_p 1, `min_new_tokens = max_new_tokens = K` (EOS suppressed, so every
   row makes K tokens: the same count as the others, a slightly different distribution);

@@ -53,7 +53,8 @@ class LocalEngineConfig(_Section):
     """KV prefix-cache capacity in tokens (LRU; 0 disables). SmolLM2 fp32: 46 KB per token."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """The engine's weights and KV cache; behavior logprobs are always float32. "auto" =
-    bfloat16 where its matmuls are fast (CUDA, or a CPU with AMX-BF16), else float32."""
+    bfloat16 where its matmuls are fast (CUDA, or a CPU with AMX-BF16 or AVX512-BF16), else
+    float32."""
     instances: int = Field(1, ge=1, le=64)
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"

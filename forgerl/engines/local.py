@@ -362,9 +362,9 @@ class LocalEngine:
     model: a causal LM (e.g. LlamaForCausalLM); the engine deep-copies it and never touches the
     caller's object. max_model_len: prompt + completion tokens per request. max_batch_size: most
     rows decoded together. device: "cpu", "cuda", ...; default CUDA when available, else CPU.
-    dtype: the weights' dtype; default fp32 on CPU (bf16 is slow without AMX: `engine_dtype`),
-    else the model's own. The worker uses torch's intra-op threads; on a small, busy CPU
-    `torch.set_num_threads(1)` can be far faster for small models (the tiny model: 37 → 365
+    dtype: the weights' dtype; default fp32 on CPU (bf16 is slow without AMX or AVX512-BF16:
+    `engine_dtype`), else the model's own. The worker uses torch's intra-op threads; on a small,
+    busy CPU `torch.set_num_threads(1)` can be far faster for small models (the tiny model: 37 → 365
     tok/s at batch 1 on a loaded 2-core machine).
     prefix_cache_tokens: bound of the prefix (KV reuse) cache in tokens, 0 disables it; memory
     is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
