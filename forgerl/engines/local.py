@@ -265,11 +265,12 @@ class PrefixCache:
 
 
 class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values, (B, H, L, D), are views into buffers with SPARE free
-    columns, so a decode step writes its column in place instead of copying the layer's whole
-    cache (DynamicLayer's torch.cat: 15 MB per SmolLM2 layer at 16 rows x 600 tokens, in all 30
-    layers, every step). A buffer is reallocated, with SPARE columns again, when it is full or
-    when `_Batch.select` / `merge` replaced the tensors (the values are then the same)."""
+    """A DynamicLayer whose keys and values, (B, H, L, D), are views `buf[:B, :, start:end]` into
+    buffers (B', H, C, D) with free columns after `end`, so a decode step writes its column in
+    place instead of copying the layer's whole cache (DynamicLayer's torch.cat: 15 MB per
+    SmolLM2 layer at 16 rows x 600 tokens, in all 30 layers, every step). `keep` drops rows and
+    leading columns in place too; a buffer is reallocated, with SPARE free columns, only when it
+    is full, when the batch grew, or when the tensors were replaced from outside."""
 
     SPARE = 64
 
@@ -277,16 +278,43 @@ class _GrowingLayer(DynamicLayer):
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length, n = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
-        bufs, end = getattr(self, "_bufs", None), length + n
-        if (bufs is None or self.keys.data_ptr() != bufs[0].data_ptr()
-                or end > bufs[0].shape[2] or bufs[0].shape[:2] != key_states.shape[:2]):
-            b, h, _, d = key_states.shape
-            self._bufs = bufs = tuple(key_states.new_empty(b, h, end + self.SPARE, d) for _ in "kv")
+        b, h, n, d = key_states.shape
+        rows, start, end = getattr(self, "_window", (0, 0, 0))
+        if not (self._owned() and rows == b and end + n <= self._bufs[0].shape[2]):
+            length = self.keys.shape[-2] if self.keys.numel() else 0
+            self._bufs = tuple(key_states.new_empty(b, h, length + n + self.SPARE, d) for _ in "kv")
             if length:
-                bufs[0][:, :, :length], bufs[1][:, :, :length] = self.keys, self.values
-        bufs[0][:, :, length:end], bufs[1][:, :, length:end] = key_states, value_states
-        self.keys, self.values = bufs[0][:, :, :end], bufs[1][:, :, :end]
+                self._bufs[0][:, :, :length], self._bufs[1][:, :, :length] = self.keys, self.values
+            start, end = 0, length
+        for buf, x in zip(self._bufs, (key_states, value_states), strict=True):
+            buf[:b, :, end:end + n] = x
+        self._window = (b, start, end + n)
+        return self._show()
+
+    def keep(self, rows: list[int], drop: int) -> None:
+        """Keep rows `rows` (ascending) and drop the first `drop` columns, moving rows within
+        the buffers (no allocation); tensors replaced from outside are gathered instead."""
+        if not self._owned():
+            idx = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+            self.keys = self.keys[:, :, drop:].index_select(0, idx)
+            self.values = self.values[:, :, drop:].index_select(0, idx)
+            return
+        _, start, end = self._window
+        start += drop
+        for buf in self._bufs:
+            for j, i in enumerate(rows):
+                if i != j:  # i > j: row j is free already
+                    buf[j, :, start:end] = buf[i, :, start:end]
+        self._window = (len(rows), start, end)
+        self._show()
+
+    def _owned(self) -> bool:
+        return getattr(self, "_bufs", None) is not None and self.keys is self._views[0]
+
+    def _show(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, start, end = self._window
+        self.keys, self.values = (buf[:rows, :, start:end] for buf in self._bufs)
+        self._views = (self.keys, self.values)
         return self.keys, self.values
 
 
@@ -320,7 +348,8 @@ class _Batch:
         self.positions, self.next_ids = positions, next_ids
 
     def select(self, keep: list[int]) -> None:
-        """Keep only rows `keep` and trim cache columns that are padding in every kept row."""
+        """Keep only rows `keep` (ascending) and trim cache columns that are padding in every
+        kept row."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.rows = [self.rows[i] for i in keep]
         self.mask, self.positions = self.mask[idx], self.positions[idx]
@@ -329,11 +358,11 @@ class _Batch:
         start = int(used[0]) if len(used) else self.mask.shape[1]
         self.mask = self.mask[:, start:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, start:]
-            layer.values = layer.values[idx, :, start:]
+            layer.keep(keep, start)
 
     def row_kv(self, i: int) -> KV:
-        """Row i's cached KV without padding: per layer (keys, values), each (H, L_i, D)."""
+        """Row i's cached KV without padding: per layer (keys, values), each (H, L_i, D), new
+        tensors (the batch's buffers are reused in place)."""
         cols = self.mask[i].nonzero().squeeze(1)
         return [
             (layer.keys[i].index_select(1, cols), layer.values[i].index_select(1, cols))
@@ -345,12 +374,9 @@ class _Batch:
         length = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat(
-                [_left_pad(mine.keys, length, 2), _left_pad(theirs.keys, length, 2)]
-            )
-            mine.values = torch.cat(
-                [_left_pad(mine.values, length, 2), _left_pad(theirs.values, length, 2)]
-            )
+            mine.keys, mine.values = (torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
+                                      for a, b in ((mine.keys, theirs.keys),
+                                                   (mine.values, theirs.values)))
         self.rows = self.rows + other.rows
         self.positions = torch.cat([self.positions, other.positions])
         self.next_ids = torch.cat([self.next_ids, other.next_ids])

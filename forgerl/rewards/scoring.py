@@ -1,11 +1,15 @@
 """Run reward functions out of process, with a per-item timeout (CASES.md C13).
 
 A verifier is user code: it can busy-loop in pure CPU (not awaitable, not interruptible by a
-thread) or raise. `score_with_timeout` runs each item in its own short-lived forked process, at
-most `os.cpu_count()` at once. Fork, because the child shares the modules the parent already
-imported: a fresh interpreter (spawn, forkserver) would pay the verifier's imports per item
-(`reasoning_gym` alone takes 3.5 s; a fork takes about 0.1 s). A forked child that blocks on a
-lock another parent thread held at fork time is bounded by the same timeout.
+thread) or raise. `score_with_timeout` runs each item in its own short-lived process, at most
+`os.cpu_count()` at once, forked by multiprocessing's fork server: a small process started at
+first use that imports `fn`'s module once (`reasoning_gym` alone takes 1-3.5 s), so a child
+starts with it imported. The run's own process is never forked: it holds gigabytes (policy,
+AdamW state, engine, KV caches), and each fork of it copied its page tables and left every
+page write-protected, so the run's next write to each page took a copy-on-write fault (measured
+on the chain_sum job, 16 items per step: about 3 of its 4-5 million page faults per step, and
+a third of its CPU time in the kernel). As with any spawn or fork-server start, a script that
+drives ForgeRL itself must keep its work under `if __name__ == "__main__":`.
 
 An item that has not answered `timeout_s` after its process started is killed with its whole
 process group and reaped; it and any item that raised or returned a non-finite value get the
@@ -27,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Literal
 
 ScoreStatus = Literal["ok", "timeout", "error"]
-_CONTEXT = mp.get_context("fork")
+_CONTEXT = mp.get_context("forkserver")
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,17 @@ def score_with_timeout(
 ) -> list[ScoreResult]:
     """`fn(*item)` for every item, each in its own process, in input order.
 
-    `fn` must be picklable (a module-level function) and return a float. Each item may run for
-    `timeout_s` seconds (wall clock, from its process start); with `len(items) <= max_workers`
-    (default `os.cpu_count()`) the whole call returns in about `timeout_s` plus process start-up
-    (~0.1 s per fork) even if some items never return. Blocks the calling thread.
+    `fn` must be picklable by reference (a module-level function) and return a float. Each item
+    may run for `timeout_s` seconds (wall clock, from its process start); with
+    `len(items) <= max_workers` (default `os.cpu_count()`) the whole call returns in about
+    `timeout_s` plus process start-up (a few ms per child; the fork server's own start, once
+    per process, imports `fn`'s module)
+    even if some items never return. Blocks the calling thread.
     """
+    # read when the fork server starts (the first call); later calls' modules import per child.
+    # Each child also runs the parent's main script as __mp_main__ (Python 3.11's fork server
+    # never preloads it), as spawn does: cheap for `forgerl`, whose imports are preloaded here
+    _CONTEXT.set_forkserver_preload([fn.__module__, "forgerl.cli"])
     workers = max(1, max_workers or os.cpu_count() or 1)
     results: list[ScoreResult | None] = [None] * len(items)
     queue = list(enumerate(items))

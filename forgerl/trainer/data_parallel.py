@@ -162,7 +162,8 @@ class DataParallelTrainer(Trainer):
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        hyper = {k: v for k, v in state["param_groups"][0].items()
+                 if k not in ("params", "fused", "foreach")}  # kernel choice: AdamW's own
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters()
                                             if p.requires_grad])
         self.optimizer.param_groups[0].update(hyper)

@@ -133,11 +133,12 @@ class Trainer:
                 self.logprob_chunk_tokens = 0
         set_activation_checkpointing(self.model, activation_checkpointing,
                                      checkpoint_every_layers)
-        # on CPU the per-tensor AdamW is faster than the multi-tensor one and its transient
-        # buffers are one parameter's, not all of them (SmolLM2: +218 vs +508 MiB peak per step)
+        # the fused AdamW kernel makes no transient tensors; the per-tensor one allocates a
+        # parameter-sized temporary per op, which glibc returns to the OS and faults back in
+        # every step (SmolLM2 on 2 CPU cores: 1.00 s/step, half of it in page faults, vs 0.12 s)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
-            foreach=self.device.type == "cuda",
+            fused=self.device.type in ("cpu", "cuda") or None,
         )
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn

@@ -19,6 +19,9 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
   turn-2 prompt reuses turn 1's prompt + completion; a weight update empties the cache so later
   logprobs are the new weights' teacher-forced ones (CASES.md C04); the cache stays within its
   token bound, evicting the least recently used entry.
+- The KV layer grows and drops rows in place: decode steps and `keep` (rows finished, leading
+  padding trimmed) write into the same buffers and leave exactly the reference tensors;
+  tensors replaced from outside are gathered instead.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from forgerl.engines.local import (
     LocalEngine,
     PrefixCache,
+    _GrowingLayer,
     common_prefix,
     sample_tokens,
     sampling_logprobs,
@@ -633,3 +637,34 @@ def test_requests_beyond_the_batch_limit_queue_and_are_counted(tiny_model):
     outs, stats = run(burst())
     assert [len(o.completion_ids) for o in outs] == [64] * 5
     assert (stats["max_batch_size"], stats["queued_peak"]) == (2, 3)
+
+
+def test_kv_layer_grows_and_drops_rows_in_place():
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(4, 2, 5, 3, generator=g) for _ in "kv")  # (B, H, L, D)
+    layer = _GrowingLayer()
+    layer.update(k, v)
+    buf = layer.keys.untyped_storage().data_ptr()
+    step_k, step_v = (torch.randn(4, 2, 1, 3, generator=g) for _ in "kv")
+    keys, values = layer.update(step_k, step_v)
+    ref_k, ref_v = torch.cat([k, step_k], 2), torch.cat([v, step_v], 2)
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+    layer.keep([0, 2, 3], 2)  # row 1 finished; the first 2 columns are padding now
+    ref_k, ref_v = ref_k[[0, 2, 3], :, 2:], ref_v[[0, 2, 3], :, 2:]
+    assert torch.equal(layer.keys, ref_k) and torch.equal(layer.values, ref_v)
+    step_k, step_v = (torch.randn(3, 2, 1, 3, generator=g) for _ in "kv")
+    keys, values = layer.update(step_k, step_v)
+    assert torch.equal(keys, torch.cat([ref_k, step_k], 2))
+    assert torch.equal(values, torch.cat([ref_v, step_v], 2))
+    assert keys.untyped_storage().data_ptr() == buf  # never reallocated
+    # SPARE columns used up: one reallocation, same values
+    more_k, more_v = (torch.randn(3, 2, _GrowingLayer.SPARE, 3, generator=g) for _ in "kv")
+    keys2, _ = layer.update(more_k, more_v)
+    assert keys2.untyped_storage().data_ptr() != buf
+    assert torch.equal(keys2, torch.cat([keys, more_k], 2))
+    # replaced from outside (as transformers' DynamicLayer would): keep gathers a copy
+    layer.keys, layer.values = keys2.clone(), keys2.clone() + 1
+    outside = layer.keys
+    layer.keep([1], 1)
+    assert torch.equal(layer.keys, outside[[1], :, 1:])
+    assert torch.equal(layer.values, outside[[1], :, 1:] + 1)

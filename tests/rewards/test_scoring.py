@@ -4,7 +4,7 @@ Semantics pinned: in a group of 8 where the verifier busy-loops in pure CPU on s
 raises ValueError on sample 5, with a 1 s per-sample timeout, scoring returns in about 1 s, the
 two bad samples get the fallback with status timeout / error (counted), the 6 others get their
 exact rewards in input order, and the looping process is killed and reaped (no orphan), along
-with any child process it started.
+with any child process it started. Items never fork the caller: their parent is the fork server.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def verifier(sample: int, pid_dir: str) -> float:
     if sample == 5:
         raise ValueError("malformed answer")
     return sample / 8
+
+
+def parent_pid() -> float:
+    return float(os.getppid())
 
 
 def odd_values(kind: str) -> float:
@@ -81,3 +85,11 @@ def test_more_items_than_workers_keeps_order(tmp_path):
     results = score_with_timeout(verifier, items, timeout_s=5.0, max_workers=2)
     assert [r.reward for r in results] == [0.0, 0.125, 0.25, 0.5, 0.75, 0.875]
     assert all(r.status == "ok" for r in results)
+
+
+def test_items_are_forked_by_the_fork_server_not_by_the_caller():
+    """Forking the run's multi-GB process per item left all its pages copy-on-write; the items'
+    parent is multiprocessing's fork server instead, one for every call."""
+    first, second = score_with_timeout(parent_pid, [(), ()], timeout_s=30.0)
+    assert first.status == second.status == "ok"
+    assert first.reward == second.reward != os.getpid()
