@@ -279,17 +279,18 @@ class _GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, n, d = key_states.shape
-        rows, start, end = getattr(self, "_window", (0, 0, 0))
-        if not (self._owned() and rows == b and end + n <= self._bufs[0].shape[2]):
-            length = self.keys.shape[-2] if self.keys.numel() else 0
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        if (self._owned() and b == len(self.keys)
+                and self._start + length + n <= self._bufs[0].shape[2]):
+            start = self._start
+        else:
             self._bufs = tuple(key_states.new_empty(b, h, length + n + self.SPARE, d) for _ in "kv")
             if length:
                 self._bufs[0][:, :, :length], self._bufs[1][:, :, :length] = self.keys, self.values
-            start, end = 0, length
+            start = 0
         for buf, x in zip(self._bufs, (key_states, value_states), strict=True):
-            buf[:b, :, end:end + n] = x
-        self._window = (b, start, end + n)
-        return self._show()
+            buf[:b, :, start + length:start + length + n] = x
+        return self._show(b, start, start + length + n)
 
     def keep(self, rows: list[int], drop: int) -> None:
         """Keep rows `rows` (ascending) and drop the first `drop` columns, moving rows within
@@ -299,22 +300,21 @@ class _GrowingLayer(DynamicLayer):
             self.keys = self.keys[:, :, drop:].index_select(0, idx)
             self.values = self.values[:, :, drop:].index_select(0, idx)
             return
-        _, start, end = self._window
-        start += drop
+        start, end = self._start + drop, self._start + self.keys.shape[2]
         for buf in self._bufs:
             for j, i in enumerate(rows):
                 if i != j:  # i > j: row j is free already
                     buf[j, :, start:end] = buf[i, :, start:end]
-        self._window = (len(rows), start, end)
-        self._show()
+        self._show(len(rows), start, end)
 
     def _owned(self) -> bool:
-        return getattr(self, "_bufs", None) is not None and self.keys is self._views[0]
+        """Whether `keys` is still this layer's own view (not replaced from outside)."""
+        return "_view" in vars(self) and self.keys is self._view
 
-    def _show(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, start, end = self._window
+    def _show(self, rows: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._start = start
         self.keys, self.values = (buf[:rows, :, start:end] for buf in self._bufs)
-        self._views = (self.keys, self.values)
+        self._view = self.keys
         return self.keys, self.values
 
 
@@ -374,9 +374,12 @@ class _Batch:
         length = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys, mine.values = (torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
-                                      for a, b in ((mine.keys, theirs.keys),
-                                                   (mine.values, theirs.values)))
+            mine.keys = torch.cat(
+                [_left_pad(mine.keys, length, 2), _left_pad(theirs.keys, length, 2)]
+            )
+            mine.values = torch.cat(
+                [_left_pad(mine.values, length, 2), _left_pad(theirs.values, length, 2)]
+            )
         self.rows = self.rows + other.rows
         self.positions = torch.cat([self.positions, other.positions])
         self.next_ids = torch.cat([self.next_ids, other.next_ids])

@@ -57,8 +57,8 @@ def score_with_timeout(
     may run for `timeout_s` seconds (wall clock, from its process start); with
     `len(items) <= max_workers` (default `os.cpu_count()`) the whole call returns in about
     `timeout_s` plus process start-up (a few ms per child; the fork server's own start, once
-    per process, imports `fn`'s module)
-    even if some items never return. Blocks the calling thread.
+    per process, imports `fn`'s module) even if some items never return. Blocks the calling
+    thread.
     """
     # read when the fork server starts (the first call); later calls' modules import per child.
     # Each child also runs the parent's main script as __mp_main__ (Python 3.11's fork server
