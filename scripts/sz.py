@@ -21,10 +21,8 @@ from pathlib import Path
 # (held-out latency without queueing, issue 11) and ManagedContext.tokens (a harness's budget),
 # and to 8,200 for the fork server by default (agents/forkserver.script_imports: an unset
 # `[agent] preload` preloads the script's installed imports; crash_check.py's one-call
-# rollouts: 5.4 → 1.0 s), and to 8,220 for scoring in multiprocessing's fork server, and to
-# 8,250 for the engine's decode attention (engines/local.decode_attention: a SmolLM2 bf16 decode
-# step at 9 rows 122 → 74 ms on 2 cores).
-MAX_LINES = 8250
+# rollouts: 5.4 → 1.0 s).
+MAX_LINES = 8220
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

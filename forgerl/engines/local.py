@@ -44,10 +44,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from forgerl.engines.base import TokenEvent
 from forgerl.trainer.weight_sync import WeightDelta, apply_delta
@@ -55,41 +53,6 @@ from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
 WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
-
-
-def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                     scaling: float | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
-    """Attention for one-token decode steps as two batched matmuls; sdpa for everything else.
-
-    query (B, H, 1, D), key and value (B, KV_H, L, D) with H = g · KV_H (grouped-query: head
-    h reads KV head h // g, as transformers' `repeat_kv`), attention_mask None or (B|1, 1, 1, L)
-    bool (True = attend, `sdpa_mask`'s format) or additive float. Returns ((B, 1, H, D), None):
-    softmax(q kᵀ · scaling + mask) v with scores and softmax in fp32, probabilities cast back
-    to the value dtype (as eager attention does). The query's g heads of a KV head are one
-    (g, D) @ (D, L) matmul, so no KV is repeated. Why: torch's CPU flash kernel takes ~1.7 ms
-    per layer for a (9 rows, 240 keys) decode step of SmolLM2 in bf16, which made attention
-    42 % of the step; this path takes a decode step from 122 to 74 ms there.
-    Sliding windows, softcaps, attention sinks, dropout and multi-token queries go to sdpa.
-    """
-    b, h, q, d = query.shape
-    special = [kwargs.get(k) for k in ("sliding_window", "softcap", "s_aux")]
-    if q != 1 or dropout or any(v is not None for v in special):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    kv_heads = key.shape[1]
-    scores = torch.matmul(query.reshape(b, kv_heads, h // kv_heads, d), key.transpose(2, 3))
-    scores = scores.float() * (d**-0.5 if scaling is None else scaling)  # (B, KV_H, g, L)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, -torch.inf)
-    elif attention_mask is not None:
-        scores = scores + attention_mask
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)  # (B, KV_H, g, D)
-    return out.reshape(b, 1, h, d), None
-
-
-AttentionInterface.register("forgerl_decode", decode_attention)
-AttentionMaskInterface.register("forgerl_decode", sdpa_mask)
 
 
 def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
@@ -462,8 +425,6 @@ class LocalEngine:
         self.model = copy.deepcopy(model).to(self.device).eval()
         if dtype is not None or self.device.type == "cpu":
             self.model = self.model.to(dtype or torch.float32)
-        if self.model.config._attn_implementation == "sdpa":  # same values, faster decode
-            self.model.set_attn_implementation("forgerl_decode")
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
         self.weight_version = 0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

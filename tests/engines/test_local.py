@@ -22,9 +22,6 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
 - The KV layer grows and drops rows in place: decode steps and `keep` (rows finished, leading
   padding trimmed) write into the same buffers and leave exactly the reference tensors;
   tensors replaced from outside are gathered instead.
-- The engine's decode attention (two matmuls per step, grouped-query heads unrepeated) gives
-  sdpa's outputs for padded rows, with a bool or an additive mask, and hands multi-token
-  queries to sdpa itself.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from forgerl.engines.local import (
     PrefixCache,
     _GrowingLayer,
     common_prefix,
-    decode_attention,
     sample_tokens,
     sampling_logprobs,
 )
@@ -672,36 +668,3 @@ def test_kv_layer_grows_and_drops_rows_in_place():
     layer.keep([1], 1)
     assert torch.equal(layer.keys, outside[[1], :, 1:])
     assert torch.equal(layer.values, outside[[1], :, 1:] + 1)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-def test_decode_attention_equals_sdpa_on_padded_grouped_heads(tiny_model, dtype, tol):
-    torch.manual_seed(0)
-    b, heads, kv_heads, length, d = 3, 4, 2, 9, 8  # the tiny model's head layout
-    query = torch.randn(b, length, heads, d).transpose(1, 2)[:, :, -1:].to(dtype)  # (B, H, 1, D)
-    key, value = (torch.randn(b, kv_heads, length, d).to(dtype) for _ in range(2))
-    keep = torch.ones(b, 1, 1, length, dtype=torch.bool)
-    keep[0, ..., :4] = False  # left padding of row 0
-    keep[2, ..., 2:5] = False  # [pad, reused, pad, new] layout of a prefix-cache hit
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), key.float().repeat_interleave(2, 1), value.float().repeat_interleave(2, 1),
-        attn_mask=keep, scale=0.3,
-    ).transpose(1, 2)  # (B, 1, H, D)
-    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
-    layer = tiny_model.model.layers[0].self_attn
-    for mask in (keep, additive):
-        out, weights = decode_attention(layer, query, key, value, mask, scaling=0.3)
-        assert weights is None and out.shape == (b, 1, heads, d) and out.dtype == dtype
-        assert (out.float() - reference).abs().max() < tol
-    # a prompt (several query tokens) goes to sdpa: causal over the key positions
-    prompt = torch.randn(1, heads, length, d)
-    k1, v1 = key[:1].float(), value[:1].float()
-    out, _ = decode_attention(layer, prompt, k1, v1, None, scaling=0.3)
-    causal = torch.nn.functional.scaled_dot_product_attention(
-        prompt, k1.repeat_interleave(2, 1), v1.repeat_interleave(2, 1), is_causal=True, scale=0.3
-    ).transpose(1, 2)
-    assert (out - causal).abs().max() < 1e-6
-    engine = LocalEngine(tiny_model, max_model_len=64)
-    assert engine.model.config._attn_implementation == "forgerl_decode"
-    assert tiny_model.config._attn_implementation == "sdpa"  # the caller's model is untouched
-    run(engine.close())
