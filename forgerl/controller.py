@@ -739,12 +739,12 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 synced = time.time()
                 await s.sync_weights()                      # engine runs weight_version = step
                 synced = time.time() - synced
-                await asyncio.to_thread(release_heap)       # freed activations and gradients
-                step = s.trainer.step                       # back to the OS before an eval
+                step = s.trainer.step
                 if step % config.tasks.eval_every == 0 or step == config.max_steps:
                     metrics |= await s.evaluate()
                     if "eval_accuracy" in metrics:
                         acc = f"{metrics['eval_accuracy']:.3f}"
+                await asyncio.to_thread(release_heap)       # freed activations back to the OS
                 seconds, train_seconds = time.time() - start, metrics.pop("step_seconds")
                 generated = s.gateway.counters["completion_tokens"] - tokens
                 known = waited + train_seconds + synced + metrics.get("eval_seconds", 0.0)
