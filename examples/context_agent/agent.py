@@ -24,7 +24,12 @@ more than `COMPACT_AT` tokens (its usage), the harness manages the context befor
 - "summarize": the harness asks the model for the results so far (`SUMMARIZE`); its reply is
   the model's action, trained like any other turn; the old rounds are then replaced by it (the
   next prompt starts a new branch of the trajectory);
-- "drop": the fixed baseline of the same schedule: the old rounds are dropped, no summary.
+- "drop": the fixed baseline of the same schedule: the old rounds are dropped, no summary;
+- "forget": no harness trigger: the model is offered `forget_tool_outputs`
+  (`forgerl.agents.context`) and the worked sessions call it at the start of each later round,
+  which drops the old long reports but keeps the model's own replies (the results); whether it
+  forgets is its sampled action, trained like any other turn (the next prompt is a new branch).
+  Without a forget call the second report does not fit and the gateway refuses the call.
 
 The answer is the final reply on one line (the task file's verifier reads its last two
 numbers). The agent is an async callable for `forgerl.controller.run(config, agent=...)`.
@@ -38,7 +43,7 @@ from collections.abc import Awaitable, Callable
 
 import openai
 
-from forgerl.agents.context import ManagedContext, run_tool_loop
+from forgerl.agents.context import DROPPED, ManagedContext, run_tool_loop
 
 SYSTEM_PROMPT = (
     "You are a math assistant with a calculator. Call the calculator once per reply, one "
@@ -56,13 +61,16 @@ REPORT_LINES = 24
 KEEP_MESSAGES = 2  # the truncation baseline keeps the newest call and its report
 EXAMPLES = [(("4821 + 3907", 8728), ("9034 - 7658", 1376)),
             (("652 - 1479", -827), ("3310 + 2046", 5356))]
-ROUND_MODES = ("summarize", "drop")
+ROUND_MODES = ("summarize", "drop", "forget")
 MODES = ("learned", "truncate", "none", *ROUND_MODES)
 ROUND_SYSTEM = ("You are a math assistant with a calculator. Call the calculator for every "
                 "expression; after its report, reply with only the result.")
 FINAL = "Now reply with both results, separated by a comma."
 SUMMARIZE = "The context is full. Reply with every result so far, separated by commas."
 SUMMARY = "Summary of the earlier conversation: "
+FORGET_HINT = (" Its reports are long: before a new calculation, call forget_tool_outputs to drop "
+               "the old reports.")
+FORGET = frozenset({"forget_tool_outputs"})
 ROUND_EXAMPLES = 2  # worked examples in the round modes' history
 COMPACT_AT = 1300  # tokens of the last model call after which the harness manages the context
 
@@ -119,20 +127,31 @@ def rounds(question: str) -> list[str]:
     return [f"Compute {match[1]}.", f"Compute {match[2]}.", FINAL]
 
 
-def round_examples() -> list[dict]:
+def round_examples(mode: str = "summarize") -> list[dict]:
     """The worked examples of the round modes as earlier turns (short reports): each round's
-    call, result and reply, the summary requests and summaries, and the final answer."""
+    call, result and reply, then the summary requests and summaries ("summarize", "drop") or
+    a forget call at the start of the second round ("forget"), and the final answer."""
     messages: list[dict] = []
     for k, ((e1, r1), (e2, r2)) in enumerate(EXAMPLES[:ROUND_EXAMPLES]):
         summaries = [f"{r1}", f"{r1}, {r2}"]
-        prefix = ""
+        prefix, start = "", len(messages)
         for j, (e, r) in enumerate(((e1, r1), (e2, r2))):
-            call = _call(2 * k + j, "calculator", {"expression": e})
-            messages += [{"role": "user", "content": f"{prefix}Compute {e}."},
-                         {"role": "assistant", "content": "", "tool_calls": [call]},
+            call = _call(4 * k + j, "calculator", {"expression": e})
+            messages.append({"role": "user", "content": f"{prefix}Compute {e}."})
+            if mode == "forget" and j > 0:
+                forget = _call(4 * k + 2, "forget_tool_outputs", {})
+                for m in messages[start:]:  # this session's earlier reports
+                    if m["role"] == "tool":
+                        m["content"] = DROPPED
+                messages += [{"role": "assistant", "content": "", "tool_calls": [forget]},
+                             {"role": "tool", "tool_call_id": forget["id"],
+                              "content": "Dropped 1 tool outputs."}]
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": call["id"], "content": f"result: {r}"},
-                         {"role": "assistant", "content": str(r)},
-                         {"role": "user", "content": SUMMARIZE},
+                         {"role": "assistant", "content": str(r)}]
+            if mode == "forget":
+                continue
+            messages += [{"role": "user", "content": SUMMARIZE},
                          {"role": "assistant", "content": summaries[j]}]
             prefix = SUMMARY + summaries[j] + "\n"
         messages += [{"role": "user", "content": prefix + FINAL},
@@ -142,14 +161,16 @@ def round_examples() -> list[dict]:
 
 async def run_rounds(client: openai.AsyncOpenAI, ctx: ManagedContext, question: str, mode: str,
                      max_turns: int, max_tokens: int) -> str:
-    """One round-mode session ("summarize" or "drop"); returns the last reply."""
+    """One round-mode session ("summarize", "drop" or "forget"); returns the last reply."""
     prefix, reply, texts = "", "", rounds(question)
     for k, text in enumerate(texts):
         ctx.body.append({"role": "user", "content": prefix + text})
         reply = await run_tool_loop(client, "policy", ctx, [CALCULATOR],
                                     {"calculator": calculator}, max_turns, max_tokens,
-                                    cm_tools=frozenset())
+                                    cm_tools=FORGET if mode == "forget" else frozenset())
         prefix = ""
+        if mode == "forget":  # the model manages its context itself
+            continue
         if k < len(texts) - 1 and ctx.tokens > COMPACT_AT:  # not after the final round
             if mode == "summarize":
                 ctx.body.append({"role": "user", "content": SUMMARIZE})
@@ -172,7 +193,8 @@ def make_agent(mode: str, max_turns: int = 5,
 
     async def agent(task: dict, base_url: str, api_key: str) -> str | None:
         if mode in ROUND_MODES:
-            head = [{"role": "system", "content": ROUND_SYSTEM}, *round_examples()]
+            system = ROUND_SYSTEM + (FORGET_HINT if mode == "forget" else "")
+            head = [{"role": "system", "content": system}, *round_examples(mode)]
         else:
             system = SYSTEM_PROMPT + (CM_HINT if mode == "learned" else "")
             head = [{"role": "system", "content": system}, *example_messages(mode),

@@ -8,8 +8,9 @@ to the history:
 - `compact(summary)`: every message after the head (system + task) is dropped but the
   assistant message that calls compact (and its tool results), the compact result holding the
   model's summary;
-- `forget_tool_outputs()`: the content of every tool result but the newest is replaced by
-  "[dropped]".
+- `forget_tool_outputs()`: the content of every earlier tool result is replaced by
+  "[dropped]", but the results the calling message directly follows (the ones the model is
+  reading in this turn).
 
 The next prompt then no longer extends the recorded one, so the gateway renders it from scratch
 and the trajectory gets a new branch (a new training sample, `trainer/samples.py`) that shares
@@ -34,7 +35,7 @@ CM_TOOLS = [
                        "required": ["summary"]}}},
     {"type": "function", "function": {
         "name": "forget_tool_outputs",
-        "description": "Drop the content of all tool results except the newest.",
+        "description": "Drop the content of earlier tool results (keeps the ones just read).",
         "parameters": {"type": "object", "properties": {}}}},
 ]
 CM_NAMES = frozenset(t["function"]["name"] for t in CM_TOOLS)
@@ -69,11 +70,15 @@ class ManagedContext:
             last = max(i for i, m in enumerate(self.body) if m["role"] == "assistant")
             self.body = self.body[last:]
             result = f"Context compacted. Your summary: {arguments.get('summary', '')}"
-        elif name == "forget_tool_outputs":
-            tools = [m for m in self.body if m["role"] == "tool"]
-            for m in tools[:-1]:
+        elif name == "forget_tool_outputs":  # keep the results the calling message follows
+            last = max(i for i, m in enumerate(self.body) if m["role"] == "assistant")
+            read = last
+            while read > 0 and self.body[read - 1]["role"] == "tool":
+                read -= 1
+            old = [m for m in self.body[:read] if m["role"] == "tool" and m["content"] != DROPPED]
+            for m in old:
                 m["content"] = DROPPED
-            result = f"Dropped {max(len(tools) - 1, 0)} tool outputs."
+            result = f"Dropped {len(old)} tool outputs."
         else:
             raise ValueError(f"{name!r} is not a context-management tool")
         self.cm_actions[name] = self.cm_actions.get(name, 0) + 1

@@ -4,7 +4,8 @@ official AsyncOpenAI client inside the agent).
 Semantics pinned: "learned" offers the CM tools and its compact call replaces the first long
 report by the model's summary (the next prompt is a new branch, counted as a prefix miss);
 "truncate" offers no CM tools and keeps only the newest KEEP_MESSAGES body messages, so the
-first result is gone when the model answers; "none" keeps everything, and the call that no
+first result is gone when the model answers; "forget" (a round mode) drops the old reports
+on the model's forget call and keeps its replies; "none" keeps everything, and the call that no
 longer fits in max_model_len is refused (a context_overflow event on the trajectory) and the
 episode ends with an empty answer, the rollout still finishing normally.
 """
@@ -49,7 +50,7 @@ def test_report_is_long_and_ends_with_the_result():
     assert lines[-1] == "result: 6912" and len(lines) == agent.REPORT_LINES + 2
     assert agent.report("12 * 3").startswith("error")
     with pytest.raises(ValueError, match="mode must be"):
-        agent.make_agent("forget")
+        agent.make_agent("forgetful")
 
 
 def test_learned_mode_compacts_and_answers_from_the_summary(serve, tokenizer):  # noqa: F811
@@ -124,3 +125,30 @@ def test_drop_mode_loses_the_first_result(serve, tokenizer):  # noqa: F811
     assert "6912" not in prompts[4] and "3445" not in prompts[4].split(agent.FINAL)[-1]
     with pytest.raises(ValueError, match="Compute A and B"):
         agent.rounds("What is 2 + 2?")
+
+
+def test_forget_mode_drops_old_reports_on_the_models_call_and_keeps_its_replies(
+        serve, tokenizer):  # noqa: F811
+    """Round mode "forget": the model's forget call at the start of round 2 replaces round 1's
+    long report by DROPPED (its reply "6912" stays), so the next prompt branches off the
+    recorded turns after round 1's calculator call (a new training sample); the
+    same session without the call overflows once the second report is in the prompt."""
+    a, b = (_call("calculator", {"expression": e}) for e in ("1234 + 5678", "4321 - 876"))
+    script = [a, "6912", _call("forget_tool_outputs", {}), b, "3445", "6912, 3445"]
+    answer, prompts, srv, tid = _run(serve, tokenizer, "forget", script)
+    prompts = [_after_head(p) for p in prompts]
+    assert answer == "6912, 3445" and len(prompts) == 6
+    assert "trace 19" in prompts[1] and "trace 19" in prompts[2]  # read, then forgotten:
+    assert "trace 19" not in prompts[3] and f"<tool_response>\n{agent.DROPPED}\n" in prompts[3]
+    assert "assistant\n6912" in prompts[5] and "result: 3445" in prompts[5]
+    c = srv.pool.get_trajectory(tid).completions
+    call_a = c[0].prompt_ids + c[0].completion_ids
+    assert c[3].prompt_ids[: len(call_a)] == call_a  # a branch from the turn before the report
+    assert c[3].prompt_ids[: len(c[2].prompt_ids)] != c[2].prompt_ids  # not the forget turn's
+    assert c[2].prompt_ids[: len(c[1].prompt_ids)] == c[1].prompt_ids  # (before: one branch)
+    script = [a, "6912", b, "3445", "6912, 3445"]  # no forget call
+    _, prompts, _, _ = _run(serve, tokenizer, "forget", script)
+    fourth = len(tokenizer(prompts[3]).input_ids)  # both reports in the prompt
+    answer, prompts, srv, tid = _run(serve, tokenizer, "forget", script, max_model_len=fourth - 1)
+    assert answer == "" and len(prompts) == 3
+    assert [e.kind for e in srv.pool.get_trajectory(tid).events] == ["context_overflow"]

@@ -88,8 +88,15 @@ def test_forget_and_the_truncation_baseline_rewrite_only_the_body():
                      {"role": "tool", "tool_call_id": f"c{i}", "content": f"page {i}"}]
     forget = {"id": "f", "type": "function",
               "function": {"name": "forget_tool_outputs", "arguments": "{}"}}
-    assert ctx.apply(forget, {}) == "Dropped 2 tool outputs."
+    ctx.body.append({"role": "assistant", "content": "", "tool_calls": [forget]})
+    assert ctx.apply(forget, {}) == "Dropped 2 tool outputs."  # keeps the page it just read
     assert [m["content"] for m in ctx.body if m["role"] == "tool"] == [DROPPED, DROPPED, "page 2"]
+    ctx.body += [{"role": "tool", "tool_call_id": "f", "content": "Dropped 2 tool outputs."},
+                 {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"},
+                 {"role": "assistant", "content": "", "tool_calls": [forget]}]
+    assert ctx.apply(forget, {}) == "Dropped 2 tool outputs."  # after a reply: all earlier
+    assert [m["content"] for m in ctx.body if m["role"] == "tool"] == [DROPPED] * 4
+    del ctx.body[-5:]
     ctx.truncate_oldest(3)  # keeps the last assistant + tool pair, never an orphaned result
     assert [m["role"] for m in ctx.body] == ["assistant", "tool"]
     assert ctx.head == [{"role": "user", "content": "task"}]
