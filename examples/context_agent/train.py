@@ -4,10 +4,10 @@
     python examples/context_agent/train.py --cm truncate --eval      # held-out eval only
     python examples/context_agent/train.py --cm none --eval --run_dir runs/x --tasks.eval_size 8
 
-`--cm`: learned | truncate | none | summarize | drop | forget (agent.py). `--eval`: run the held-out tasks once, greedy, with
-the run directory's latest checkpoint (the base model when it has none), print accuracy,
-tool use and context overflows, and train nothing. Other arguments are config overrides, as
-for `forgerl train`.
+`--cm`: learned | truncate | none | summarize | drop | forget (agent.py). `--eval`: run the
+held-out tasks once, greedy, with the run directory's latest checkpoint (the base model when it
+has none), print accuracy, tool use and context overflows, and train nothing. Other arguments
+are config overrides, as for `forgerl train`.
 """
 
 from __future__ import annotations
