@@ -66,16 +66,14 @@ class ManagedContext:
         its assistant message); returns the tool result text. Raises ValueError for a tool
         that is not a CM tool."""
         name = call["function"]["name"]
+        last = max((i for i, m in enumerate(self.body) if m["role"] == "assistant"), default=0)
         if name == "compact":  # keep the calling message and the results already given to it
-            last = max(i for i, m in enumerate(self.body) if m["role"] == "assistant")
             self.body = self.body[last:]
             result = f"Context compacted. Your summary: {arguments.get('summary', '')}"
         elif name == "forget_tool_outputs":  # keep the results the calling message follows
-            last = max(i for i, m in enumerate(self.body) if m["role"] == "assistant")
-            read = last
-            while read > 0 and self.body[read - 1]["role"] == "tool":
-                read -= 1
-            old = [m for m in self.body[:read] if m["role"] == "tool" and m["content"] != DROPPED]
+            while last > 0 and self.body[last - 1]["role"] == "tool":
+                last -= 1  # back over the results the calling message follows
+            old = [m for m in self.body[:last] if m["role"] == "tool" and m["content"] != DROPPED]
             for m in old:
                 m["content"] = DROPPED
             result = f"Dropped {len(old)} tool outputs."
