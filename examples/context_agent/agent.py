@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable
 
 import openai
 
-from forgerl.agents.context import DROPPED, ManagedContext, run_tool_loop
+from forgerl.agents.context import ManagedContext, run_tool_loop
 
 SYSTEM_PROMPT = (
     "You are a math assistant with a calculator. Call the calculator once per reply, one "
@@ -138,14 +138,12 @@ def round_examples(mode: str = "summarize") -> list[dict]:
         for j, (e, r) in enumerate(((e1, r1), (e2, r2))):
             call = _call(4 * k + j, "calculator", {"expression": e})
             messages.append({"role": "user", "content": f"{prefix}Compute {e}."})
-            if mode == "forget" and j > 0:
+            if mode == "forget" and j > 0:  # the tool itself, on this session's messages
                 forget = _call(4 * k + 2, "forget_tool_outputs", {})
-                for m in messages[start:]:  # this session's earlier reports
-                    if m["role"] == "tool":
-                        m["content"] = DROPPED
-                messages += [{"role": "assistant", "content": "", "tool_calls": [forget]},
-                             {"role": "tool", "tool_call_id": forget["id"],
-                              "content": "Dropped 1 tool outputs."}]
+                messages.append({"role": "assistant", "content": "", "tool_calls": [forget]})
+                dropped = ManagedContext([], messages[start:]).apply(forget, {})
+                messages.append({"role": "tool", "tool_call_id": forget["id"],
+                                 "content": dropped})
             messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": call["id"], "content": f"result: {r}"},
                          {"role": "assistant", "content": str(r)}]

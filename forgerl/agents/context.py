@@ -72,7 +72,7 @@ class ManagedContext:
             result = f"Context compacted. Your summary: {arguments.get('summary', '')}"
         elif name == "forget_tool_outputs":  # keep the results the calling message follows
             while last > 0 and self.body[last - 1]["role"] == "tool":
-                last -= 1  # back over the results the calling message follows
+                last -= 1
             old = [m for m in self.body[:last] if m["role"] == "tool" and m["content"] != DROPPED]
             for m in old:
                 m["content"] = DROPPED

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.agents.context import CM_NAMES
+from forgerl.agents.context import CM_NAMES, DROPPED
 from forgerl.gateway.renderer import ChatMLRenderer
 from tests.gateway.conftest import ScriptedEngine, reply, serve  # noqa: F401
 
@@ -139,7 +139,7 @@ def test_forget_mode_drops_old_reports_on_the_models_call_and_keeps_its_replies(
     prompts = [_after_head(p) for p in prompts]
     assert answer == "6912, 3445" and len(prompts) == 6
     assert "trace 19" in prompts[1] and "trace 19" in prompts[2]  # read, then forgotten:
-    assert "trace 19" not in prompts[3] and f"<tool_response>\n{agent.DROPPED}\n" in prompts[3]
+    assert "trace 19" not in prompts[3] and f"<tool_response>\n{DROPPED}\n" in prompts[3]
     assert "assistant\n6912" in prompts[5] and "result: 3445" in prompts[5]
     c = srv.pool.get_trajectory(tid).completions
     call_a = c[0].prompt_ids + c[0].completion_ids
