@@ -393,6 +393,21 @@ class RewardConfig(_Section):
         return RewardWeights(self.outcome, self.completion_time, dict(self.process))
 
 
+class WarmstartConfig(_Section):
+    """[warmstart]: supervised fine-tuning on demonstrations before RL (`trainer.warmstart`);
+    its steps are the run's first optimizer steps, followed by a held-out evaluation."""
+
+    demos: str | None = None
+    """JSONL demonstrations in the OpenAI fine-tuning chat format (in a config file: relative
+    to it; as a command-line override: to the current directory); None = no warm start."""
+    steps: int = Field(0, ge=0)
+    """Warm-start optimizer steps (counted in max_steps)."""
+    batch_size: int = Field(8, ge=1)
+    """Demonstration records per step."""
+    lr: float | None = Field(None, gt=0, le=1)
+    """The learning rate of these steps; None = trainer.lr."""
+
+
 class ClusterConfig(_Section):
     """[cluster]: where the engine instances and trainer workers run (forgerl/cluster.py)."""
 
@@ -442,6 +457,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
     cluster: ClusterConfig = ClusterConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""
@@ -465,6 +481,10 @@ class Config(_Section):
                 and self.cluster.backend == "local"):
             raise ValueError("engine.instances > 1 with engine.type = \"vllm\" needs "
                              "cluster.backend = \"ray\" (one vLLM per process)")
+        if self.warmstart.steps and (self.warmstart.demos is None or self.trainer.workers > 1
+                                     or self.warmstart.steps > self.max_steps):
+            raise ValueError("warmstart.steps needs warmstart.demos, trainer.workers = 1 and "
+                             "max_steps >= it (max_steps counts warm-start and RL steps)")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")
@@ -542,6 +562,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         base = path.resolve().parent
+    if isinstance(warm := tree.get("warmstart"), dict) and isinstance(warm.get("demos"), str):
+        warm["demos"] = str(base / warm["demos"])  # the file's value; an override: cwd
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     _fill_default_types(Config, tree)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
     from forgerl.gateway.app import Gateway, GatewayServer
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
+    from forgerl.trainer.samples import TrainingSample
     from forgerl.trainer.trainer import Trainer
     from forgerl.trainer.weight_sync import WeightSync
     from forgerl.types import Group, Trajectory
@@ -89,6 +90,8 @@ class Services:
     """[[domains]] with their own agent: name → (command, its section)."""
     forkservers: dict[tuple[str, ...], asyncio.Future] = field(default_factory=dict)
     """`[agent] preload` → its fork server (forgerl/agents/forkserver.py), started at first use."""
+    demos: list[TrainingSample] = field(default_factory=list)
+    """The [warmstart] demonstrations as samples (`trainer.warmstart.load_demos`)."""
 
     # ---- rollouts ---------------------------------------------------------------------------
 
@@ -330,6 +333,30 @@ class Services:
         admitted = [d for i in first for d in seconds(i)]
         return (_duration_stats("rollout_seconds_trained", trained)
                 | _duration_stats("rollout_seconds_admitted", admitted))
+
+    async def warm_start(self) -> None:
+        """The [warmstart] phase (`trainer.warmstart`): supervised steps on the demonstrations
+        until trainer.step = warmstart.steps (resumes mid-phase), each synced to the engine and
+        logged with phase "warmstart"; then a held-out evaluation, trainer.lr and cleared AdamW
+        moments for RL, and a checkpoint."""
+        from forgerl.trainer.warmstart import step_records
+
+        ws, trainer, demos = self.config.warmstart, self.trainer, self.demos
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = ws.lr or self.config.trainer.lr
+        while trainer.step < ws.steps:
+            picked = step_records(len(demos), trainer.step, ws.batch_size, self.config.seed)
+            metrics = await asyncio.to_thread(trainer.supervised_step, [demos[i] for i in picked])
+            await self.sync_weights()
+            last = trainer.step == ws.steps
+            if last:  # RL starts with its own lr and fresh AdamW moments
+                metrics |= await self.evaluate()
+                trainer.optimizer.state.clear()
+                for group in trainer.optimizer.param_groups:
+                    group["lr"] = self.config.trainer.lr
+            self.log(trainer.step, {"phase": "warmstart", "demos": len(demos), **metrics})
+            if last or trainer.step % self.config.trainer.checkpoint_every == 0:
+                await self.checkpoint()
 
     async def sync_weights(self) -> None:
         """Push the trainer's weights to the engine as weight_version = trainer.step."""
@@ -641,12 +668,15 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
+    from forgerl.trainer.warmstart import load_demos
 
     tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
+    ws = config.warmstart  # demonstrations are read (and refused) before anything is written
+    demos = load_demos(ws.demos or "", renderer) if ws.steps and training else []
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     locks.append(lock_run_dir(run_dir))
@@ -672,7 +702,8 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     if agent is None and config.agent is not None:
         agent = _command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
-                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), Reaper())
+                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), Reaper(),
+                        demos=demos)
     services.domain_agents = {d.name: (_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
     workers = None
@@ -725,6 +756,9 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0 and not s.logger.logged(0):
                 s.log(0, await s.evaluate())
+            if s.trainer.step < config.warmstart.steps:
+                await s.warm_start()                        # supervised steps on demonstrations
+                bar.update(completed=s.trainer.step)
             start, no_signal, acc, tokens, step_seconds = time.time(), 0, "-", 0, []
             while s.trainer.step < config.max_steps:
                 s.admit()                                   # rollouts the scheduler admits now

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import openai
 
@@ -181,11 +182,13 @@ async def run_rounds(client: openai.AsyncOpenAI, ctx: ManagedContext, question: 
     return reply
 
 
-def make_agent(mode: str, max_turns: int = 5,
-               max_tokens: int = 48) -> Callable[[dict, str, str], Awaitable[str | None]]:
+def make_agent(mode: str, max_turns: int = 5, max_tokens: int = 48,
+               client: Callable[..., Any] = openai.AsyncOpenAI,
+               ) -> Callable[[dict, str, str], Awaitable[str | None]]:
     """The agent for `mode` (one of MODES): async (task, base_url, api_key) -> the final reply
     on one line ("" when the turns or the context ran out). `max_turns`: model calls per
-    episode, per round in the round modes. ValueError for another mode."""
+    episode, per round in the round modes. `client`: builds the OpenAI client (the scripted
+    teacher of demos.py replaces it). ValueError for another mode."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
 
@@ -198,7 +201,7 @@ def make_agent(mode: str, max_turns: int = 5,
             head = [{"role": "system", "content": system}, *example_messages(mode),
                     {"role": "user", "content": task["question"]}]
         ctx = ManagedContext(head)
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as c:
+        async with client(base_url=base_url, api_key=api_key, max_retries=0) as c:
             try:
                 if mode in ROUND_MODES:
                     reply = await run_rounds(c, ctx, task["question"], mode, max_turns,

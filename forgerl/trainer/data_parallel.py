@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from forgerl.trainer.losses import LossFn
 from forgerl.trainer.trainer import PreparedBatch, Trainer
 from forgerl.types import Group
 
@@ -173,11 +174,13 @@ class DataParallelTrainer(Trainer):
         self.logprob_chunk_tokens = 0  # the chunked head runs outside the root's forward
         self._sharded = True
 
-    def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
-        """Forward + backward of this worker's rows, then the all-reduced gradient sum: one
-        flat fp32 buffer of shape (Σ numel of the parameters + 3,) (the gradients, then the
-        loss, Σ ratio and Σ clipped over this worker's loss tokens), summed over workers, and
-        ratio_max reduced with MAX. Each parameter's .grad becomes its slice of that buffer."""
+    def accumulate_gradients(self, batch: PreparedBatch,
+                             loss_fn: LossFn | None = None) -> dict[str, float]:
+        """Forward + backward of this worker's rows (with `loss_fn`, default the trainer's),
+        then the all-reduced gradient sum: one flat fp32 buffer of shape (Σ numel of the
+        parameters + 3,) (the gradients, then the loss, Σ ratio and Σ clipped over this worker's
+        loss tokens), summed over workers, and ratio_max reduced with MAX. Each parameter's
+        .grad becomes its slice of that buffer."""
         rows = [r for r in batch.tree.rows if r.pred_pos.numel()]
         shares = balance_rows([r.input_ids.numel() for r in rows], dist.get_world_size())
         mine = [rows[i] for i in shares[dist.get_rank()]]
@@ -185,8 +188,9 @@ class DataParallelTrainer(Trainer):
         if self._sharded and batch.num_loss_tokens and missing:
             idle = replace(batch.tree, rows=[rows[0]] * missing)
             super().accumulate_gradients(  # zero loss and gradient, the same collectives
-                replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages)))
-        local = super().accumulate_gradients(replace(batch, tree=replace(batch.tree, rows=mine)))
+                replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages)), loss_fn)
+        local = super().accumulate_gradients(replace(batch, tree=replace(batch.tree, rows=mine)),
+                                             loss_fn)
         params = [] if self._sharded else [p for g in self.optimizer.param_groups
                                            for p in g["params"]]
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]

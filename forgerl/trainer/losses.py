@@ -114,3 +114,20 @@ def tis_loss(
     eps_high = float("inf") if tis_cap is None else tis_cap - 1.0
     return cispo_loss(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens,
                       eps_low=1.0, eps_high=eps_high)
+
+
+def nll_loss(
+    policy_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    num_loss_tokens: int,
+) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning: token-mean negative log-likelihood, -1/N · Σ_t log π_θ(o_t).
+
+    Used by the warm start on demonstrations (`trainer.warmstart`); behavior logprobs and
+    advantages are ignored (same signature as the RL losses, so the trainer's row loop serves
+    both). Ratio statistics are reported as 1 (no importance weight).
+    """
+    _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
+    ones = torch.ones_like(policy_logprobs.detach())
+    return -policy_logprobs.sum() / num_loss_tokens, _ratio_stats(ones, ones != ones)

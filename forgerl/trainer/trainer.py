@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,7 +30,7 @@ from forgerl.trainer.attention import (
     preferred_attn_implementation,
     supports_chunked_logprobs,
 )
-from forgerl.trainer.losses import LossFn, cispo_loss
+from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
 from forgerl.trainer.samples import (
     TrainingSample,
@@ -168,11 +169,22 @@ class Trainer:
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged.
         """
+        return self._optimize(lambda: self.prepare(groups), self.loss_fn)
+
+    def supervised_step(self, samples: list[TrainingSample]) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on `samples` (the warm start,
+        `trainer.warmstart`): the token-mean NLL of their loss tokens (`losses.nll_loss`) over
+        their prefix tree. Metrics as `train_step`'s that do not depend on rewards (loss,
+        num_loss_tokens, tokens_before_merge / _after_merge, grad_norm, step_seconds, ...)."""
+        return self._optimize(lambda: self.pack(samples, {}), nll_loss)
+
+    def _optimize(self, build: Callable[[], PreparedBatch], loss_fn: LossFn) -> dict[str, float]:
+        """build() → forward/backward of every row with `loss_fn` → clip → AdamW step."""
         start = time.perf_counter()
         try:
-            batch = self.prepare(groups)
+            batch = build()
             metrics = dict(batch.metrics)
-            metrics.update(self.accumulate_gradients(batch))
+            metrics.update(self.accumulate_gradients(batch, loss_fn))
             if batch.num_loss_tokens > 0:
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
                 clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
@@ -224,6 +236,26 @@ class Trainer:
                 greedy += stats.greedy_turns
                 truncated += stats.truncated_turns
                 masked += stats.truncated_masked
+        return self.pack(samples, {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "groups_skipped": float(skipped),
+            "prefix_extensions": float(extensions),
+            "prefix_branches": float(branches),
+            "greedy_turns": float(greedy),
+            "truncated_turns": float(truncated),
+            "truncated_turns_masked": float(masked),
+            "retry_orphans": float(orphans),
+            **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
+                ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),
+                ("reward_completion_time_mean", "completion_time"),
+                ("rollout_seconds_mean", "seconds"))},
+            **{f"events_{kind}": v for kind, v in sorted(events.items())},
+        })
+
+    def pack(self, samples: list[TrainingSample], metrics: dict[str, float]) -> PreparedBatch:
+        """Samples → their prefix tree and flat per-token tensors; `metrics` gets the token
+        counts and off-policy lag added. Raises ValueError for a sample longer than
+        max_row_tokens."""
         for s in samples:  # a sample is as long as its last turn's prompt + completion
             if len(s.input_ids) > self.max_row_tokens:
                 raise ValueError(
@@ -245,24 +277,12 @@ class Trainer:
         lag = (self.step - versions[mask]).float()
         num_loss_tokens = int(mask.sum())
         metrics = {
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            **metrics,
             "advantage_abs_mean": advantages[mask].abs().mean().item() if num_loss_tokens else 0.0,
             "num_loss_tokens": float(num_loss_tokens),
             "num_samples": float(len(samples)),
             "tokens_before_merge": float(tree.num_input_tokens),
             "tokens_after_merge": float(tree.num_tree_tokens),
-            "groups_skipped": float(skipped),
-            "prefix_extensions": float(extensions),
-            "prefix_branches": float(branches),
-            "greedy_turns": float(greedy),
-            "truncated_turns": float(truncated),
-            "truncated_turns_masked": float(masked),
-            "retry_orphans": float(orphans),
-            **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
-                ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),
-                ("reward_completion_time_mean", "completion_time"),
-                ("rollout_seconds_mean", "seconds"))},
-            **{f"events_{kind}": v for kind, v in sorted(events.items())},
             "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
             "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
         }
@@ -283,13 +303,14 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def accumulate_gradients(self, batch: PreparedBatch) -> dict[str, float]:
+    def accumulate_gradients(self, batch: PreparedBatch,
+                             loss_fn: LossFn | None = None) -> dict[str, float]:
         """Forward + backward of every row, accumulating gradients (no optimizer step).
 
-        Each row's CISPO loss is divided by the global N, so the summed row losses and their
-        gradients equal the single-pass token-mean loss whatever the row split (CASES.md C07).
-        Returns loss and the ratio statistics aggregated over all loss tokens.
-        """
+        `loss_fn`: default `self.loss_fn`. Each row's loss is divided by the global N, so the
+        summed row losses and their gradients equal the single-pass token-mean loss whatever
+        the row split (CASES.md C07). Returns loss and the ratio statistics aggregated over all
+        loss tokens."""
         total_loss, ratio_sum, ratio_max, clipped = 0.0, 0.0, 0.0, 0.0
         if batch.num_loss_tokens == 0:
             return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
@@ -299,7 +320,7 @@ class Trainer:
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
             with attn_implementation(self.model, self.attn_implementation), self._autocast():
                 policy_logprobs = forward_logprobs(self.model, row, self.logprob_chunk_tokens)
-            loss, stats = self.loss_fn(
+            loss, stats = (loss_fn or self.loss_fn)(
                 policy_logprobs,
                 batch.behavior_logprobs[flat].to(self.device),
                 batch.advantages[flat].to(self.device),
