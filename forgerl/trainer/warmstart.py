@@ -30,8 +30,8 @@ from forgerl.trainer.samples import TrainingSample
 
 
 def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
-    """One demonstration record → a sample: input_ids are the rendering of all its messages
-    (no generation prompt), loss_mask 1 on the completion ids of its trained assistant
+    """One demonstration record → a sample: input_ids are the rendering of its messages (no
+    generation prompt) up to the last trained id, loss_mask 1 on the completion ids of its trained assistant
     messages; advantages 1.0 there (0.0 elsewhere), behavior logprobs 0.0, weight versions 0
     (there is no behavior policy), temperatures 1.0.
 
@@ -62,7 +62,8 @@ def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
         if renderer.end_of_turn_id in span:  # the sampled ids end at the end-of-turn id
             span = span[: len(span) - span[::-1].index(renderer.end_of_turn_id)]
         mask[start : start + len(span)] = [1] * len(span)
-    n = len(ids)
+    n = len(mask) - mask[::-1].index(1)  # nothing after the last trained id enters the loss
+    ids, mask = ids[:n], mask[:n]
     return TrainingSample(ids, mask, [0.0] * n, [float(m) for m in mask], [0] * n,
                           temperatures=[1.0] * n)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,35 @@ def test_forget_mode_drops_old_reports_on_the_models_call_and_keeps_its_replies(
     answer, prompts, srv, tid = _run(serve, tokenizer, "forget", script, max_model_len=fourth - 1)
     assert answer == "" and len(prompts) == 3
     assert [e.kind for e in srv.pool.get_trajectory(tid).events] == ["context_overflow"]
+
+
+def test_forget_demonstrations_are_the_samples_of_the_same_session_through_the_gateway(
+        serve, tokenizer, monkeypatch):  # noqa: F811
+    """demos.py's teacher drives the real agent; its records, rendered for the warm start,
+    hold exactly the token ids and loss mask of the same session recorded by the gateway
+    (the scripted engine replaying the teacher's replies): two branches, the forget call
+    trained at the end of the first, round 1's replies context in the second."""
+    from forgerl.trainer.samples import trajectory_to_samples
+    from forgerl.trainer.warmstart import demo_sample
+
+    monkeypatch.setitem(sys.modules, "agent", agent)  # demos.py's own `from agent import`
+    path = EXAMPLE.with_name("demos.py")
+    spec = importlib.util.spec_from_file_location("context_demos", path)
+    demos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demos)
+    records = asyncio.run(demos.session_records(TASK))
+    assert len(records) == 2
+    trained = [[(m["content"], [c["function"]["name"] for c in m.get("tool_calls", [])])
+                for m in r["messages"] if m["role"] == "assistant" and m["weight"]]
+               for r in records]
+    assert trained == [[("", ["calculator"]), ("6912", []), ("", ["forget_tool_outputs"])],
+                       [("", ["calculator"]), ("3445", []), ("6912, 3445", [])]]
+    a, b = (_call("calculator", {"expression": e}) for e in ("1234 + 5678", "4321 - 876"))
+    script = [a, "6912", _call("forget_tool_outputs", {}), b, "3445", "6912, 3445"]
+    _, _, srv, tid = _run(serve, tokenizer, "forget", script)
+    traj = srv.pool.get_trajectory(tid)
+    recorded = trajectory_to_samples(traj, [1.0] * len(traj.completions))
+    renderer = ChatMLRenderer(tokenizer)
+    shown = [demo_sample(r, renderer) for r in records]
+    assert [s.input_ids for s in shown] == [s.input_ids for s in recorded]
+    assert [s.loss_mask for s in shown] == [s.loss_mask for s in recorded]
