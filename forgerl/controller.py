@@ -348,6 +348,7 @@ class Services:
             picked = step_records(len(demos), trainer.step, ws.batch_size, self.config.seed)
             metrics = await asyncio.to_thread(trainer.supervised_step, [demos[i] for i in picked])
             await self.sync_weights()
+            await asyncio.to_thread(release_heap)
             last = trainer.step == ws.steps
             if last:  # RL starts with its own lr and fresh AdamW moments
                 metrics |= await self.evaluate()
