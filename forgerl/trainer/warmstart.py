@@ -31,9 +31,9 @@ from forgerl.trainer.samples import TrainingSample
 
 def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
     """One demonstration record → a sample: input_ids are the rendering of its messages (no
-    generation prompt) up to the last trained id, loss_mask 1 on the completion ids of its trained assistant
-    messages; advantages 1.0 there (0.0 elsewhere), behavior logprobs 0.0, weight versions 0
-    (there is no behavior policy), temperatures 1.0.
+    generation prompt) up to the last trained id, loss_mask 1 on the completion ids of its
+    trained assistant messages; advantages 1.0 there (0.0 elsewhere), behavior logprobs 0.0,
+    weight versions 0 (there is no behavior policy), temperatures 1.0.
 
     Raises ValueError when the record is malformed, trains nothing, or the chat format renders
     an earlier turn differently once later turns follow (split such a record into one per
