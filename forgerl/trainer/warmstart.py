@@ -94,11 +94,10 @@ def step_records(num_records: int, step: int, batch_size: int, seed: int) -> lis
     """Indices of the records warm-start step `step` (0-based) trains on: epochs of a seeded
     shuffle, `batch_size` records per step (an epoch's last batch may wrap into the next), the
     same for a given step however often the run resumed."""
-    first = step * batch_size
-    picked = []
-    for i in range(first, first + batch_size):
-        epoch, pos = divmod(i, num_records)
-        order = list(range(num_records))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        picked.append(order[pos])
-    return picked
+    def order(epoch: int) -> list[int]:
+        shuffled = list(range(num_records))
+        random.Random(seed * 1_000_003 + epoch).shuffle(shuffled)
+        return shuffled
+
+    return [order(i // num_records)[i % num_records]
+            for i in range(step * batch_size, (step + 1) * batch_size)]
