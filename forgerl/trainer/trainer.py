@@ -176,8 +176,8 @@ class Trainer:
         `trainer.warmstart`): the token-mean NLL of their loss tokens (`losses.nll_loss`) over
         their prefix tree. Metrics as `train_step`'s that do not depend on rewards (loss,
         num_loss_tokens, tokens_before_merge / _after_merge, grad_norm, step_seconds, ...)."""
-        metrics = self._optimize(lambda: self.pack(samples, {}), nll_loss)
-        return {k: v for k, v in metrics.items() if "off_policy_lag" not in k}  # no behavior
+        return {k: v for k, v in self._optimize(lambda: self.pack(samples, {}), nll_loss).items()
+                if "off_policy_lag" not in k}  # no behavior policy, no lag
 
     def _optimize(self, build: Callable[[], PreparedBatch], loss_fn: LossFn) -> dict[str, float]:
         """build() → forward/backward of every row with `loss_fn` → clip → AdamW step."""

@@ -19,6 +19,7 @@ samples the wanted action on its own, so RL has no success to reinforce (Forge Â
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -53,18 +54,17 @@ def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
     ids = renderer.render(messages, tools, add_generation_prompt=False)
     mask = [0] * len(ids)
     for k in trained:
-        start = len(renderer.render(messages[:k], tools, add_generation_prompt=True))
+        prompt = renderer.render(messages[:k], tools, add_generation_prompt=True)
         turn = renderer.render(messages[: k + 1], tools, add_generation_prompt=False)
-        if ids[: len(turn)] != turn or ids[:start] != turn[:start]:
+        if ids[: len(turn)] != turn or turn[: len(prompt)] != prompt:
             raise ValueError(f"message {k}: the chat format renders it differently once later "
                              "turns follow; give each assistant message its own record")
-        span = turn[start:]
+        start, span = len(prompt), turn[len(prompt) :]
         if renderer.end_of_turn_id in span:  # the sampled ids end at the end-of-turn id
             span = span[: len(span) - span[::-1].index(renderer.end_of_turn_id)]
         mask[start : start + len(span)] = [1] * len(span)
     n = len(mask) - mask[::-1].index(1)  # nothing after the last trained id enters the loss
-    ids, mask = ids[:n], mask[:n]
-    return TrainingSample(ids, mask, [0.0] * n, [float(m) for m in mask], [0] * n,
+    return TrainingSample(ids[:n], mask[:n], [0.0] * n, [float(m) for m in mask[:n]], [0] * n,
                           temperatures=[1.0] * n)
 
 
@@ -94,6 +94,7 @@ def step_records(num_records: int, step: int, batch_size: int, seed: int) -> lis
     """Indices of the records warm-start step `step` (0-based) trains on: epochs of a seeded
     shuffle, `batch_size` records per step (an epoch's last batch may wrap into the next), the
     same for a given step however often the run resumed."""
+    @functools.cache
     def order(epoch: int) -> list[int]:
         shuffled = list(range(num_records))
         random.Random(seed * 1_000_003 + epoch).shuffle(shuffled)

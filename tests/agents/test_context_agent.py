@@ -28,7 +28,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "context_agent" / "
 spec = importlib.util.spec_from_file_location("context_agent", EXAMPLE)
 agent = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(agent)
-TASK = {"question": "Compute 1234 + 5678 and 4321 - 876."}
+TASK = {"question": "Compute 1234 + 5678 and 4321 - 876.", "answer": "6912, 3445"}
 
 
 def _call(name: str, args: dict) -> str:
