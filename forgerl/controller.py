@@ -667,7 +667,7 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     from forgerl.gateway.templates import build_renderer
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
-    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from forgerl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
     from forgerl.trainer.warmstart import load_demos
 
@@ -676,8 +676,11 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
-    ws = config.warmstart  # demonstrations are read (and refused) before anything is written
-    demos = load_demos(ws.demos or "", renderer) if ws.steps and training else []
+    # demonstrations are read (and refused) before anything is written; not once the run's
+    # checkpoint is past the warm start
+    ws = config.warmstart
+    demos = (load_demos(ws.demos or "", renderer, config.trainer.max_row_tokens)
+             if training and ws.steps > checkpoint_step(config.run_dir) else [])
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     locks.append(lock_run_dir(run_dir))

@@ -68,10 +68,12 @@ def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
                           temperatures=[1.0] * n)
 
 
-def load_demos(path: str | Path, renderer: Renderer) -> list[TrainingSample]:
+def load_demos(path: str | Path, renderer: Renderer,
+               max_tokens: int | None = None) -> list[TrainingSample]:
     """All records of a JSONL demonstration file as samples (`demo_sample`), in file order.
-    Blank lines are skipped. Raises ValueError naming the file and line for a bad record, an
-    empty file or one that cannot be read (e.g. FileNotFoundError's message)."""
+    Blank lines are skipped. Raises ValueError naming the file and line for a bad record, one
+    longer than `max_tokens` (the trainer's row budget), an empty file or one that cannot be
+    read (e.g. FileNotFoundError's message)."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -82,7 +84,9 @@ def load_demos(path: str | Path, renderer: Renderer) -> list[TrainingSample]:
             continue
         try:
             samples.append(demo_sample(json.loads(line), renderer))
-            samples[-1].trajectory_id = f"demo {path}:{number}"  # names it in a too-long error
+            if max_tokens is not None and len(samples[-1].input_ids) > max_tokens:
+                raise ValueError(f"{len(samples[-1].input_ids)} tokens exceed "
+                                 f"trainer.max_row_tokens ({max_tokens})")
         except ValueError as e:  # json.JSONDecodeError too
             raise ValueError(f"warmstart.demos: {path} line {number}: {e}") from None
     if not samples:

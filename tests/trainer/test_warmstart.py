@@ -163,8 +163,19 @@ def test_a_run_warm_starts_first_evaluates_and_resumes_after_it(tmp_path, tokeni
     db = sqlite3.connect(run_dir / "pool.sqlite")
     versions = {v for (v,) in db.execute("SELECT DISTINCT weight_version FROM completions")}
     assert min(versions) == 0 and 2 in versions  # step-0 eval, then rollouts of the warm weights
+    demos.unlink()  # past the warm start: the demonstrations are not read again
     asyncio.run(run(tiny_config(run_dir, *args, "--max_steps", "4"), agent=make_agent(),
                     progress=False))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("phase") == "warmstart"] == [1, 2]
     assert [r["step"] for r in records if "reward_mean" in r] == [3, 4]
+
+
+def test_a_record_longer_than_the_row_budget_is_refused_when_the_file_is_read(tokenizer,
+                                                                              tmp_path):
+    renderer = ChatMLRenderer(tokenizer)
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps(_record()) + "\n" + json.dumps(_record("9" * 600)) + "\n")
+    assert len(load_demos(path, renderer, max_tokens=2048)) == 2
+    with pytest.raises(ValueError, match=r"line 2: 12\d\d tokens exceed trainer.max_row_tokens"):
+        load_demos(path, renderer, max_tokens=1000)
