@@ -3,7 +3,8 @@
 Pinned here without a server (httpx.MockTransport): a too-long prompt raises ValueError before
 any HTTP call; a failure before the first token is retried, one after a token is not (the
 completion is never recorded twice, CASES.md C17); the logprob is looked up by the sampled id
-(CASES.md C18) and a missing one raises; a failed reload keeps the old version.
+(CASES.md C18) and a missing one raises; a failed reload keeps the old version; a stream
+interrupted by a weight update resumes with the remaining budget only (CASES.md C19).
 
 Against a real server on the packaged SmolLM2-135M (fp32, `--logprobs-mode processed_logprobs`),
 started once by `scripts/setup_vllm.sh`'s venv (skipped when `.venv-vllm/bin/vllm` is missing):
@@ -155,6 +156,53 @@ def test_failed_reload_keeps_the_version(tmp_path):
             await mocked(handler).update_weights({}, version=1)
 
     asyncio.run(main())
+
+
+def test_c19_resumed_partial_rollout_gets_the_remaining_budget(tmp_path):
+    """CASES.md C19: max_tokens 8192, a 136-token prompt, max_model_len 10241; a weight update
+    interrupts the stream after 6000 tokens. The resume asks for 8192 - 6000 = 2192 tokens (the
+    fault: max_model_len - prompt - done = 4105), and the completion is one sequence of 8192 ids
+    stamped [0]*6000 + [1]*2192. Interrupted at the 8192nd token, nothing is resumed."""
+    prompt = list(range(1000, 1136))
+    bodies = []
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"root": str(tmp_path / "start")}]})
+        if request.url.path != "/v1/completions":
+            return httpx.Response(200)  # the reload and the prefix-cache reset
+        body = json.loads(request.content)
+        bodies.append(body)
+        start = len(body["prompt"]) - len(prompt)
+        ids = list(range(start, start + body["max_tokens"]))
+        # the finish reason comes alone after the last token, as vLLM may send it
+        return httpx.Response(200, content=sse(chunk(ids, [-0.5] * len(ids)),
+                                               {"choices": [{"finish_reason": "length"}]}))
+
+    async def run(interrupt_at: int) -> GenerateOutput:
+        engine = RemoteEngine("http://mock", max_model_len=10241, weights_dir=tmp_path)
+        engine._client = httpx.AsyncClient(base_url="http://mock",
+                                           transport=httpx.MockTransport(handler))
+        n, update = 0, None
+        async for item in engine.stream(prompt, SamplingParams(max_tokens=8192)):
+            if isinstance(item, GenerateOutput):
+                await update
+                return item
+            n += 1
+            if n == interrupt_at:
+                update = asyncio.create_task(engine.update_weights({"w": torch.ones(2)}, 1))
+                await asyncio.sleep(0)  # the update closes the gate before the next token
+        raise AssertionError("no GenerateOutput")
+
+    out = asyncio.run(run(6000))
+    assert [b["max_tokens"] for b in bodies] == [8192, 2192]
+    assert bodies[1]["prompt"] == prompt + list(range(6000))
+    assert out.completion_ids == list(range(8192)) and out.finish_reason == "length"
+    assert out.weight_versions == [0] * 6000 + [1] * 2192 and len(out.logprobs) == 8192
+    bodies.clear()
+    out = asyncio.run(run(8192))
+    assert [b["max_tokens"] for b in bodies] == [8192]  # no budget left: no engine call
+    assert out.finish_reason == "length" and out.weight_versions == [0] * 8192
 
 
 # ---------------------------------------------------------------------------------------------
