@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import queue
 import threading
 import time
@@ -69,6 +70,27 @@ def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     fast = device.type == "cpu" and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
     return torch.bfloat16 if fast else torch.float32
+
+
+def pack_linears(model: torch.nn.Module) -> bool:
+    """Give each nn.Linear of a CPU float32 `model` a oneDNN-packed copy of its weight
+    (`torch.ops.mkldnn._reorder_linear_weight`) and a forward that uses it; call it again after
+    every change of the weights (the packed copies do not follow the parameters). Returns False,
+    changing nothing, for other devices and dtypes or a torch without oneDNN.
+
+    Why: MKL's sgemm is slow for the few rows of a decode step; with packed weights a SmolLM2
+    decode step at 10 rows took 21 % less time on a 2-core AVX2 EPYC (its lm_head 36 → 11 ms).
+    Costs a second copy of the linear weights (0.54 GB for SmolLM2) and ~0.4 s per packing.
+    Outputs equal nn.Linear's up to float rounding (another summation order)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears or not torch.backends.mkldnn.is_available() or any(
+            m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in linears):
+        return False
+    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16) for m in linears]
+    for m, w in zip(linears, packed, strict=True):  # all built before any is replaced
+        m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, W=w,
+                                      B=m.bias, attr="none", scalars=[], algorithm="")
+    return True
 
 
 def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -429,6 +451,7 @@ class LocalEngine:
         self.weight_version = 0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._params = self.model.state_dict()  # name → tensor sharing the parameter's storage
+        self._packed = pack_linears(self.model)
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
@@ -617,6 +640,8 @@ class LocalEngine:
                 apply_delta(self._params, update.state_dict, self.weight_version)
             else:
                 self._copy_weights(update.state_dict)
+            if self._packed:
+                pack_linears(self.model)
         except Exception as exc:
             _settle(update.loop, update.future, exc, error=True)
             return
@@ -726,10 +751,24 @@ class LocalEngine:
 
     def _prefill_wave(self, rows: list[_Request]) -> _Batch:
         """Prefill each row's prompt + completion so far, reusing cached KV for its longest
-        cached prefix; sample a token. Row i's cache columns are [pad, n_i reused, pad, new]."""
+        cached prefix; sample a token. Row i's cache columns are [pad, n_i reused, pad, new].
+
+        When the cache holds every row's sequence but its last token (a group's later waves),
+        no forward runs: the rows get their cached KV and that token as pending, and the next
+        decode step computes its logits and samples (one forward per step instead of two)."""
         seqs = [tuple(r.prompt_ids + r.completion_ids) for r in rows]
         hits = [self.prefix_cache.lookup(s) for s in seqs]
         past = max(n for n, _ in hits)
+        reused = sum(n for n, _ in hits)
+        self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
+        self.stats["prefix_hits"] += sum(n > 0 for n, _ in hits)
+        self.stats["prefix_hit_tokens"] += reused
+        if all(0 < n == len(s) - 1 for s, (n, _) in zip(seqs, hits, strict=True)):
+            mask = torch.zeros(len(rows), past, dtype=torch.long, device=self.device)
+            for i, (n, _) in enumerate(hits):
+                mask[i, past - n :] = 1
+            pending = torch.tensor([s[-1] for s in seqs], device=self.device)
+            return _Batch(rows, _KVCache(self._stack_past(hits, past)), mask, mask.sum(1), pending)
         new = max(len(s) - n for s, (n, _) in zip(seqs, hits, strict=True))
         ids = torch.zeros(len(rows), new, dtype=torch.long, device=self.device)  # (B, S)
         positions = torch.zeros_like(ids)
@@ -753,10 +792,6 @@ class LocalEngine:
         if self.prefix_cache.max_tokens:
             for i, seq in enumerate(seqs):
                 self.prefix_cache.insert(seq, batch.row_kv(i))
-        reused = sum(n for n, _ in hits)
-        self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
-        self.stats["prefix_hits"] += sum(n > 0 for n, _ in hits)
-        self.stats["prefix_hit_tokens"] += reused
         return batch
 
     @staticmethod

@@ -15,10 +15,15 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
 - Requests that cannot be served raise ValueError (too long, empty, top_p < 1, bad ids).
 - Prefix caching (KV reuse) is invisible in the outputs: a request sharing a prefix with an
   earlier one (or a group sharing a system prompt, sent together) reuses exactly the shared
-  tokens' KV and produces the cache-off engine's ids and logprobs (within 1e-4); a multi-turn
+  tokens' KV and produces the cache-off engine's ids and logprobs (within 1e-4); a group's
+  later rows, whose cache hit leaves one token, join the next decode step without a prefill
+  forward of their own; a multi-turn
   turn-2 prompt reuses turn 1's prompt + completion; a weight update empties the cache so later
   logprobs are the new weights' teacher-forced ones (CASES.md C04); the cache stays within its
   token bound, evicting the least recently used entry.
+- On CPU in fp32 the engine's linears run on oneDNN-packed copies of their weights
+  (`pack_linears`): logits equal nn.Linear's within 1e-5, other dtypes are left alone, and a
+  weight update rebuilds the copies (the update tests above would fail otherwise).
 - The KV layer grows and drops rows in place: decode steps and `keep` (rows finished, leading
   padding trimmed) write into the same buffers and leave exactly the reference tensors;
   tensors replaced from outside are gathered instead.
@@ -38,6 +43,7 @@ from forgerl.engines.local import (
     PrefixCache,
     _GrowingLayer,
     common_prefix,
+    pack_linears,
     sample_tokens,
     sampling_logprobs,
 )
@@ -163,8 +169,10 @@ def test_batched_and_joining_equal_unbatched(tiny_model):
 
     stats: dict = {}
     outs = run(batched())
-    # every decode step samples one token per running row; a row's first token is its prefill's
-    assert stats["decode_rows"] == sum(len(o.completion_ids) - 1 for o in outs)
+    # every decode step samples one token per running row; a row's first token is its
+    # prefill's, except for the staggered repeats of the four multi-token prompts: the cache
+    # holds all of each but its last token, which their first decode step feeds
+    assert stats["decode_rows"] == sum(len(o.completion_ids) - 1 for o in outs) + 4
     assert 0 < stats["decode_steps"] <= stats["decode_rows"] <= 4 * stats["decode_steps"]
     assert stats["decode_seconds"] > 0 and stats["prefill_seconds"] > 0
     for i, out in enumerate(outs):
@@ -443,6 +451,33 @@ def test_prefix_hit_matches_cache_off(tiny_model, together):
 
 
 @pytest.mark.prefix_cache
+@pytest.mark.parametrize("together", [False, True])
+def test_group_siblings_join_the_decode_step_without_a_prefill(tiny_model, together):
+    """G = 4 rollouts of one prompt: once the first has prefilled it, each sibling's cache hit
+    leaves one token, which the next decode step feeds; the model runs one prefill forward in
+    all and the outputs equal the cache-off engine's."""
+    jobs = [([*SYSTEM, 7, 8], SamplingParams(1.0, max_tokens=10, seed=i)) for i in range(4)]
+
+    def outputs(cache_tokens: int) -> tuple[list[GenerateOutput], dict, int]:
+        async def main():
+            engine = LocalEngine(tiny_model, max_model_len=256, prefix_cache_tokens=cache_tokens)
+            forwards = []
+            engine.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+            outs = await _serve(engine, jobs, together)
+            await engine.close()
+            return outs, dict(engine.stats), len(forwards)
+
+        return run(main())
+
+    outs, stats, forwards = outputs(4096)
+    refs, off, off_forwards = outputs(0)
+    _assert_same(outs, refs)
+    assert stats["prefix_hits"] == 3 and stats["prefix_hit_tokens"] == 3 * (len(SYSTEM) + 1)
+    assert forwards == stats["decode_steps"] + 1
+    assert off_forwards == off["decode_steps"] + (1 if together else 4)
+
+
+@pytest.mark.prefix_cache
 def test_multi_turn_reuses_prompt_and_completion(tiny_model):
     turn1 = [*SYSTEM, 10, 11, 12]
 
@@ -668,3 +703,28 @@ def test_kv_layer_grows_and_drops_rows_in_place():
     layer.keep([1], 1)
     assert torch.equal(layer.keys, outside[[1], :, 1:])
     assert torch.equal(layer.values, outside[[1], :, 1:] + 1)
+
+
+def test_packed_linears_give_the_plain_logits(tiny_model):
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        plain = tiny_model(ids).logits
+        packed_model = copy.deepcopy(tiny_model)
+        assert pack_linears(packed_model)
+        packed = packed_model(ids).logits
+        assert (packed - plain).abs().max() < 1e-5
+        # the forward reads the packed copies: a weight change shows only after packing again
+        for m in (tiny_model, packed_model):
+            m.model.layers[0].mlp.down_proj.weight.add_(0.5)
+        assert torch.equal(packed_model(ids).logits, packed)
+        assert pack_linears(packed_model)
+        changed = packed_model(ids).logits
+        assert (changed - packed).abs().max() > 1e-2
+        assert (changed - tiny_model(ids).logits).abs().max() < 1e-5
+        bf16 = copy.deepcopy(tiny_model).to(torch.bfloat16)
+        assert not pack_linears(bf16) and "forward" not in vars(bf16.lm_head)
+    engine = LocalEngine(tiny_model, max_model_len=64)
+    try:
+        assert engine._packed and "forward" in vars(engine.model.lm_head)
+    finally:
+        asyncio.run(engine.close())

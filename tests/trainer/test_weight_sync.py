@@ -100,6 +100,14 @@ async def _twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype
             assert x.completion_ids == y.completion_ids
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-6
             assert x.weight_versions == y.weight_versions == [20] * len(x.completion_ids)
+        # the updates reached the forward itself (fp32: the packed linears were rebuilt)
+        fresh = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
+        try:
+            for x, y in zip(await _greedy(fresh), b, strict=True):
+                assert x.completion_ids == y.completion_ids
+                assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-6
+        finally:
+            await fresh.close()
     finally:
         await full.close()
         await delta.close()
