@@ -640,7 +640,8 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
         dtype = engine_dtype(ec.dtype, trainer.device)
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size, device=str(trainer.device),
-                               prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype)
+                               prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
+                               packed_weights=ec.packed_weights)
                    for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]

@@ -419,6 +419,8 @@ class LocalEngine:
     tok/s at batch 1 on a loaded 2-core machine).
     prefix_cache_tokens: bound of the prefix (KV reuse) cache in tokens, 0 disables it; memory
     is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
+    packed_weights: on CPU in float32, run the linears on oneDNN-packed copies of their weights
+    (`pack_linears`; rebuilt after every update), else ignored.
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
     "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused),
     plus the configured "max_batch_size" and "queued_peak", the most requests ever waiting
@@ -437,6 +439,7 @@ class LocalEngine:
         device: str | None = None,
         prefix_cache_tokens: int = 32768,
         dtype: torch.dtype | None = None,
+        packed_weights: bool = False,
     ) -> None:
         if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
@@ -451,7 +454,7 @@ class LocalEngine:
         self.weight_version = 0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._params = self.model.state_dict()  # name → tensor sharing the parameter's storage
-        self._packed = pack_linears(self.model)
+        self._packed = packed_weights and pack_linears(self.model)
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None

@@ -21,9 +21,10 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
   turn-2 prompt reuses turn 1's prompt + completion; a weight update empties the cache so later
   logprobs are the new weights' teacher-forced ones (CASES.md C04); the cache stays within its
   token bound, evicting the least recently used entry.
-- On CPU in fp32 the engine's linears run on oneDNN-packed copies of their weights
-  (`pack_linears`): logits equal nn.Linear's within 1e-5, other dtypes are left alone, and a
-  weight update rebuilds the copies (the update tests above would fail otherwise).
+- With `packed_weights` on CPU in fp32 the engine's linears run on oneDNN-packed copies of
+  their weights (`pack_linears`): logits equal nn.Linear's within 1e-5, a weight change shows
+  only once they are packed again, other dtypes are left alone; full and delta updates rebuild
+  them (tests/trainer/test_weight_sync.py).
 - The KV layer grows and drops rows in place: decode steps and `keep` (rows finished, leading
   padding trimmed) write into the same buffers and leave exactly the reference tensors;
   tensors replaced from outside are gathered instead.
@@ -723,8 +724,11 @@ def test_packed_linears_give_the_plain_logits(tiny_model):
         assert (changed - tiny_model(ids).logits).abs().max() < 1e-5
         bf16 = copy.deepcopy(tiny_model).to(torch.bfloat16)
         assert not pack_linears(bf16) and "forward" not in vars(bf16.lm_head)
-    engine = LocalEngine(tiny_model, max_model_len=64)
+    plain_engine = LocalEngine(tiny_model, max_model_len=64)
+    engine = LocalEngine(tiny_model, max_model_len=64, packed_weights=True)
     try:
         assert engine._packed and "forward" in vars(engine.model.lm_head)
+        assert not plain_engine._packed and "forward" not in vars(plain_engine.model.lm_head)
     finally:
         asyncio.run(engine.close())
+        asyncio.run(plain_engine.close())

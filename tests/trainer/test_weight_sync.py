@@ -74,8 +74,11 @@ def test_twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype, 
 
 async def _twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype, lr):
     model = tiny_model.train()
-    full = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
-    delta = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
+    # packed weights (fp32): both update kinds must rebuild the packed copies
+    full = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0,
+                       packed_weights=True)
+    delta = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0,
+                        packed_weights=True)
     sync = WeightSync(delta, "delta")
     steps = _optimizer_steps(model, lr)
     kinds, fractions, ratios = [], [], []
@@ -101,7 +104,8 @@ async def _twenty_deltas_equal_full_sync_and_generate_the_same(tiny_model, dtype
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-6
             assert x.weight_versions == y.weight_versions == [20] * len(x.completion_ids)
         # the updates reached the forward itself (fp32: the packed linears were rebuilt)
-        fresh = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0)
+        fresh = LocalEngine(model, max_model_len=64, dtype=dtype, prefix_cache_tokens=0,
+                            packed_weights=True)
         try:
             for x, y in zip(await _greedy(fresh), b, strict=True):
                 assert x.completion_ids == y.completion_ids
