@@ -396,3 +396,15 @@ async def test_step_records_and_console_line_carry_the_agent_statistics(tmp_path
     assert record["tool_call_valid_rate"] is None  # NaN (no attempts) is written as null
     out = capsys.readouterr().out
     assert "tools 0.00 valid - turns 1.50 prefix 2/2" in out.splitlines()[0], out
+
+
+def test_engine_packed_weights_option_reaches_the_engine(tmp_path):
+    async def main() -> list[bool]:
+        packed = []
+        for flag in ("true", "false"):
+            config = tiny_config(tmp_path / flag, "--engine.packed_weights", flag)
+            async with start_services(config, make_agent()) as s:
+                packed.append(s.engine._packed)
+        return packed
+
+    assert asyncio.run(main()) == [True, False]
