@@ -171,9 +171,11 @@ def test_batched_and_joining_equal_unbatched(tiny_model):
     stats: dict = {}
     outs = run(batched())
     # every decode step samples one token per running row; a row's first token is its
-    # prefill's, except for the staggered repeats of the four multi-token prompts: the cache
-    # holds all of each but its last token, which their first decode step feeds
-    assert stats["decode_rows"] == sum(len(o.completion_ids) - 1 for o in outs) + 4
+    # prefill's, except for staggered repeats of the four multi-token prompts that arrive
+    # alone: the cache holds all of each but its last token, which a decode step feeds (one
+    # that joins a wave with another newcomer's prefill is sampled there: timing decides)
+    joined = stats["decode_rows"] - sum(len(o.completion_ids) - 1 for o in outs)
+    assert 0 <= joined <= 4
     assert 0 < stats["decode_steps"] <= stats["decode_rows"] <= 4 * stats["decode_steps"]
     assert stats["decode_seconds"] > 0 and stats["prefill_seconds"] > 0
     for i, out in enumerate(outs):
