@@ -231,11 +231,13 @@ class Services:
 
     def admit(self) -> None:
         """Start the rollouts of every task the scheduler admits now (concurrency cap, lag
-        bound), stamped with the engine's weight_version: between a step and its weight sync the
-        engine still serves the previous version."""
+        bound, no more untrained tasks than the steps left to max_steps train), stamped with
+        the engine's weight_version: between a step and its weight sync the engine still serves
+        the previous version."""
         if self.closing:
             return
-        for task_index in self.scheduler.admit(self.engine.weight_version):
+        left = (self.config.max_steps - self.trainer.step) * self.config.rollout.tasks_per_step
+        for task_index in self.scheduler.admit(self.engine.weight_version, max(left, 0)):
             task = asyncio.create_task(self.rollout_group(task_index))
             self.rollouts[task_index] = task
             task.add_done_callback(lambda t, i=task_index: self._rollout_done(i, t))
@@ -607,6 +609,7 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
     instances. Every engine serves the trainer's weights as weight_version = trainer.step.
     Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
     without vLLM installed."""
+    from forgerl.cpu_share import CpuShare
     from forgerl.engines.local import LocalEngine, engine_dtype
 
     ec, cluster = config.engine, None
@@ -638,10 +641,12 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
         engines = [await asyncio.to_thread(VllmEngine.from_config, config)]
     else:  # each engine keeps its own copy of the weights
         dtype = engine_dtype(ec.dtype, trainer.device)
+        if trainer.device.type == "cpu" and ec.instances == 1:  # one CPU, two busy threads
+            trainer.cpu_share = CpuShare()
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size, device=str(trainer.device),
                                prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
-                               packed_weights=ec.packed_weights)
+                               packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share)
                    for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]

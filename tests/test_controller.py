@@ -103,6 +103,19 @@ async def test_two_steps_change_every_parameter_and_sync_weights(tmp_path):
 
 
 @sync
+async def test_no_group_is_generated_past_the_last_step(tmp_path):
+    # FIFO with L = 1 admits 2k tasks at once; a 1-step run can train only k of them, so the
+    # other k would decode beside the last step and be cancelled at shutdown (issue 14)
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, "--max_steps", "1", "--scheduler.policy.type", "fifo")
+    await run(config, agent=make_agent(), progress=False)
+    db = sqlite3.connect(run_dir / "pool.sqlite")
+    tasks = db.execute("SELECT task_index, status FROM tasks ORDER BY task_index").fetchall()
+    db.close()
+    assert tasks == [(0, "trained"), (1, "trained")]
+
+
+@sync
 async def test_run_writes_metrics_resumes_and_plots(tmp_path):
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir)

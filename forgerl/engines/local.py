@@ -48,6 +48,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from forgerl.cpu_share import CpuShare
 from forgerl.engines.base import TokenEvent
 from forgerl.trainer.weight_sync import WeightDelta, apply_delta
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
@@ -422,6 +423,8 @@ class LocalEngine:
     is 2 · layers · kv_heads · head_dim · 4 bytes per token in fp32 (SmolLM2-135M: 46 KB).
     packed_weights: on CPU in float32, run the linears on oneDNN-packed copies of their weights
     (`pack_linears`; rebuilt after every update), else ignored.
+    cpu_share: a `forgerl.cpu_share.CpuShare` the worker enters as "engine" before each step
+    and leaves when idle, so it runs half of the CPU's threads while the trainer trains.
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
     "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused),
     plus the configured "max_batch_size" and "queued_peak", the most requests ever waiting
@@ -441,6 +444,7 @@ class LocalEngine:
         prefix_cache_tokens: int = 32768,
         dtype: torch.dtype | None = None,
         packed_weights: bool = False,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
@@ -456,6 +460,7 @@ class LocalEngine:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._params = self.model.state_dict()  # name → tensor sharing the parameter's storage
         self._packed = packed_weights and pack_linears(self.model)
+        self.cpu_share = cpu_share
         self._inbox: queue.SimpleQueue[_Request | _WeightUpdate | None] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
@@ -604,8 +609,12 @@ class LocalEngine:
         running = True
         while running:
             block = self._batch is None and not self._waiting
+            if block and self.cpu_share is not None:
+                self.cpu_share.leave("engine")
             running = self._drain_inbox(block)
             if running and (self._batch is not None or self._waiting):
+                if self.cpu_share is not None:
+                    self.cpu_share.enter("engine")
                 try:
                     self._step()
                 except Exception as exc:  # never let the worker die with callers waiting

@@ -218,10 +218,12 @@ class Scheduler:
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def admit(self, now_version: int) -> list[int]:
+    def admit(self, now_version: int, max_untrained: int | None = None) -> list[int]:
         """Task indices to dispatch now at engine weight_version `now_version` (ascending).
 
-        Stops at `max_in_flight` generating groups, the end of the stream, or the lag bound.
+        Stops at `max_in_flight` generating groups, the end of the stream, the lag bound, or
+        `max_untrained` admitted, untrained tasks (the controller passes what its remaining
+        steps can train, so no group is generated only to be dropped at the end of a run).
         Call it again whenever a group finishes or a step is trained. A re-run task (resume)
         is stamped no newer than the oldest token of the rollouts it keeps. Liveness: when
         nothing is generating and no batch can form, the next task is admitted even beyond the
@@ -231,6 +233,8 @@ class Scheduler:
         out: list[int] = []
         q = self.queue
         while len(q.admitted) - len(q.finished) < self.max_in_flight:
+            if max_untrained is not None and len(q.admitted) >= max_untrained:
+                break
             candidate = q.next_to_dispatch()
             if candidate is None:
                 break

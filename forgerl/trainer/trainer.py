@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from forgerl.cpu_share import CpuShare
 from forgerl.engines.local import engine_dtype
 from forgerl.rewards.composite import RewardWeights
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
@@ -149,6 +150,7 @@ class Trainer:
         self.failed_reward = failed_reward
         self.rewards = rewards or RewardWeights()
         self.mask_truncated = mask_truncated
+        self.cpu_share: CpuShare | None = None  # set by the controller beside a local engine
         self.step = 0
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -182,23 +184,25 @@ class Trainer:
     def _optimize(self, build: Callable[[], PreparedBatch], loss_fn: LossFn) -> dict[str, float]:
         """build() → forward/backward of every row with `loss_fn` → clip → AdamW step."""
         start = time.perf_counter()
-        try:
-            batch = build()
-            metrics = dict(batch.metrics)
-            metrics.update(self.accumulate_gradients(batch, loss_fn))
-            if batch.num_loss_tokens > 0:
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-                norm = torch.nn.utils.clip_grad_norm_(params, clip)  # a DTensor under FSDP
-                if hasattr(norm, "full_tensor"):
-                    norm = norm.full_tensor()
-                metrics["grad_norm"] = norm.item()
-                self.optimizer.step()
-                self.step += 1
-            else:
-                metrics["grad_norm"] = 0.0
-        finally:  # a step that raises leaves no partial gradients for the next one
-            self.optimizer.zero_grad(set_to_none=True)
+        share = self.cpu_share.busy("trainer") if self.cpu_share else contextlib.nullcontext()
+        with share:  # the engine's decode thread runs on half of the cores meanwhile
+            try:
+                batch = build()
+                metrics = dict(batch.metrics)
+                metrics.update(self.accumulate_gradients(batch, loss_fn))
+                if batch.num_loss_tokens > 0:
+                    params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                    clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+                    norm = torch.nn.utils.clip_grad_norm_(params, clip)  # a DTensor under FSDP
+                    if hasattr(norm, "full_tensor"):
+                        norm = norm.full_tensor()
+                    metrics["grad_norm"] = norm.item()
+                    self.optimizer.step()
+                    self.step += 1
+                else:
+                    metrics["grad_norm"] = 0.0
+            finally:  # a step that raises leaves no partial gradients for the next one
+                self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         metrics["step_seconds"] = seconds
         metrics["tokens_per_second"] = batch.tree.num_tree_tokens / max(seconds, 1e-9)
@@ -318,6 +322,8 @@ class Trainer:
         for row in batch.tree.rows:
             if row.pred_pos.numel() == 0:
                 continue
+            if self.cpu_share is not None:  # the engine may have gone idle or busy since
+                self.cpu_share.enter("trainer")
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
             with attn_implementation(self.model, self.attn_implementation), self._autocast():
                 policy_logprobs = forward_logprobs(self.model, row, self.logprob_chunk_tokens)

@@ -104,6 +104,14 @@ def test_max_in_flight_caps_generating_groups_only():
         for i in new:
             bounded.on_group_finished(i, 0)
     assert admitted == [0, 1, 2, 3]
+    # The controller's cap: no more untrained tasks than the steps left can train.
+    capped = Scheduler(Fifo(), batch_size=2, max_off_policy_steps=1)
+    assert capped.admit(0, max_untrained=2) == [0, 1] and capped.admit(0, max_untrained=2) == []
+    for i in (0, 1):
+        capped.on_group_finished(i, 0)
+    capped.on_trained(capped.next_batch(), 1)
+    assert capped.admit(1, max_untrained=2) == [2, 3]  # the last step's k tasks
+    assert capped.admit(1, max_untrained=0) == []
 
 
 events = st.lists(st.tuples(st.sampled_from(["finish", "train"]), st.integers(0, 10**6)),
