@@ -511,6 +511,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override --{dotted}: {key} is not a section")
         node = child
+    if leaf == "type" and isinstance(node.get("type"), str) and node["type"] != value:
+        node.clear()  # the file's other keys belong to the type being replaced
     node[leaf] = value
 
 
@@ -568,7 +570,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         base = path.resolve().parent
     if isinstance(warm := tree.get("warmstart"), dict) and isinstance(warm.get("demos"), str):
         warm["demos"] = str(base / warm["demos"])  # the file's value; an override: cwd
-    for key, value in parse_overrides(overrides or []):
+    pairs = parse_overrides(overrides or [])  # a new `type` first: it drops the old type's keys
+    for key, value in sorted(pairs, key=lambda pair: not pair[0].endswith(".type")):
         _set_dotted(tree, key, value)
     _fill_default_types(Config, tree)
     for section in [tree, *(d for d in tree.get("domains") or [] if isinstance(d, dict))]:

@@ -24,8 +24,10 @@ def test_toml_file_and_overrides(tmp_path):
     config = load_config(path, ["--scheduler.policy.window", "5", "--trainer.lr", "2e-6"])
     assert config.max_steps == 7 and config.trainer.lr == 2e-6
     assert config.scheduler.policy.type == "windowed_fifo" and config.scheduler.policy.window == 5
+    # a new type drops the file's keys of the old one; a key given with it must fit it
+    assert load_config(path, ["--scheduler.policy.type", "fifo"]).scheduler.policy.type == "fifo"
     with pytest.raises(ConfigError, match=r"scheduler\.policy\.fffo\.window"):  # fffo has no window
-        load_config(path, ["--scheduler.policy.type", "fffo"])
+        load_config(path, ["--scheduler.policy.window", "5", "--scheduler.policy.type", "fffo"])
     assert config.agent.cwd == str(tmp_path)  # relative agent paths resolve next to the config
 
 
