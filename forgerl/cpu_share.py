@@ -46,13 +46,14 @@ class CpuShare:
             alone = not (self._busy - {who})
         return self.cores if alone else max(1, self.cores // 2)
 
-    def enter(self, who: str) -> None:
-        """Mark `who` busy and set the calling thread's torch thread count for it."""
+    def enter(self, who: str) -> int:
+        """Mark `who` busy and set the calling thread's torch thread count for it; returns it."""
         with self._lock:
             self._busy.add(who)
         threads = self.threads(who)
         self.shared_entries += threads < self.cores
         torch.set_num_threads(threads)  # always: a new thread may report the global count
+        return threads
 
     def leave(self, who: str) -> None:
         """Mark `who` idle (the other part gets all cores at its next `enter`)."""

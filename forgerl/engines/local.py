@@ -432,7 +432,8 @@ class LocalEngine:
     and the decode loop's own time: "decode_steps" (batched one-token forwards),
     "decode_rows" (rows in them: decode_rows / decode_steps is the mean batch occupancy, and
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
-    "prefill_seconds" (wall seconds in decode steps and in prefills).
+    "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
+    (steps run on half of the cores beside the trainer, `cpu_share`).
     """
 
     def __init__(
@@ -467,7 +468,8 @@ class LocalEngine:
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
-                      "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0}
+                      "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
+                      "cpu_shared_steps": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="forgerl-local-engine", daemon=True)
         self._thread.start()
@@ -613,8 +615,9 @@ class LocalEngine:
                 self.cpu_share.leave("engine")
             running = self._drain_inbox(block)
             if running and (self._batch is not None or self._waiting):
-                if self.cpu_share is not None:
-                    self.cpu_share.enter("engine")
+                if self.cpu_share is not None:  # a step at half of the cores: counted
+                    shared = self.cpu_share.enter("engine") < self.cpu_share.cores
+                    self.stats["cpu_shared_steps"] += shared
                 try:
                     self._step()
                 except Exception as exc:  # never let the worker die with callers waiting

@@ -277,3 +277,18 @@ def test_resume_with_new_settings_never_stalls(before, after, caplog):
             trained += batch
     assert sorted(trained) == list(range(12))
     assert "beyond max_off_policy_steps" in caplog.text
+
+
+@pytest.mark.parametrize("policy, admitted", [(Fifo(), [4, 5]), (WindowedFifo(2), []),
+                                              (WindowedFifo(4), [])])
+def test_which_policies_overlap_generation_with_training_at_lag_1(policy, admitted):
+    # k = 2, L = 1: after step 1 trains tasks 0 and 1, FIFO may start step 3's tasks 4 and 5
+    # (trained at version 2, lag 1) while step 2 trains; a window W >= 2 could train 4 or 5
+    # before 2 or 3, so it admits nothing until step 2 is trained: generation and training
+    # alternate (the chain_sum example therefore uses FIFO, issue 14)
+    sched = Scheduler(policy, batch_size=2, max_off_policy_steps=1)
+    assert sched.admit(0) == [0, 1, 2, 3]
+    for i in range(4):
+        sched.on_group_finished(i, 0)
+    sched.on_trained(sched.next_batch(), 1)
+    assert sched.admit(1) == admitted
