@@ -29,8 +29,10 @@ from pathlib import Path
 # forward of their own), and to 8,430 for forgerl/cpu_share.py and its hooks in the engine,
 # trainer and controller (while the trainer trains beside a decoding local engine each gets
 # half of the CPU's threads instead of both running all of them: on the 2-core EPYC, decode
-# 56.7 -> 75.0 tok/s with train steps no slower).
-MAX_LINES = 8430
+# 56.7 -> 75.0 tok/s with train steps no slower), and to 8,440 for admitting no more tasks than
+# the steps left can train (no group generated only to be cancelled at the end of a run) and a
+# `type` override that replaces the file's table of the old type.
+MAX_LINES = 8440
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
