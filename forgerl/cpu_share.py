@@ -30,15 +30,13 @@ class CpuShare:
     """Who of ("engine", "trainer") is busy now, and how many intra-op threads each gets.
 
     cores: threads for a part that runs alone (default `torch.get_num_threads()` at
-    construction); max(1, cores // 2) each while both are busy. `shared_entries` counts the
-    `enter` calls that got the reduced count (how often the engine and the trainer overlapped).
+    construction); max(1, cores // 2) each while both are busy.
     """
 
     def __init__(self, cores: int | None = None) -> None:
         self.cores = cores or torch.get_num_threads()
         self._busy: set[str] = set()
         self._lock = threading.Lock()
-        self.shared_entries = 0
 
     def threads(self, who: str) -> int:
         """Intra-op threads for `who` now: half of the cores while another part is busy."""
@@ -51,7 +49,6 @@ class CpuShare:
         with self._lock:
             self._busy.add(who)
         threads = self.threads(who)
-        self.shared_entries += threads < self.cores
         torch.set_num_threads(threads)  # always: a new thread may report the global count
         return threads
 
