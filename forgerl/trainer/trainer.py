@@ -97,6 +97,10 @@ class Trainer:
             CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
             forwards (the engine's copy keeps its attention).
 
+    Attribute `cpu_share` (default None): a `forgerl.cpu_share.CpuShare` that the controller
+    sets beside a local CPU engine; a step then runs as "trainer", each row at half of the
+    CPU's threads while the engine decodes.
+
     Raises:
         ValueError: device "cuda" without CUDA, an unknown device, a model whose forward
             cannot give prefix-tree logprobs (`attention.check_tree_support`, one line), or
