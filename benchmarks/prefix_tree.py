@@ -14,7 +14,10 @@ trained tokens (the same number for all three, printed as a check):
 - padded: micro-batches of `--micro-batch` sequences right-padded to the longest, HF 2D
   attention mask; the lm_head runs from the first trained position on (TRL's logits_to_keep).
 - packed: `build_tree_batch(merge=False)`: sequences packed into rows, no sharing.
-- tree: `build_tree_batch(merge=True)`: the prefix tree, ancestors-only attention.
+- tree: `build_tree_batch(merge=True)`: the prefix tree, ancestors-only attention, run with
+  the trainer's attention (`attention.preferred_attn_implementation`: block-sparse tree
+  attention on CPU, FlexAttention on CUDA).
+- tree-dense: the same tree under the model's own sdpa with the dense (N, N) tree mask.
 
 Time is the median wall time of `--reps` fwd+bwd passes after one warm-up (`--no-warmup`).
 Peak memory is the peak RSS (getrusage ru_maxrss) of a fresh worker process minus its RSS
@@ -37,6 +40,7 @@ from multiprocessing import get_context
 
 import torch
 
+from forgerl.trainer.attention import attn_implementation, preferred_attn_implementation
 from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
 
 
@@ -119,12 +123,13 @@ def padded_loss(model, sequences, needed, micro_batch: int, pad_id: int = 0) -> 
     return loss_sum
 
 
-def tree_loss(model, batch) -> float:
+def tree_loss(model, batch, impl: str) -> float:
     total = sum(row.pred_pos.numel() for row in batch.rows)
     loss_sum = 0.0
     for row in batch.rows:
-        loss = -forward_logprobs(model, row).sum() / total
-        loss.backward()
+        with attn_implementation(model, impl):
+            loss = -forward_logprobs(model, row).sum() / total
+            loss.backward()
         loss_sum += loss.item()
     return loss_sum
 
@@ -156,11 +161,14 @@ def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
         def step() -> float:
             return padded_loss(model, sequences, needed, mb)
     else:
-        batch = build_tree_batch(sequences, args.max_row_tokens, needed, merge=method == "tree")
+        batch = build_tree_batch(sequences, args.max_row_tokens, needed,
+                                 merge=method.startswith("tree"))
         info["computed"], info["rows"] = batch.num_tree_tokens, len(batch.rows)
+        impl = (model.config._attn_implementation if method == "tree-dense"
+                else preferred_attn_implementation(model, next(model.parameters()).device))
 
         def step() -> float:
-            return tree_loss(model, batch)
+            return tree_loss(model, batch, impl)
 
     cuda = torch.cuda.is_available()
     base = torch.cuda.memory_allocated() if cuda else _rss_mib()
@@ -223,7 +231,7 @@ def main() -> None:
     for name in ("prompt", "completion", "observation"):
         parser.add_argument(f"--{name}-tokens", type=int, default=None, help="override length")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
-    parser.add_argument("--methods", default="padded,packed,tree",
+    parser.add_argument("--methods", default="padded,packed,tree-dense,tree",
                         help="comma list; speedup is against the first one run")
     args = parser.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
@@ -238,7 +246,7 @@ def main() -> None:
         f"threads={args.threads or torch.get_num_threads()}"
     )
     header = (
-        f"{'workload':<9}{'method':<8}{'seqs':>5}{'rows':>5}{'input tok':>10}{'computed':>10}"
+        f"{'workload':<9}{'method':<11}{'seqs':>5}{'rows':>5}{'input tok':>10}{'computed':>10}"
         f"{'compress':>9}{'fwd+bwd s':>10}{'speedup':>8}{'peak MiB':>9}{'loss':>9}"
     )
     print(header)
@@ -250,7 +258,7 @@ def main() -> None:
                 r = pool.submit(measure, args, w, method).result()
             ref_time = ref_time or r["time"]
             print(
-                f"{w.name:<9}{method:<8}{r['seqs']:>5}{r['rows']:>5}{r['input']:>10}"
+                f"{w.name:<9}{method:<11}{r['seqs']:>5}{r['rows']:>5}{r['input']:>10}"
                 f"{r['computed']:>10}{r['input'] / r['computed']:>8.2f}x{r['time']:>10.2f}"
                 f"{ref_time / r['time']:>7.2f}x{r['peak']:>9.0f}{r['loss']:>9.4f}",
                 flush=True,

@@ -27,8 +27,7 @@ from forgerl.rewards.composite import RewardWeights
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import (
     attn_implementation,
-    check_tree_support,
-    preferred_attn_implementation,
+    checked_attn_implementation,
     supports_chunked_logprobs,
 )
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
@@ -93,9 +92,9 @@ class Trainer:
             forwards run under `torch.autocast` in that dtype; parameters, gradients and AdamW
             stay in the model's dtype, the returned logprobs are float32.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
-            FlexAttention on CUDA and the model's own sdpa/eager attention with a dense mask on
-            CPU (`attention.preferred_attn_implementation`), set only around the trainer's own
-            forwards (the engine's copy keeps its attention).
+            FlexAttention on CUDA, else block-sparse tree attention over sdpa (or the model's
+            own eager attention with a dense mask; `attention.checked_attn_implementation`),
+            set only around the trainer's own forwards (the engine's copy keeps its attention).
 
     Attribute `cpu_share` (default None): a `forgerl.cpu_share.CpuShare` that the controller
     sets beside a local CPU engine; a step then runs as "trainer", each row at half of the
@@ -130,9 +129,9 @@ class Trainer:
         half = engine_dtype(autocast, self.device) if autocast != "off" else torch.float32
         self.autocast_dtype = half if half != torch.float32 else None
         self.model = model.to(self.device).train()
-        self.attn_implementation = preferred_attn_implementation(self.model, self.device)
+        self.attn_implementation = checked_attn_implementation(self.model, self.device,
+                                                               max_row_tokens)
         with attn_implementation(self.model, self.attn_implementation):
-            check_tree_support(self.model, max_row_tokens)
             self.logprob_chunk_tokens = logprob_chunk_tokens
             if logprob_chunk_tokens and not supports_chunked_logprobs(self.model):
                 log.warning("chunked logprobs do not match this model's forward: chunking off")
@@ -329,15 +328,18 @@ class Trainer:
             if self.cpu_share is not None:  # the engine may have gone idle or busy since
                 self.cpu_share.enter("trainer")
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
-            with attn_implementation(self.model, self.attn_implementation), self._autocast():
-                policy_logprobs = forward_logprobs(self.model, row, self.logprob_chunk_tokens)
-            loss, stats = (loss_fn or self.loss_fn)(
-                policy_logprobs,
-                batch.behavior_logprobs[flat].to(self.device),
-                batch.advantages[flat].to(self.device),
-                batch.num_loss_tokens,
-            )
-            loss.backward()
+            # the backward too: activation checkpointing recomputes layers, with this attention
+            with attn_implementation(self.model, self.attn_implementation):
+                with self._autocast():
+                    policy_logprobs = forward_logprobs(self.model, row,
+                                                       self.logprob_chunk_tokens)
+                loss, stats = (loss_fn or self.loss_fn)(
+                    policy_logprobs,
+                    batch.behavior_logprobs[flat].to(self.device),
+                    batch.advantages[flat].to(self.device),
+                    batch.num_loss_tokens,
+                )
+                loss.backward()
             total_loss += loss.item()
             ratio_sum += stats["ratio_mean"] * stats["num_tokens"]
             ratio_max = max(ratio_max, stats["ratio_max"])

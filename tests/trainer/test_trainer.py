@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from forgerl.models import build_tiny_model
+from forgerl.trainer.attention import TREE_SDPA
 from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from forgerl.trainer.losses import cispo_loss
 from forgerl.trainer.samples import trajectory_to_samples
@@ -266,7 +267,7 @@ def test_device_choice_and_cpu_attention():
     assert trainer.device.type == expected
     assert {p.device.type for p in model.parameters()} == {expected}
     if expected == "cpu":
-        assert trainer.attn_implementation == "sdpa"
+        assert trainer.attn_implementation == TREE_SDPA  # block-sparse tree attention
         trainer.train_step(make_groups(model, shift=(0.0, -0.3)))
         assert model.config._attn_implementation == "sdpa"  # restored after the tree forwards
         with pytest.raises(ValueError, match=r"trainer\.device = 'cuda' but CUDA is not available"):
