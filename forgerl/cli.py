@@ -96,6 +96,9 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 ok, 1 error, 2 bad input, 128 + N stopped
     by signal N: 130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+    from forgerl.controller import share_malloc_arena  # light: torch is not imported yet
+
+    share_malloc_arena()  # before any second thread allocates
     args, rest = _parser().parse_known_args(argv)
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:

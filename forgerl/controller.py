@@ -865,7 +865,10 @@ def share_malloc_arena() -> bool:
     SmolLM2 in fp32) could not hold the engine thread's KV caches, so peak RSS was near the sum
     of the threads' peaks. The main job configured like TRL (`benchmarks/README.md`, one run
     each): peak RSS 5.09 → 4.81 GiB, 21.4 → 20.7 s/step. Big tensors are few and large, so the
-    one arena's lock costs nothing measurable."""
+    one arena's lock costs nothing measurable. glibc fixes its arena limit at the first
+    allocation of a second thread (importing torch starts one), so `cli.main` calls this
+    before any import; the call at the start of `run()` only helps a process not yet past
+    that point."""
     with contextlib.suppress(OSError, AttributeError, TypeError):
         return bool(_libc().mallopt(-8, 1))  # -8: M_ARENA_MAX in glibc's malloc.h
     return False

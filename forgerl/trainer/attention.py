@@ -88,11 +88,13 @@ class TreeBlocks(torch.Tensor):
 
 def tree_blocks(parent: torch.Tensor, dtype: torch.dtype, device: torch.device,
                 block: int = TREE_BLOCK_TOKENS) -> TreeBlocks:
-    """Query blocks of `block` consecutive tokens of a DFS-ordered row, each with the only keys
-    any of its queries may attend to: token j is needed by block [a, b) iff j < b and its
-    subtree [j, exit[j]) reaches a. A branch's block skips its siblings' tokens, which a dense
-    mask computes and discards: on a SmolLM2 row of two groups of G = 8 (1,170 tokens, a shared
-    227-token prompt) the attention forward + backward took 2.8 of 9.7 s per step densely."""
+    """Query blocks of `block` (>= 1) consecutive tokens of a DFS-ordered row (`parent` (N,)
+    long, -1 for roots, parent[i] < i), each with the only keys any of its queries may attend
+    to: token j is needed by block [a, b) iff j < b and its subtree [j, exit[j]) reaches a;
+    each block's mask is additive in `dtype` (0 or its minimum). A branch's block skips its
+    siblings' tokens, which a dense mask computes and discards: on a SmolLM2 row of two groups
+    of G = 8 (1,170 tokens, a shared 227-token prompt) the attention forward + backward took
+    2.8 of 9.7 s per step densely, 1.0 s in blocks."""
     exit_ = subtree_exit(parent).to(device)
     n = parent.numel()
     idx = torch.arange(n, device=device)
@@ -116,7 +118,11 @@ def tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     (grouped-query heads shared, not repeated); returns ((1, N, H, D), None). Exactly the dense
     tree-masked attention up to float rounding (tests/trainer/test_tree_sdpa.py). Any other
     mask (None: causal) goes to transformers' sdpa; a placeholder that lost its blocks (a
-    family that sliced or copied the mask) raises ValueError: it masks nothing."""
+    family that sliced or copied the mask) raises ValueError: it masks nothing. One row only
+    (batch 1); dropout only in training; a soft-cap, attention sinks or a position bias raise
+    ValueError (`checked_attn_implementation` then falls back to dense sdpa)."""
+    if any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")):
+        raise ValueError("tree attention has no soft-cap, attention sinks or position bias")
     blocks = getattr(attention_mask, "blocks", None)
     if blocks is None:
         if isinstance(attention_mask, TreeBlocks):

@@ -73,3 +73,6 @@ def test_other_masks_go_to_plain_sdpa_and_a_stripped_placeholder_is_refused():
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(ValueError, match="without its blocks"):
         attention.tree_sdpa(model, q, q, q, stripped)
+    blocks = tree_blocks(torch.tensor([-1]), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no soft-cap"):  # Gemma2's would be silently dropped
+        attention.tree_sdpa(model, q, q, q, blocks, softcap=50.0)
