@@ -53,11 +53,16 @@ def subtree_exit(parent: torch.Tensor) -> torch.Tensor:
     return torch.arange(len(parents)) + torch.tensor(size, dtype=torch.long)
 
 
+def _sees(exit_: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The interval test, broadcast over `q` and `kv` (long positions): token kv is an
+    ancestor of token q or q itself iff kv <= q < exit[kv]."""
+    return (kv <= q) & (exit_[kv] > q)
+
+
 def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
     """(N, N) bool, [i, j] True iff token j is an ancestor of token i or i itself."""
-    exit_ = subtree_exit(parent)
     idx = torch.arange(parent.numel())
-    return (idx[None, :] <= idx[:, None]) & (exit_[None, :] > idx[:, None])
+    return _sees(subtree_exit(parent), idx[:, None], idx[None, :])
 
 
 def _flex_block_mask(parent: torch.Tensor, device: torch.device) -> object:
@@ -67,7 +72,7 @@ def _flex_block_mask(parent: torch.Tensor, device: torch.device) -> object:
     n = parent.numel()
 
     def is_ancestor(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
-        return (kv <= q) & (exit_[kv] > q)
+        return _sees(exit_, q, kv)
 
     return create_block_mask(is_ancestor, None, None, n, n, device=device, _compile=True)
 
@@ -104,8 +109,7 @@ def tree_blocks(parent: torch.Tensor, dtype: torch.dtype, device: torch.device,
     for a in range(0, n, block):
         b = min(a + block, n)
         keys = ((idx < b) & (exit_ > a)).nonzero().squeeze(1)  # (K,)
-        q = idx[a:b, None]
-        allowed = (keys[None] <= q) & (exit_[keys][None] > q)  # (b - a, K)
+        allowed = _sees(exit_, idx[a:b, None], keys[None])  # (b - a, K)
         mask.blocks.append((a, b, keys, torch.where(allowed, zero, torch.finfo(dtype).min)))
     return mask
 
@@ -119,8 +123,9 @@ def tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     tree-masked attention up to float rounding (tests/trainer/test_tree_sdpa.py). Any other
     mask (None: causal) goes to transformers' sdpa; a placeholder that lost its blocks (a
     family that sliced or copied the mask) raises ValueError: it masks nothing. One row only
-    (batch 1); dropout only in training; a soft-cap, attention sinks or a position bias raise
-    ValueError (`checked_attn_implementation` then falls back to dense sdpa)."""
+    (batch 1); `dropout` as the layer passes it (0 in eval mode); a soft-cap, attention sinks
+    or a position bias raise ValueError (`checked_attn_implementation` then falls back to
+    dense sdpa)."""
     if any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")):
         raise ValueError("tree attention has no soft-cap, attention sinks or position bias")
     blocks = getattr(attention_mask, "blocks", None)
@@ -133,8 +138,8 @@ def tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     for a, b, keys, mask in blocks:
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, a:b], key.index_select(2, keys), value.index_select(2, keys),
-            attn_mask=mask[None, None], dropout_p=dropout if module.training else 0.0,
-            scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
+            attn_mask=mask[None, None], dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1]))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
