@@ -1,5 +1,6 @@
 """Block-sparse tree attention (`attention.tree_sdpa`): the same logprobs and gradients as the
-dense tree mask, while each query block only gathers the keys its subtrees can see."""
+dense tree mask, while each query block only gathers the keys its subtrees can see (CASES.md
+C11 under the trainer's attention: a token never attends to another branch)."""
 
 from __future__ import annotations
 
