@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         from forgerl.config import load_config
 
         config = load_config(args.config, rest)
-        from transformers.utils import logging as hf_logging
-
         from forgerl.controller import run, serve_gateway
 
-        hf_logging.disable_progress_bar()  # the run draws its own; no per-checkpoint bars
+        # the run draws its own bars: none from transformers or the hub per checkpoint (read at
+        # their import, which `run` starts only after its task generation is under way)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
         asyncio.run(until_signal(run(config) if args.command == "train"
                                  else serve_gateway(config)))

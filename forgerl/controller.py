@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -572,16 +573,17 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
 
 
 @contextlib.asynccontextmanager
-async def start_services(config: Config, agent: Agent | None = None,
-                         training: bool = True) -> AsyncIterator[Services]:
+async def start_services(config: Config, agent: Agent | None = None, training: bool = True,
+                         task_sets: Future | None = None) -> AsyncIterator[Services]:
     """Build and start every service; resume from RUN_DIR/checkpoint when one exists.
 
     `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
-    gateway opens no HTTP session on them; False for `forgerl gateway`.
+    gateway opens no HTTP session on them; False for `forgerl gateway`. `task_sets`: the
+    `make_task_sets(config)` already under way (`scoring.submit`); made here when None.
     """
     locks: list[int] = []  # RUN_DIR/.lock, taken once the config is known to be good
     try:
-        async with _services(config, agent, training, locks) as services:
+        async with _services(config, agent, training, locks, task_sets) as services:
             yield services
     finally:
         for fd in locks:
@@ -666,8 +668,8 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
 
 
 @contextlib.asynccontextmanager
-async def _services(config: Config, agent: Agent | None, training: bool,
-                    locks: list[int]) -> AsyncIterator[Services]:
+async def _services(config: Config, agent: Agent | None, training: bool, locks: list[int],
+                    task_sets: Future | None) -> AsyncIterator[Services]:
     """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
     it, also when this raises)."""
     import torch
@@ -682,7 +684,8 @@ async def _services(config: Config, agent: Agent | None, training: bool,
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
     from forgerl.trainer.warmstart import load_demos
 
-    tasks, eval_tasks = make_task_sets(config)  # before anything is opened: it may raise
+    # before anything is opened: it may raise
+    tasks, eval_tasks = await asyncio.wrap_future(task_sets) if task_sets else make_task_sets(config)
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
@@ -756,8 +759,8 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     last agent error, once no rollout finished in max(16, 4k) groups in a row (a systematic
     failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
-    from forgerl.metrics import ProgressBar, agent_summary
-    from forgerl.trainer.checkpoint import checkpoint_step
+    from forgerl.rewards.scoring import submit
+    from forgerl.trainer.checkpoint import checkpoint_step  # light: no torch
 
     share_malloc_arena()  # before the engine, trainer and gateway threads allocate
     if agent is None and config.agent is None and (
@@ -768,7 +771,10 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
               f"{config.max_steps}; nothing to do (raise --max_steps to continue)")
         return Path(config.run_dir)
     began = time.time()
-    async with start_services(config, agent) as s:
+    task_sets = submit(make_task_sets, config)  # beside the imports that follow (torch: 2-4 s)
+    from forgerl.metrics import ProgressBar, agent_summary
+
+    async with start_services(config, agent, task_sets=task_sets) as s:
         s.max_steps = config.max_steps
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0 and not s.logger.logged(0):
@@ -888,6 +894,9 @@ def _peak_rss_gib() -> float:
 
 async def serve_gateway(config: Config) -> None:
     """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
-    async with start_services(config, training=False) as s:
+    from forgerl.rewards.scoring import submit
+
+    async with start_services(config, training=False,
+                              task_sets=submit(make_task_sets, config)) as s:
         print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
         await asyncio.Event().wait()

@@ -23,8 +23,6 @@ import json
 from collections.abc import Callable
 from types import ModuleType
 
-import reasoning_gym
-
 
 def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dict]:
     """`size` tasks of the reasoning-gym `dataset` with config `params`, deterministic in `seed`.
@@ -39,6 +37,8 @@ def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dic
         entries = [{"metadata": {}, **e}
                    for e in _user_file(dataset).make_tasks(size=size, seed=seed, **params)]
     else:
+        import reasoning_gym  # 1-3.5 s: only where tasks are made or scored
+
         entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
     # JSON round trip: tuples in metadata become lists, as they will after storage.
     return [{**json.loads(json.dumps(e)), "dataset": dataset} for e in entries]
@@ -64,6 +64,8 @@ def _user_file(path: str) -> ModuleType:
 
 @functools.cache
 def _scorer(dataset: str) -> Callable[[str | None, dict], float]:
+    import reasoning_gym
+
     return reasoning_gym.get_score_answer_fn(dataset)
 
 

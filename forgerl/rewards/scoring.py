@@ -26,12 +26,16 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Literal
+from typing import Any, Literal
 
 ScoreStatus = Literal["ok", "timeout", "error"]
 _CONTEXT = mp.get_context("forkserver")
+# what the fork server imports once, when it starts (the first call of `score_with_timeout` or
+# `submit`): the default verifier's package and the run's own entry point
+PRELOAD = ["reasoning_gym", "forgerl.rewards.reasoning_gym", "forgerl.cli"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def score_with_timeout(
     # read when the fork server starts (the first call); later calls' modules import per child.
     # Each child also runs the parent's main script as __mp_main__ (Python 3.11's fork server
     # never preloads it), as spawn does: cheap for `forgerl`, whose imports are preloaded here
-    _CONTEXT.set_forkserver_preload([fn.__module__, "forgerl.cli"])
+    _CONTEXT.set_forkserver_preload([*PRELOAD, fn.__module__])
     workers = max(1, max_workers or os.cpu_count() or 1)
     results: list[ScoreResult | None] = [None] * len(items)
     queue = list(enumerate(items))
@@ -91,6 +95,26 @@ def score_with_timeout(
             conn.close()
             _kill(proc)
     return [r for r in results if r is not None]
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """`fn(*args)` in a child of the fork server (started, with `PRELOAD`, if it is not
+    running); returns at once: a helper thread waits out the server's start. What `fn` raises
+    is raised by `.result()`. The run submits its task generation this way before it imports
+    torch (2-4 s): the server's import of reasoning-gym and the generation use the other core
+    meanwhile, and the server is warm for the first reward. `fn` and `args` must be picklable
+    (`fn` by reference)."""
+    _CONTEXT.set_forkserver_preload(PRELOAD)
+    starter = ThreadPoolExecutor(1, thread_name_prefix="forgerl-submit")
+    future = starter.submit(_in_child, fn, args)
+    starter.shutdown(wait=False)
+    return future
+
+
+def _in_child(fn: Callable[..., Any], args: tuple) -> Any:
+    """`fn(*args)` in one fork-server child; blocks until it returned."""
+    with ProcessPoolExecutor(1, mp_context=_CONTEXT) as executor:
+        return executor.submit(fn, *args).result()
 
 
 def status_counts(results: Sequence[ScoreResult]) -> dict[str, int]:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file
-from transformers import PreTrainedModel
+if TYPE_CHECKING:  # torch is imported where used: `checkpoint_step` alone stays light
+    import torch
+    from transformers import PreTrainedModel
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -43,6 +43,8 @@ def save_checkpoint(
     Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
     0.54 GB + 1.08 GB).
     """
+    import torch
+
     if keep < 1:
         raise ValueError(f"keep ({keep}) must be >= 1")
     state = json.dumps({"step": step, "extra": extra})
@@ -87,11 +89,14 @@ def load_checkpoint(
     from the files must be tied weights (e.g. an lm_head tied to the embeddings), else
     ValueError. Raises FileNotFoundError when the folder is not a checkpoint.
     """
+    import safetensors.torch
+    import torch
+
     ckpt_dir = Path(ckpt_dir)
     state = json.loads((ckpt_dir / STATE_FILE).read_text())
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt_dir.glob("*.safetensors")):
-        weights.update(load_file(f))
+        weights.update(safetensors.torch.load_file(f))
     result = model.load_state_dict(weights, strict=False)
     # A key absent from the files is fine only if it shares storage with a loaded one (tied).
     current = model.state_dict()

@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from forgerl.rewards.scoring import ScoreResult, score_with_timeout, status_counts
+import pytest
+
+from forgerl.rewards.scoring import ScoreResult, score_with_timeout, status_counts, submit
 
 
 def verifier(sample: int, pid_dir: str) -> float:
@@ -34,6 +36,16 @@ def verifier(sample: int, pid_dir: str) -> float:
 
 def parent_pid() -> float:
     return float(os.getppid())
+
+
+def pids_and_modules(x: int) -> tuple[int, int, int, bool]:
+    """What `submit` ran: x squared, its own pid and parent pid, and whether reasoning-gym was
+    already imported when it started (the fork server preloads it)."""
+    return x * x, os.getpid(), os.getppid(), "reasoning_gym" in sys.modules
+
+
+def refuse(message: str) -> None:
+    raise KeyError(message)
 
 
 def odd_values(kind: str) -> float:
@@ -93,3 +105,15 @@ def test_items_are_forked_by_the_fork_server_not_by_the_caller():
     first, second = score_with_timeout(parent_pid, [(), ()], timeout_s=30.0)
     assert first.status == second.status == "ok"
     assert first.reward == second.reward != os.getpid()
+
+
+def test_submit_runs_in_a_fork_server_child_with_reasoning_gym_preloaded():
+    """The run makes its tasks this way while it imports torch: in a child of the same fork
+    server that later scores (its parent), never in this process; errors come back as raised."""
+    square, pid, parent, preloaded = submit(pids_and_modules, 7).result(timeout=60)
+    assert square == 49 and pid != os.getpid() and parent != os.getpid() and preloaded
+    [scorer_parent] = score_with_timeout(parent_pid, [()], timeout_s=30.0)
+    assert scorer_parent.reward == parent  # one fork server for both
+    future = submit(refuse, "no such dataset")
+    with pytest.raises(KeyError, match="no such dataset"):
+        future.result(timeout=60)
