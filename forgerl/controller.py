@@ -27,7 +27,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,19 +117,13 @@ class Services:
         if isinstance(agent, list):  # a command agent: directory, turn limit, reaper tag
             cwd = agent_cfg.cwd if agent_cfg is not None else None
             env = {"FORGERL_MAX_TURNS": str(agent_cfg.max_turns if agent_cfg else 1),
+                   "FORGERL_MAX_TOKENS": str(cfg.rollout.max_tokens),
                    "OPENAI_MODEL": cfg.gateway.model_name,
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
                    **(self.reaper.env() if self.reaper else {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
-        forkserver = None
-        if (isinstance(agent, list) and agent_cfg is not None and agent[0] == sys.executable
-                and len(agent) > 1 and agent[1][:1] != "-"):
-            from forgerl.agents.forkserver import script_imports
-
-            preload = agent_cfg.preload if agent_cfg.preload is not None else script_imports(
-                os.path.join(cwd or os.getcwd(), agent[1]))
-            if preload:
-                forkserver = await self.forkserver(tuple(preload), env or {})
+        preload = _preload(agent, agent_cfg)
+        forkserver = await self.forkserver(preload, env or {}) if preload else None
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(agent, task, self.server.base_url, api_key,
                                  cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
@@ -143,19 +136,10 @@ class Services:
             f"\n{tail}" if tail else "")
 
     async def forkserver(self, preload: tuple[str, ...], env: dict[str, str]) -> Any:
-        """The run's ForkServer for `preload`, started with this environment plus `env` (the
-        reaper's tag) at first use; None (agents are exec'd) when it cannot start."""
-        from forgerl.agents.forkserver import ForkServer
-
-        async def start() -> ForkServer | None:
-            try:
-                return await ForkServer.start(list(preload), {**os.environ, **env})
-            except OSError as exc:
-                log.warning("%s; agents start as plain processes", exc)
-                return None
-
+        """The run's ForkServer for `preload` (started at the run's start, else now, with this
+        environment plus `env`: the reaper's tag); None (agents are exec'd) when it cannot."""
         if preload not in self.forkservers:
-            self.forkservers[preload] = asyncio.ensure_future(start())
+            self.forkservers[preload] = _start_forkserver(preload, env)
         return await asyncio.shield(self.forkservers[preload])
 
     async def rollout(self, task_index: int, rollout_index: int, task: dict,
@@ -477,6 +461,33 @@ def _duration_stats(name: str, seconds: list[float]) -> dict[str, float]:
     return {f"{name}_mean": sum(ordered) / len(ordered), f"{name}_p90": p90}
 
 
+def _preload(agent: Agent | list[str] | None, agent_cfg: AgentConfig | None) -> tuple[str, ...]:
+    """What a Python script agent's fork server imports: `[agent] preload`, else the packages
+    the script imports at its top level (`script_imports`); () for any other agent."""
+    if not (isinstance(agent, list) and agent_cfg is not None and agent[0] == sys.executable
+            and len(agent) > 1 and agent[1][:1] != "-"):
+        return ()
+    from forgerl.agents.forkserver import script_imports
+
+    return tuple(agent_cfg.preload if agent_cfg.preload is not None else script_imports(
+        os.path.join(agent_cfg.cwd or os.getcwd(), agent[1])))
+
+
+def _start_forkserver(preload: tuple[str, ...], env: dict[str, str]) -> asyncio.Future:
+    """Start an agent ForkServer importing `preload` (forgerl/agents/forkserver.py) with this
+    environment plus `env`; its future gives None, with a warning, when it cannot start."""
+    from forgerl.agents.forkserver import ForkServer
+
+    async def start() -> ForkServer | None:
+        try:
+            return await ForkServer.start(list(preload), {**os.environ, **env})
+        except OSError as exc:
+            log.warning("%s; agents start as plain processes", exc)
+            return None
+
+    return asyncio.ensure_future(start())
+
+
 def _command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
     command = list(agent.command)
@@ -574,7 +585,7 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
 
 @contextlib.asynccontextmanager
 async def start_services(config: Config, agent: Agent | None = None, training: bool = True,
-                         task_sets: Future | None = None) -> AsyncIterator[Services]:
+                         task_sets: Awaitable | None = None) -> AsyncIterator[Services]:
     """Build and start every service; resume from RUN_DIR/checkpoint when one exists.
 
     `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
@@ -669,12 +680,39 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
 
 @contextlib.asynccontextmanager
 async def _services(config: Config, agent: Agent | None, training: bool, locks: list[int],
-                    task_sets: Future | None) -> AsyncIterator[Services]:
+                    task_sets: Awaitable | None) -> AsyncIterator[Services]:
     """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
-    it, also when this raises)."""
+    it, also when this raises). The command agents' fork servers start first: their imports
+    (`openai`: about 1 s) run beside this process's (torch, transformers: 5-7 s)."""
+    from forgerl.agents.reaper import Reaper
+
+    reaper, forkservers = Reaper(), {}
+    if training:
+        agents = [] if agent is not None or config.agent is None else [config.agent]
+        for agent_cfg in agents + [d.agent for d in config.domains if d.agent is not None]:
+            preload = _preload(_command(agent_cfg), agent_cfg)
+            if preload and preload not in forkservers:
+                forkservers[preload] = _start_forkserver(preload, reaper.env())
+    await asyncio.sleep(0)  # each start runs up to its process's spawn
+    try:
+        async with _build_services(config, agent, training, locks, task_sets, reaper,
+                                   forkservers) as services:
+            yield services
+    finally:
+        for started in forkservers.values():
+            if not started.done():
+                await asyncio.wait([started])
+            if started.exception() is None and started.result() is not None:
+                await started.result().close()
+        reaper.close()
+
+
+@contextlib.asynccontextmanager
+async def _build_services(config: Config, agent: Agent | None, training: bool, locks: list[int],
+                          task_sets: Awaitable | None, reaper: Reaper,
+                          forkservers: dict) -> AsyncIterator[Services]:
     import torch
 
-    from forgerl.agents.reaper import Reaper
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.gateway.app import Gateway
     from forgerl.gateway.templates import build_renderer
@@ -684,8 +722,8 @@ async def _services(config: Config, agent: Agent | None, training: bool, locks: 
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
     from forgerl.trainer.warmstart import load_demos
 
-    # before anything is opened: it may raise
-    tasks, eval_tasks = await asyncio.wrap_future(task_sets) if task_sets else make_task_sets(config)
+    task_sets = task_sets or asyncio.to_thread(make_task_sets, config)
+    tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
@@ -720,8 +758,8 @@ async def _services(config: Config, agent: Agent | None, training: bool, locks: 
     if agent is None and config.agent is not None:
         agent = _command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
-                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), Reaper(),
-                        demos=demos)
+                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), reaper,
+                        demos=demos, forkservers=forkservers)
     services.domain_agents = {d.name: (_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
     workers = None
@@ -736,12 +774,8 @@ async def _services(config: Config, agent: Agent | None, training: bool, locks: 
         for task in list(services.rollouts.values()):
             task.cancel()
         await asyncio.gather(*services.rollouts.values(), return_exceptions=True)
-        for started in services.forkservers.values():
-            if started.done() and started.exception() is None and started.result() is not None:
-                await started.result().close()
         await server.stop()
         await engine.close()
-        services.reaper.close()
         services.logger.close()
         pool.close()
         if workers is not None:
@@ -771,7 +805,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
               f"{config.max_steps}; nothing to do (raise --max_steps to continue)")
         return Path(config.run_dir)
     began = time.time()
-    task_sets = submit(make_task_sets, config)  # beside the imports that follow (torch: 2-4 s)
+    task_sets = asyncio.wrap_future(submit(make_task_sets, config))  # beside the imports below
     from forgerl.metrics import ProgressBar, agent_summary
 
     async with start_services(config, agent, task_sets=task_sets) as s:
@@ -897,6 +931,6 @@ async def serve_gateway(config: Config) -> None:
     from forgerl.rewards.scoring import submit
 
     async with start_services(config, training=False,
-                              task_sets=submit(make_task_sets, config)) as s:
+                              task_sets=asyncio.wrap_future(submit(make_task_sets, config))) as s:
         print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
         await asyncio.Event().wait()

@@ -360,7 +360,8 @@ class Gateway:
     def sampling_params(
         self, session: Session, conv: Conversation, prompt_len: int
     ) -> SamplingParams:
-        """Session overrides > request > gateway defaults; max_tokens clamped to the context.
+        """Temperature: session > request > gateway default. max_tokens: the smaller of the
+        session's and the request's (else the gateway default), clamped to the context.
 
         The seed is the request's, else the session's `seed + turns so far` (mod 2**63).
         Raises GatewayError 400 for top_p < 1 on a training session (CASES.md C04: recorded
@@ -379,9 +380,8 @@ class Gateway:
         temperature = next(
             t for t in (session.temperature, s.temperature, self.temperature) if t is not None
         )
-        wanted = next(
-            m for m in (session.max_tokens, s.max_tokens, self.max_tokens) if m is not None
-        )
+        caps = [m for m in (session.max_tokens, s.max_tokens) if m is not None]
+        wanted = min(caps) if caps else self.max_tokens  # an agent may ask for fewer
         seed = s.seed if s.seed is not None or session.seed is None else (
             (session.seed + len(session.turns)) % 2**63)
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(wanted, room),

@@ -69,7 +69,8 @@ class PromptPlan:
 class Session:
     """One agent rollout: its trajectory, sampling overrides and turn tree.
 
-    temperature / max_tokens: when set, override the request's values.
+    temperature: when set, overrides the request's. max_tokens: when set, caps the request's (an
+        agent that asks for fewer tokens gets at most what it asked for).
     seed: when set, a request without its own seed samples with `seed + turns so far` (mod
         2**63): the same session replays the same per-turn seeds (reproducible rollouts).
     training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
