@@ -36,8 +36,11 @@ from pathlib import Path
 # freed activations can hold the engine's KV caches: the main job's peak RSS under 5 GiB), and
 # to 8,505 for block-sparse tree attention (trainer/attention.py tree_blocks, tree_sdpa,
 # checked_attn_implementation: a query block attends over only the keys it may see, not the
-# dense N x N mask; SmolLM2 fwd+bwd of a 1,110-token two-group tree 10.3 -> 8.1 s).
-MAX_LINES = 8505
+# dense N x N mask; SmolLM2 fwd+bwd of a 1,110-token two-group tree 10.3 -> 8.1 s), and to
+# 8,555 for a start-up that overlaps its imports (scoring.submit: task generation and the reward
+# fork server's reasoning-gym import; agent fork servers started before torch; no interpreter
+# teardown): the tiny-model crash_check.py 55.9 -> 33 s on the 2-core EPYC.
+MAX_LINES = 8555
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

@@ -35,7 +35,8 @@ pids = pathlib.Path(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 (pids / str(os.getpid())).write_text(str(child.pid))
 q = json.loads(os.environ["FORGERL_TASK"])["question"]
-reply = OpenAI().chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=4,
+reply = OpenAI().chat.completions.create(model=os.environ["OPENAI_MODEL"],
+                                         max_tokens=int(os.environ["FORGERL_MAX_TOKENS"]),
                                          messages=[{"role": "user", "content": q}])
 text = reply.choices[0].message.content or ""
 print(eval(q.rsplit(":", 1)[1].replace("=", "")) if len(text) % 2 else "no idea")

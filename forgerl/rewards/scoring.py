@@ -23,10 +23,11 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
@@ -98,23 +99,44 @@ def score_with_timeout(
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """`fn(*args)` in a child of the fork server (started, with `PRELOAD`, if it is not
-    running); returns at once: a helper thread waits out the server's start. What `fn` raises
-    is raised by `.result()`. The run submits its task generation this way before it imports
-    torch (2-4 s): the server's import of reasoning-gym and the generation use the other core
-    meanwhile, and the server is warm for the first reward. `fn` and `args` must be picklable
-    (`fn` by reference)."""
+    """`fn(*args)` in a daemon child of the fork server (started, with `PRELOAD`, if it is not
+    running); returns at once: a helper thread waits out the server's start and the result.
+    What `fn` raises is raised by `.result()`. The run submits its task generation this way
+    before it imports torch (2-4 s): the server's import of reasoning-gym and the generation
+    use the other core meanwhile, and the server is warm for the first reward. `fn` and `args`
+    must be picklable (`fn` by reference). The child holds only the sending end of its pipe:
+    once this process is gone (even by SIGKILL) it ends, with nothing left behind."""
     _CONTEXT.set_forkserver_preload(PRELOAD)
-    starter = ThreadPoolExecutor(1, thread_name_prefix="forgerl-submit")
-    future = starter.submit(_in_child, fn, args)
-    starter.shutdown(wait=False)
+    future: Future[Any] = Future()
+
+    def wait() -> None:
+        try:
+            receiver, sender = _CONTEXT.Pipe(duplex=False)
+            proc = _CONTEXT.Process(target=_send_result, args=(sender, fn, args), daemon=True)
+            proc.start()
+            sender.close()
+            try:
+                kind, value = receiver.recv()
+            except EOFError:
+                kind, value = "error", RuntimeError(f"{fn.__name__}: its process died")
+            proc.join()
+            (future.set_result if kind == "ok" else future.set_exception)(value)
+        except BaseException as exc:  # e.g. the fork server could not start
+            future.set_exception(exc)
+
+    threading.Thread(target=wait, name="forgerl-submit", daemon=True).start()
     return future
 
 
-def _in_child(fn: Callable[..., Any], args: tuple) -> Any:
-    """`fn(*args)` in one fork-server child; blocks until it returned."""
-    with ProcessPoolExecutor(1, mp_context=_CONTEXT) as executor:
-        return executor.submit(fn, *args).result()
+def _send_result(conn: Connection, fn: Callable[..., Any], args: tuple) -> None:
+    """`submit`'s child: ("ok", value) or ("error", the exception) to the parent."""
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as exc:
+        try:
+            conn.send(("error", exc))
+        except Exception:  # an exception that does not pickle
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 def status_counts(results: Sequence[ScoreResult]) -> dict[str, int]:

@@ -158,7 +158,9 @@ def test_c09_truncated_tool_call_keeps_length(serve, tokenizer, renderer):
 
 
 def test_sampling_overrides_and_weight_version(serve, tokenizer, renderer):
-    engine = ScriptedEngine([reply(renderer, "a"), reply(renderer, "b")])
+    """The session's temperature overrides the request's; its max_tokens caps the request's (an
+    agent that asks for 4 tokens under a 9-token session gets 4, never 9)."""
+    engine = ScriptedEngine([reply(renderer, "a"), reply(renderer, "b"), reply(renderer, "c")])
     srv = serve(engine, tokenizer, temperature=0.7, max_tokens=33)
     tid, key = srv.session(temperature=0.25, max_tokens=9)
     engine.weight_version = 3
@@ -167,9 +169,12 @@ def test_sampling_overrides_and_weight_version(serve, tokenizer, renderer):
     )
     _, key2 = srv.session()
     srv.client(key2).chat.completions.create(model="tiny", messages=USER)
-    p1, p2 = engine.calls[0][1], engine.calls[1][1]
+    _, key3 = srv.session(max_tokens=9)
+    srv.client(key3).chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    p1, p2, p3 = (call[1] for call in engine.calls)
     assert (p1.temperature, p1.max_tokens, p1.seed, p1.stop_token_ids) == (0.25, 9, 5, (2,))
     assert (p2.temperature, p2.max_tokens, p2.seed) == (0.7, 33, None)
+    assert (p3.temperature, p3.max_tokens) == (0.7, 4)
     rec = srv.pool.get_trajectory(tid).completions[0]
     assert rec.weight_version == 3 and rec.weight_versions == [3, 3]
     assert rec.sampling == p1 and rec.started_at <= rec.ended_at
