@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -129,14 +130,19 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
 
 
 def _send_result(conn: Connection, fn: Callable[..., Any], args: tuple) -> None:
-    """`submit`'s child: ("ok", value) or ("error", the exception) to the parent."""
+    """`submit`'s child: ("ok", value) or ("error", the exception) to the parent; nothing
+    (no traceback on the run's stderr either) once the parent is gone."""
     try:
-        conn.send(("ok", fn(*args)))
+        message = ("ok", fn(*args))
     except BaseException as exc:
+        message = ("error", exc)
+    try:
         try:
-            conn.send(("error", exc))
-        except Exception:  # an exception that does not pickle
+            conn.send(message)
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:  # does not pickle
             conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+    except OSError:  # BrokenPipeError: the run ended (or was killed) before the result
+        pass
 
 
 def status_counts(results: Sequence[ScoreResult]) -> dict[str, int]:
