@@ -27,3 +27,6 @@ fi
 bash scripts/setup_vllm.sh
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
+# Byte-compile ForgeRL's own modules once: with PYTHONDONTWRITEBYTECODE set (as on these
+# machines) every run, agent fork server and reaper would compile them again (~0.2 s a start).
+.venv/bin/python -m compileall -q forgerl >/dev/null
