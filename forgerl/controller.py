@@ -584,17 +584,16 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
 
 
 @contextlib.asynccontextmanager
-async def start_services(config: Config, agent: Agent | None = None, training: bool = True,
-                         task_sets: Awaitable | None = None) -> AsyncIterator[Services]:
+async def start_services(config: Config, agent: Agent | None = None,
+                         training: bool = True) -> AsyncIterator[Services]:
     """Build and start every service; resume from RUN_DIR/checkpoint when one exists.
 
     `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
-    gateway opens no HTTP session on them; False for `forgerl gateway`. `task_sets`: the
-    `make_task_sets(config)` already under way (`scoring.submit`); made here when None.
+    gateway opens no HTTP session on them; False for `forgerl gateway`.
     """
     locks: list[int] = []  # RUN_DIR/.lock, taken once the config is known to be good
     try:
-        async with _services(config, agent, training, locks, task_sets) as services:
+        async with _services(config, agent, training, locks) as services:
             yield services
     finally:
         for fd in locks:
@@ -679,13 +678,17 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
 
 
 @contextlib.asynccontextmanager
-async def _services(config: Config, agent: Agent | None, training: bool, locks: list[int],
-                    task_sets: Awaitable | None) -> AsyncIterator[Services]:
+async def _services(config: Config, agent: Agent | None, training: bool,
+                    locks: list[int]) -> AsyncIterator[Services]:
     """`start_services`; appends the RUN_DIR lock's descriptor to `locks` (the caller closes
-    it, also when this raises). The command agents' fork servers start first: their imports
-    (`openai`: about 1 s) run beside this process's (torch, transformers: 5-7 s)."""
+    it, also when this raises). The task generation (`scoring.submit`: a child of the reward
+    fork server, which imports reasoning-gym) and the command agents' fork servers (`openai`:
+    about 1 s) start first, so their imports run beside this process's (torch, transformers:
+    5-7 s)."""
     from forgerl.agents.reaper import Reaper
+    from forgerl.rewards.scoring import submit
 
+    task_sets = asyncio.wrap_future(submit(make_task_sets, config))
     reaper, forkservers = Reaper(), {}
     if training:
         agents = [] if agent is not None or config.agent is None else [config.agent]
@@ -700,16 +703,14 @@ async def _services(config: Config, agent: Agent | None, training: bool, locks: 
             yield services
     finally:
         for started in forkservers.values():
-            if not started.done():
-                await asyncio.wait([started])
-            if started.exception() is None and started.result() is not None:
-                await started.result().close()
+            if (server := await started) is not None:  # None: it could not start
+                await server.close()
         reaper.close()
 
 
 @contextlib.asynccontextmanager
 async def _build_services(config: Config, agent: Agent | None, training: bool, locks: list[int],
-                          task_sets: Awaitable | None, reaper: Reaper,
+                          task_sets: Awaitable, reaper: Reaper,
                           forkservers: dict) -> AsyncIterator[Services]:
     import torch
 
@@ -722,7 +723,6 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers
     from forgerl.trainer.warmstart import load_demos
 
-    task_sets = task_sets or asyncio.to_thread(make_task_sets, config)
     tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
@@ -793,7 +793,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     last agent error, once no rollout finished in max(16, 4k) groups in a row (a systematic
     failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
-    from forgerl.rewards.scoring import submit
+    from forgerl.metrics import ProgressBar, agent_summary
     from forgerl.trainer.checkpoint import checkpoint_step  # light: no torch
 
     share_malloc_arena()  # before the engine, trainer and gateway threads allocate
@@ -805,10 +805,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
               f"{config.max_steps}; nothing to do (raise --max_steps to continue)")
         return Path(config.run_dir)
     began = time.time()
-    task_sets = asyncio.wrap_future(submit(make_task_sets, config))  # beside the imports below
-    from forgerl.metrics import ProgressBar, agent_summary
-
-    async with start_services(config, agent, task_sets=task_sets) as s:
+    async with start_services(config, agent) as s:
         s.max_steps = config.max_steps
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0 and not s.logger.logged(0):
@@ -928,9 +925,6 @@ def _peak_rss_gib() -> float:
 
 async def serve_gateway(config: Config) -> None:
     """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
-    from forgerl.rewards.scoring import submit
-
-    async with start_services(config, training=False,
-                              task_sets=asyncio.wrap_future(submit(make_task_sets, config))) as s:
+    async with start_services(config, training=False) as s:
         print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
         await asyncio.Event().wait()
