@@ -620,10 +620,22 @@ def lock_run_dir(run_dir: Path) -> int:
     return fd
 
 
-async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[Any, Any]:
+def _shares_cpu(config: Config) -> bool:
+    """Whether a CPU trainer shares this process's cores with one local engine (`CpuShare`)."""
+    import torch
+
+    ec, device = config.engine, config.trainer.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return on_cpu and config.cluster.backend != "ray" and ec.type == "local" and ec.instances == 1
+
+
+async def _start_engines(config: Config, trainer: Any, run_dir: Path,
+                         cores: int | None = None) -> tuple[Any, Any]:
     """(rollout engine, RayCluster or None) for `config`: local engines in this process, Ray
     engine actors, a remote vLLM server, or vLLM in this process; a Router before several
     instances. Every engine serves the trainer's weights as weight_version = trainer.step.
+    cores: the CPU's threads where the trainer and one local engine share it (`_shares_cpu`):
+    both get one CpuShare.
     Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
     without vLLM installed."""
     from forgerl.cpu_share import CpuShare
@@ -658,8 +670,8 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path) -> tuple[A
         engines = [await asyncio.to_thread(VllmEngine.from_config, config)]
     else:  # each engine keeps its own copy of the weights
         dtype = engine_dtype(ec.dtype, trainer.device)
-        if trainer.device.type == "cpu" and ec.instances == 1:  # one CPU, two busy threads
-            trainer.cpu_share = CpuShare()
+        if cores is not None:  # one CPU, two busy threads
+            trainer.cpu_share = CpuShare(cores)
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size, device=str(trainer.device),
                                prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
@@ -714,6 +726,7 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
                           forkservers: dict) -> AsyncIterator[Services]:
     import torch
 
+    from forgerl.cpu_share import single_threaded_caller
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.gateway.app import Gateway
     from forgerl.gateway.templates import build_renderer
@@ -724,6 +737,8 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     from forgerl.trainer.warmstart import load_demos
 
     tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
+    # before any parallel op here: only the engine's and the trainer's threads run OpenMP teams
+    cores = single_threaded_caller() if _shares_cpu(config) else None
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
@@ -748,7 +763,7 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     # the metrics log are reconciled with it. Groups consumed after it are trained again, rollouts
     # of weights newer than it are run again, records of later steps are dropped.
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
-    engine, cluster = await _start_engines(config, trainer, run_dir)
+    engine, cluster = await _start_engines(config, trainer, run_dir, cores)
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
