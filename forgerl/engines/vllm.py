@@ -125,14 +125,11 @@ class VllmEngine:
     def from_config(cls, config: Any) -> VllmEngine:
         """The engine a `forgerl.config.Config` with `[engine] type = "vllm"` describes: its
         [model] path and max_model_len, the section's dtype, kv_cache_gb and max_num_seqs, and
-        the run's seed (the controller's in-process engine and every Ray engine actor). dtype
-        "auto" is ForgeRL's (`engines.local.engine_dtype`), not vLLM's (the model's own)."""
-        from forgerl.engines.local import engine_dtype
+        the run's seed (the controller's in-process engine and every Ray engine actor)."""
         from forgerl.models import model_dir
 
         ec = config.engine
-        dtype = str(engine_dtype(ec.dtype)).removeprefix("torch.")
-        return cls(model_dir(config.model.path), config.model.max_model_len, dtype=dtype,
+        return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
                    kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
