@@ -3,6 +3,8 @@ the field and both values."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -83,3 +85,16 @@ def test_engine_and_cluster_sections(tmp_path):
         load_config(None, ["--engine.type", "sglang"])
     with pytest.raises(ConfigError, match=r"cluster\.placement"):
         load_config(None, ["--cluster.placement", "EVERYWHERE"])
+
+
+def test_readme_vllm_command_loads_the_chain_sum_example():
+    """README's `forgerl train examples/chain_sum/config.toml --engine.type vllm`: the override
+    replaces the example's local [engine] table (its max_batch_size and dtype "auto" are not
+    vLLM's keys), and the example itself loads as written."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "chain_sum" / "config.toml"
+    local = load_config(path)
+    assert (local.engine.type, local.engine.max_batch_size, local.engine.dtype) == (
+        "local", 48, "auto")
+    vllm = load_config(path, ["--engine.type", "vllm"])
+    assert (vllm.engine.type, vllm.engine.dtype, vllm.engine.max_num_seqs) == (
+        "vllm", "float32", 64)
