@@ -621,12 +621,13 @@ def lock_run_dir(run_dir: Path) -> int:
 
 
 def _shares_cpu(config: Config) -> bool:
-    """Whether a CPU trainer shares this process's cores with one local engine (`CpuShare`)."""
-    import torch
+    """Whether a CPU trainer shares this process's cores with one local engine (`CpuShare`).
+    Raises ValueError for a trainer.device the trainer would refuse (`resolve_device`)."""
+    from forgerl.trainer.trainer import resolve_device
 
-    ec, device = config.engine, config.trainer.device
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return on_cpu and config.cluster.backend != "ray" and ec.type == "local" and ec.instances == 1
+    ec = config.engine
+    return (resolve_device(config.trainer.device).type == "cpu" and ec.type == "local"
+            and config.cluster.backend != "ray" and ec.instances == 1)
 
 
 async def _start_engines(config: Config, trainer: Any, run_dir: Path,
