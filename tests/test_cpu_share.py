@@ -5,10 +5,10 @@ Pins: the thread counts for 1, 2, 4 and 16 cores, and that the two parts' larges
 outnumber the cores plus the main thread (libgomp's throttled wait, cpu_share.py); that
 `torch.set_num_threads` in one thread leaves another thread's count alone (what the split relies
 on) and that `enter` holds against another thread changing the process-wide count; that the
-engine's worker runs its steps at fewer threads only while the trainer is busy and gets them
-back after; that the trainer's rows run at its share, and the step's loss is unchanged; and that
-the controller wires one share into the trainer and the engine of a CPU run, its main thread
-left at one thread.
+engine's worker runs its decode steps at fewer threads only while the trainer is busy and gets
+them back after, and its prefills always at its count beside the trainer; that the trainer's
+rows run at its share, and the step's loss is unchanged; and that the controller wires one
+share into the trainer and the engine of a CPU run, its main thread left at one thread.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from tests.trainer.test_trainer import _trainer, make_groups
 def test_threads_split_only_while_both_parts_are_busy():
     before = torch.get_num_threads()
     share = CpuShare(cores=16)
-    assert (share.threads("engine"), share.threads("trainer")) == (9, 8)
+    assert (share.threads("engine"), share.threads("trainer"), share.threads("prefill")) == (
+        9, 8, 8)
     share.enter("trainer")
     assert (share.threads("engine"), share.threads("trainer")) == (8, 8)
     share.enter("engine")
@@ -39,7 +40,7 @@ def test_threads_split_only_while_both_parts_are_busy():
     share.leave("trainer")
     assert share.threads("engine") == 9
     two, one = CpuShare(cores=2), CpuShare(cores=1)
-    assert (two.threads("engine"), two.threads("trainer")) == (2, 1)
+    assert (two.threads("engine"), two.threads("trainer"), two.threads("prefill")) == (2, 1, 1)
     two.enter("trainer")
     one.enter("trainer")
     assert (two.threads("engine"), one.threads("engine")) == (1, 1)
@@ -108,13 +109,18 @@ def test_engine_steps_at_half_the_threads_while_the_trainer_trains():
     share = CpuShare(cores=2)
     engine = LocalEngine(build_tiny_model(), max_model_len=64, cpu_share=share)
     counts: list[int] = []
-    decode = engine._decode
+    prefills: list[int] = []
+    decode, prefill = engine._decode, engine._prefill_wave
 
     def counting(batch):  # runs in the engine's worker thread
         counts.append(torch.get_num_threads())
         return decode(batch)
 
-    engine._decode = counting
+    def counting_prefill(rows):
+        prefills.append(torch.get_num_threads())
+        return prefill(rows)
+
+    engine._decode, engine._prefill_wave = counting, counting_prefill
 
     async def main():
         from forgerl.types import SamplingParams
@@ -131,6 +137,7 @@ def test_engine_steps_at_half_the_threads_while_the_trainer_trains():
     assert counts[:5] == [1] * 5  # the 5 decode steps after the prefill's first token
     assert counts[5:] and set(counts[5:]) == {2}  # alone again: all of the cores
     assert engine.stats["cpu_shared_steps"] == 6  # the prefill step and the 5 decode steps
+    assert prefills == [1, 1]  # a prefill never takes all of the cores, trainer busy or not
 
 
 def test_trainer_rows_run_at_its_share_whether_or_not_the_engine_decodes():

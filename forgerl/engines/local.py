@@ -424,7 +424,8 @@ class LocalEngine:
     packed_weights: on CPU in float32, run the linears on oneDNN-packed copies of their weights
     (`pack_linears`; rebuilt after every update), else ignored.
     cpu_share: a `forgerl.cpu_share.CpuShare` the worker enters as "engine" before each step
-    and leaves when idle, so it runs half of the CPU's threads while the trainer trains.
+    and leaves when idle, so it runs half of the CPU's threads while the trainer trains (and
+    its prefills always: `CpuShare.threads("prefill")`).
     stats: worker counters, "prefill_tokens" (tokens run through prefill forwards),
     "prefix_hits" (prefilled rows that reused cached KV) and "prefix_hit_tokens" (tokens reused),
     plus the configured "max_batch_size" and "queued_peak", the most requests ever waiting
@@ -700,6 +701,8 @@ class LocalEngine:
         if not newcomers:
             return
         start = time.perf_counter()
+        if self.cpu_share is not None:  # never a team on all cores (cpu_share.py); the next
+            torch.set_num_threads(self.cpu_share.threads("prefill"))  # step's enter resets it
         try:
             fresh = self._finish(self._prefill(newcomers))
         except Exception as exc:

@@ -121,8 +121,8 @@ def test_submit_runs_in_a_fork_server_child_with_reasoning_gym_preloaded():
 
 def test_submit_leaves_nothing_behind_a_sigkilled_caller():
     """A run killed while its task generation runs: the child, and the fork server, end on
-    their own, silently (a pool worker used to wait forever on its own pipe, holding the run's stderr,
-    so whoever waited for the run's output hung)."""
+    their own, silently (a pool worker used to wait forever on its own pipe, holding the run's
+    stderr, so whoever waited for the run's output hung)."""
     script = ("import time\nfrom forgerl.rewards.scoring import submit\n"
               "submit(time.sleep, 3.0)\ntime.sleep(1.0)\nprint('submitted', flush=True)\n"
               "time.sleep(600)\n")
