@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 from forgerl.config import AgentConfig, Config, ConfigError, TasksConfig
 
 if TYPE_CHECKING:  # the heavy modules are imported lazily at run time
+    import torch
+
     from forgerl.agents.reaper import Reaper
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.engines.local import LocalEngine
@@ -410,8 +412,8 @@ class Services:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
-        and memory: `rss_gib` (resident now) and `peak_rss_gib` (this process's peak so far,
-        `ru_maxrss`), GiB."""
+        and memory: `rss_gib` (resident now), `peak_rss_gib` (this process's peak so far,
+        `ru_maxrss`) and, on a GPU, `cuda_peak_gib` (`cuda_peak_gib`), GiB."""
         try:
             with open("/proc/self/statm") as f:  # Linux: size resident shared ... (pages)
                 resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
@@ -419,6 +421,7 @@ class Services:
             resident = math.nan
         stats = {"rollouts_in_flight": len(self.rollouts), "rss_gib": resident,
                  "peak_rss_gib": max(_peak_rss_gib(), resident),  # ru_maxrss lags a little
+                 **cuda_peak_gib(self.trainer.device),
                  **{f"gateway_{k}": v for k, v in self.gateway.counters.items()},
                  **{f"reward_{k}": v for k, v in self.reward_status.items()},
                  **{f"engine_{k}": v for k, v in self.engine.stats.items()},
@@ -930,6 +933,19 @@ def share_malloc_arena() -> bool:
 def _libc() -> ctypes.CDLL:
     """The C library (glibc on Linux); OSError where there is none to load."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def cuda_peak_gib(device: torch.device) -> dict[str, float]:
+    """{"cuda_peak_gib": the most bytes torch's CUDA caching allocator held in tensors on
+    `device` since the previous call (`max_memory_allocated`, GiB)}, then resets that peak;
+    {} for a device that is not a GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"cuda_peak_gib": peak}
 
 
 def _peak_rss_gib() -> float:

@@ -421,3 +421,20 @@ def test_engine_packed_weights_option_reaches_the_engine(tmp_path):
         return packed
 
     assert asyncio.run(main()) == [True, False]
+
+
+def test_cuda_allocator_peak_is_logged_per_record_and_reset(monkeypatch):
+    """Issue 14 item 4: on a GPU a step record carries the CUDA caching allocator's peak on the
+    trainer's device since the previous record (GiB), which is then reset; on a CPU there is no
+    such field."""
+    import torch
+
+    from forgerl.controller import cuda_peak_gib
+
+    assert cuda_peak_gib(torch.device("cpu")) == {}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda d: 3 * 2**30 if d == torch.device("cuda:1") else 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    assert cuda_peak_gib(torch.device("cuda:1")) == {"cuda_peak_gib": 3.0}
+    assert resets == [torch.device("cuda:1")]
