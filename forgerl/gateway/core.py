@@ -209,6 +209,26 @@ async def _merged(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def tool_problem(tool: Tool, names: Sequence[str]) -> str | None:
+    """Why a declared tool cannot be rendered, or None: an empty name, a name declared twice
+    in `names`, or `parameters` that is not a valid JSON Schema (checked against its
+    metaschema by `jsonschema`, draft 2020-12 unless it names its own `$schema`)."""
+    from jsonschema import SchemaError
+    from jsonschema.validators import validator_for
+
+    if not tool.name:
+        return "a tool needs a non-empty name"
+    if names.count(tool.name) > 1:
+        return "declared more than once"
+    try:
+        if tool.parameters is not None:
+            validator_for(tool.parameters).check_schema(tool.parameters)
+    except SchemaError as e:
+        at = "/".join(str(x) for x in e.path) or "(root)"
+        return f"parameters is not a valid JSON Schema at {at}: {e.message}"
+    return None
+
+
 @dataclass
 class Gateway:
     """Renderer + sessions + engine + pool: everything one model call needs.
@@ -336,8 +356,9 @@ class Gateway:
 
         Raises GatewayError 404 `model_not_found` (a model other than `model_name` when
         `strict_model`), 400 for top_logprobs > 0 (engines return only the sampled token's
-        logprob), an empty stop string, or a tool_choice that forces a tool without tools / names
-        an undeclared one.
+        logprob), an empty stop string, a tool that is not valid (`tool_problem`: 400
+        `invalid_tool` naming it, CASES.md C15), or a tool_choice that forces a tool without
+        tools / names an undeclared one.
         """
         if self.strict_model and conv.model != self.model_name:
             raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
@@ -350,6 +371,10 @@ class Gateway:
             raise unsupported(conv.param("stop"), "stop strings must not be empty")
         choice = conv.tool_choice
         names = [t.name for t in conv.tools]
+        for tool in conv.tools:
+            if problem := tool_problem(tool, names):
+                raise GatewayError(400, f"tool {tool.name!r}: {problem}", "invalid_tool",
+                                   conv.param("tools"))
         if choice not in ("auto", "none") and not conv.tools:
             raise unsupported(conv.param("tool_choice"), f"{choice!r} needs tools")
         if isinstance(choice, ForcedTool) and choice.name not in names:

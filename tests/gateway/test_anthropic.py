@@ -331,3 +331,16 @@ def test_stream_sends_text_while_the_engine_decodes_then_tool_use(serve, tokeniz
     assert final.content[1].input == {"city": "Paris"}
     (rec,) = srv.pool.get_trajectory(tid).completions
     assert rec.completion_ids == scripted.ids and rec.logprobs == scripted.logprobs
+
+
+def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, renderer):
+    """CASES.md C15 on the Messages API: an `input_schema` that is not a JSON Schema is an
+    Anthropic-shaped 400 naming the tool, and records nothing."""
+    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=8, messages=USER, tools=[
+            {"name": "get_weather", "input_schema": {"type": "object", "required": "city"}}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith(
+        "tool 'get_weather': parameters is not a valid JSON Schema at required"), e.value.body
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []

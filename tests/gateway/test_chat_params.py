@@ -240,3 +240,27 @@ def test_n_choices_stream_by_index(serve, tokenizer, renderer):
             texts[ch.index] += ch.delta.content or ""
     assert texts == {0: "ab", 1: "cd"} and chunks[-1].usage.completion_tokens == 6
     assert len(srv.pool.get_trajectory(tid).completions) == 2
+
+
+@pytest.mark.parametrize(("tools", "name", "problem"), [
+    ([{"type": "function", "function": {"name": "get_weather",
+                                        "parameters": {"type": "objekt", "properties": 5}}}],
+     "get_weather", "parameters is not a valid JSON Schema at properties: 5 is not of type"),
+    ([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "strin"}}}}}],
+     "get_weather", "parameters is not a valid JSON Schema at properties/city/type"),
+    ([{"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}],
+     "", "a tool needs a non-empty name"),
+    ([WEATHER, WEATHER], "get_weather", "declared more than once"),
+])
+def test_an_invalid_tool_is_a_400_naming_it(serve, tokenizer, renderer, tools, name, problem):
+    """CASES.md C15: a tool whose schema is not a JSON Schema, without a name or declared twice
+    is a 400 naming the tool (never rendered, never a 500), and records nothing."""
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, tools=tools)
+    assert (e.value.code, e.value.param) == ("invalid_tool", "tools")
+    assert e.value.body["message"].startswith(f"tool {name!r}: {problem}"), e.value.body
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+    assert client.chat.completions.create(model="tiny", messages=USER,
+                                          tools=[WEATHER]).choices[0].message.content == "a"
