@@ -760,7 +760,15 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
     if (ckpt := latest_checkpoint(run_dir)) is not None:
-        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        try:
+            trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        except RuntimeError as e:  # torch's multi-line "Error(s) in loading state_dict ..."
+            if "state_dict" not in str(e):
+                raise
+            first = next((x.strip() for x in str(e).splitlines()[1:] if x.strip()), "")
+            raise ConfigError(f"model.path: the checkpoint {ckpt} is not of {config.model.path!r} "
+                              f"({first}); resume with the run's model or pass another "
+                              "--run_dir") from e
         scheduler_state = extra.get("scheduler")
         log.info("resumed from %s at step %d", ckpt, trainer.step)
     # The checkpoint (or, before the first one, a fresh start) is the run's state: the pool and

@@ -43,8 +43,10 @@ from pathlib import Path
 # one OpenMP team at a time on a shared CPU (cpu_share.single_threaded_caller, the trainer's
 # fixed share, controller._shares_cpu): a decode step from the engine's thread 101 -> 73 ms,
 # and to 8,600 for the CUDA allocator's peak in every step record (controller.cuda_peak_gib,
-# issue 14 item 4).
-MAX_LINES = 8600
+# issue 14 item 4), and to 8,625 for the gateway's tool check (gateway.core.tool_problem: an
+# invalid JSON Schema, an empty or repeated name is a 400 naming the tool, CASES.md C15) and a
+# one-line error for resuming a run directory with another model.
+MAX_LINES = 8625
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

@@ -82,3 +82,26 @@ def test_a_run_dir_in_use_is_refused_and_left_alone(tmp_path):
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "metrics.jsonl"]
     finally:
         os.close(fd)
+
+
+def test_resuming_a_run_with_another_model_is_one_line_exit_2(tmp_path):
+    """A run directory whose checkpoint holds another model (here the tiny one, resumed with
+    SmolLM2) is refused with one line naming the checkpoint and the first mismatch, not
+    torch's multi-line state_dict error cut to its first line."""
+    import torch
+
+    from forgerl.models import build_tiny_model
+    from forgerl.trainer.checkpoint import save_checkpoint
+
+    run_dir = tmp_path / "run"
+    model = build_tiny_model()
+    ckpt = save_checkpoint(run_dir, model, torch.optim.AdamW(model.parameters()), 1, {})
+    config = tmp_path / "c.toml"
+    config.write_text(f"run_dir = '{run_dir}'\nmax_steps = 2\n[model]\npath = 'smollm2'\n"
+                      "[agent]\ncommand = ['x']\n[tasks]\neval_size = 0\n")
+    result = _run("train", str(config))
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"forgerl: error: model.path: the checkpoint {ckpt} is not of "
+                           "'smollm2' (size mismatch for "), line
+    assert line.endswith("resume with the run's model or pass another --run_dir"), line
