@@ -312,11 +312,20 @@ def create_app(gateway: Gateway) -> FastAPI:
                                            gateway.counters)
         return responses.respond(req, session, result)
 
+    card = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "forgerl"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         """The one served model."""
-        card = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "forgerl"}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """The served model's card (`client.models.retrieve`); 404 `model_not_found` else."""
+        if model_id != gateway.model_name:
+            raise GatewayError(404, f"model {model_id!r} does not exist; serving "
+                               f"{gateway.model_name!r}", "model_not_found", "model")
+        return card
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from forgerl.gateway.renderer import ChatMLRenderer
@@ -184,6 +185,12 @@ def test_models_and_session_endpoints(serve, tokenizer, renderer):
     srv = serve(ScriptedEngine([reply(renderer, "done")]), tokenizer)
     models = srv.client("unused").models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    card = srv.client("unused").models.retrieve("tiny")  # what a harness checks at start
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "forgerl")
+    with pytest.raises(openai.NotFoundError) as e:
+        srv.client("unused").models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found" and "'gpt-4o' does not exist" in e.value.body[
+        "message"]
     r = httpx.post(f"{srv.base_url}/sessions", json={"task_index": 4, "temperature": 0.5})
     assert r.status_code == 200
     sid, key = r.json()["session_id"], r.json()["api_key"]
