@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -491,6 +492,21 @@ def _start_forkserver(preload: tuple[str, ...], env: dict[str, str]) -> asyncio.
     return asyncio.ensure_future(start())
 
 
+def check_agent_command(agent: AgentConfig | None) -> None:
+    """Raise ConfigError (`agent.command`) when the agent cannot start: a "python" command's
+    script is not a file in the agent's directory, or its program is not an executable (a
+    path relative to that directory, else a name on PATH). Nothing to check for None."""
+    if agent is None:
+        return
+    cwd, (program, *args) = agent.cwd or os.getcwd(), agent.command
+    if program in ("python", "python3"):
+        if args and not args[0].startswith("-") and not os.path.isfile(os.path.join(cwd, args[0])):
+            raise ConfigError(f"agent.command: script {args[0]!r} not found in {cwd}")
+    elif not shutil.which(os.path.join(cwd, program) if os.sep in program else program):
+        raise ConfigError(f"agent.command: {program!r} is not an executable "
+                          f"{'in ' + cwd if os.sep in program else 'on PATH'}")
+
+
 def _command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
     command = list(agent.command)
@@ -833,6 +849,8 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
         return Path(config.run_dir)
     began = time.time()
     async with start_services(config, agent) as s:
+        for section in [] if agent else [config.agent, *(d.agent for d in config.domains)]:
+            check_agent_command(section)  # after the run directory's lock and checkpoint
         s.max_steps = config.max_steps
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0 and not s.logger.logged(0):

@@ -45,8 +45,10 @@ from pathlib import Path
 # and to 8,600 for the CUDA allocator's peak in every step record (controller.cuda_peak_gib,
 # issue 14 item 4), and to 8,625 for the gateway's tool check (gateway.core.tool_problem: an
 # invalid JSON Schema, an empty or repeated name is a 400 naming the tool, CASES.md C15) and a
-# one-line error for resuming a run directory with another model.
-MAX_LINES = 8625
+# one-line error for resuming a run directory with another model, and to 8,645 for GET
+# /v1/models/{id} (the openai client's models.retrieve) and refusing an agent command that
+# cannot start before any rollout (controller.check_agent_command).
+MAX_LINES = 8645
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

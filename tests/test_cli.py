@@ -105,3 +105,21 @@ def test_resuming_a_run_with_another_model_is_one_line_exit_2(tmp_path):
     assert line.startswith(f"forgerl: error: model.path: the checkpoint {ckpt} is not of "
                            "'smollm2' (size mismatch for "), line
     assert line.endswith("resume with the run's model or pass another --run_dir"), line
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("['python', 'nonexistent_agent.py']", "script 'nonexistent_agent.py' not found in {dir}"),
+    ("['no_such_binary_xyz', '--flag']", "'no_such_binary_xyz' is not an executable on PATH"),
+    ("['./agent.sh']", "'./agent.sh' is not an executable in {dir}"),
+])
+def test_an_agent_that_cannot_start_is_one_line_exit_2(tmp_path, command, expected):
+    """A missing agent script or program is refused before any rollout (it used to fail 16
+    groups of rollouts, then stop with a RuntimeError, exit 1)."""
+    config = tmp_path / "c.toml"
+    config.write_text(f"run_dir = '{tmp_path / 'run'}'\nmax_steps = 1\n[model]\npath = 'tiny'\n"
+                      f"[agent]\ncommand = {command}\n[tasks]\neval_size = 0\n")
+    result = _run("train", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "forgerl: error: agent.command: " + expected.format(dir=tmp_path))
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
