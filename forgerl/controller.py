@@ -769,6 +769,8 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     demos = (load_demos(ws.demos or "", renderer, config.trainer.max_row_tokens)
              if training and ws.steps > checkpoint_step(config.run_dir) else [])
     run_dir = Path(config.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir {run_dir}: exists and is not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     locks.append(lock_run_dir(run_dir))
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
@@ -797,7 +799,11 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
                       max_tokens=config.rollout.max_tokens,
                       controller_tasks=training, admin_key=config.gateway.admin_key,
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s)
-    server = await gateway.serve(config.gateway.host, config.gateway.port)
+    try:
+        server = await gateway.serve(config.gateway.host, config.gateway.port)
+    except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)
+        raise ConfigError(f"gateway.host / gateway.port: cannot listen on {config.gateway.host}:"
+                          f"{config.gateway.port} ({e.strerror or e})") from e
     if agent is None and config.agent is not None:
         agent = _command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,

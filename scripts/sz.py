@@ -47,8 +47,9 @@ from pathlib import Path
 # invalid JSON Schema, an empty or repeated name is a 400 naming the tool, CASES.md C15) and a
 # one-line error for resuming a run directory with another model, and to 8,645 for GET
 # /v1/models/{id} (the openai client's models.retrieve) and refusing an agent command that
-# cannot start before any rollout (controller.check_agent_command).
-MAX_LINES = 8645
+# cannot start before any rollout (controller.check_agent_command), and to 8,650 for one-line
+# errors naming gateway.host / gateway.port and run_dir instead of OSError tracebacks' names.
+MAX_LINES = 8650
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

@@ -123,3 +123,31 @@ def test_an_agent_that_cannot_start_is_one_line_exit_2(tmp_path, command, expect
     assert result.stderr.strip().splitlines()[-1] == (
         "forgerl: error: agent.command: " + expected.format(dir=tmp_path))
     assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+def test_a_taken_port_and_a_file_as_run_dir_are_one_line_exit_2(tmp_path):
+    """The gateway's address in use, or a run_dir that is a file, name the setting in one line
+    (were `OSError: [Errno 98] ...` and `FileExistsError: ...`, exit 1)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    config = tmp_path / "c.toml"
+    config.write_text(f"run_dir = '{tmp_path / 'run'}'\n[model]\npath = 'tiny'\n[agent]\n"
+                      "command = ['python', '-c', 'pass']\n[tasks]\neval_size = 0\n")
+    try:
+        result = _run("gateway", str(config), "--gateway.port", str(port))
+    finally:
+        taken.close()
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"forgerl: error: gateway.host / gateway.port: cannot listen on 127.0.0.1:{port} "
+        "(Address already in use)")
+    (tmp_path / "file").write_text("not a directory")
+    result = _run("train", str(config), "--run_dir", str(tmp_path / "file"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"forgerl: error: run_dir {tmp_path / 'file'}: exists and is not a directory")
+    assert (tmp_path / "file").read_text() == "not a directory"
