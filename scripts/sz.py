@@ -48,8 +48,10 @@ from pathlib import Path
 # one-line error for resuming a run directory with another model, and to 8,645 for GET
 # /v1/models/{id} (the openai client's models.retrieve) and refusing an agent command that
 # cannot start before any rollout (controller.check_agent_command), and to 8,650 for one-line
-# errors naming gateway.host / gateway.port and run_dir instead of OSError tracebacks' names.
-MAX_LINES = 8650
+# errors naming gateway.host / gateway.port and run_dir instead of OSError tracebacks' names,
+# and to 8,670 for refusing a message or prompt that must exceed max_model_len before tokenizing
+# it (Renderer.min_tokens; a 60 MB body had held the gateway's event loop for 95-136 s).
+MAX_LINES = 8670
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

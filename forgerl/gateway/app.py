@@ -278,7 +278,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def text_completions(request: Request) -> Any:
         """OpenAI (legacy) completions of a text or token-id prompt, recorded as given."""
         session = authenticate(gateway, request.headers.get("authorization"))
-        call = completions.parse(await request.body(), session, gateway.renderer)
+        body = await request.body()
+        with gateway.active(session):  # a prompt surely over max_model_len: C09's event
+            call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len)
         result = await unless_disconnected(
             request, gateway.complete(session, call.conversation, call.plan), gateway.counters)
         return completions.respond(call, result, gateway.renderer)

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
-from forgerl.gateway.errors import GatewayError, unsupported
+from forgerl.gateway.errors import GatewayError, context_exceeded, unsupported
 from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.replies import (
@@ -333,7 +333,7 @@ class Gateway:
         return expired
 
     @contextlib.contextmanager
-    def _active(self, session: Session) -> Iterator[None]:
+    def active(self, session: Session) -> Iterator[None]:
         """Mark one model call of `session` running (never expired meanwhile). A call refused
         because the conversation outgrew max_model_len records a "context_overflow" process
         event on the session's latest turn (CASES.md C09; `[reward] process` may weight it)."""
@@ -355,10 +355,11 @@ class Gateway:
         """The tools to render for `conv`, after the checks that need no rendering.
 
         Raises GatewayError 404 `model_not_found` (a model other than `model_name` when
-        `strict_model`), 400 for top_logprobs > 0 (engines return only the sampled token's
-        logprob), an empty stop string, a tool that is not valid (`tool_problem`: 400
-        `invalid_tool` naming it, CASES.md C15), or a tool_choice that forces a tool without
-        tools / names an undeclared one.
+        `strict_model`), 400 `context_length_exceeded` for messages whose text alone must
+        exceed max_model_len (`Renderer.min_tokens`; C09), 400 for top_logprobs > 0 (engines
+        return only the sampled token's logprob), an empty stop string, a tool that is not
+        valid (`tool_problem`: 400 `invalid_tool` naming it, CASES.md C15), or a tool_choice that
+        forces a tool without tools / names an undeclared one.
         """
         if self.strict_model and conv.model != self.model_name:
             raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
@@ -369,6 +370,11 @@ class Gateway:
                               "logprob (use 0)")
         if any(not s for s in conv.sampling.stop):
             raise unsupported(conv.param("stop"), "stop strings must not be empty")
+        floor = sum(self.renderer.min_tokens(m.content) for m in conv.messages
+                    if m.role != "assistant")  # a template may drop earlier replies' text
+        if floor >= self.engine.max_model_len:  # refused before tokenizing megabytes
+            raise context_exceeded(f"at least {floor}", self.engine.max_model_len,
+                                   conv.param("messages"))
         choice = conv.tool_choice
         names = [t.name for t in conv.tools]
         for tool in conv.tools:
@@ -399,9 +405,8 @@ class Gateway:
                               "rollouts: the recorded logprobs are over the full vocabulary")
         room = self.engine.max_model_len - prompt_len
         if room <= 0:
-            raise GatewayError(400, f"prompt has {prompt_len} tokens; max_model_len is "
-                               f"{self.engine.max_model_len}", "context_length_exceeded",
-                               conv.param("messages"))
+            raise context_exceeded(str(prompt_len), self.engine.max_model_len,
+                                   conv.param("messages"))
         temperature = next(
             t for t in (session.temperature, s.temperature, self.temperature) if t is not None
         )
@@ -485,7 +490,7 @@ class Gateway:
         `sampling_params`, `generate`; 409 when the trajectory takes no completions); nothing of
         this call is recorded then.
         """
-        with self._active(session):
+        with self.active(session):
             call = self.prepare(session, conv, plan)
             outs = await self.generate(session, call.prompt_ids, call.params)
             return await self.finish(session, call, outs)
@@ -549,7 +554,7 @@ class Gateway:
         `client_disconnects`. Raises GatewayError as `complete` (before `Started` for a bad
         request; 500 `engine_error` from the engine; 409 when recording).
         """
-        with self._active(session):
+        with self.active(session):
             async with contextlib.aclosing(self._stream(session, conv, plan)) as events:
                 async for event in events:
                     yield event

@@ -66,6 +66,13 @@ def unsupported(param: str, message: str) -> GatewayError:
 M = TypeVar("M", bound=BaseModel)
 
 
+def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayError:
+    """400 `context_length_exceeded` (CASES.md C09): a prompt of `tokens` ("812", "at least
+    76923") does not fit in `max_model_len`."""
+    return GatewayError(400, f"prompt has {tokens} tokens; max_model_len is {max_model_len}",
+                        "context_length_exceeded", param)
+
+
 def parse_body(raw: bytes, schema: type[M]) -> M:
     """Validate a JSON body; malformed JSON and wrong types are both 400 (as OpenAI answers).
 

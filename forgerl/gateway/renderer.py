@@ -27,6 +27,7 @@ the model's own jinja template (templates.py, `HFTemplateRenderer`) the other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -98,6 +99,18 @@ class Renderer:
         if not text:
             return []
         return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token string of the vocabulary, in characters: no token decodes to more
+        characters than its string has (a byte-level "Ġ" is one byte, "<0x0A>" one byte)."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text` once rendered, without tokenizing it:
+        len(text.strip()) / (2 * max_token_chars). Templates may strip a message; the factor 2
+        covers normalizers that fold characters (NFKC). Tokenizing costs ~0.4 s per MB."""
+        return len(text.strip()) // (2 * self.max_token_chars)
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids (for parsing and the client only)."""

@@ -9,11 +9,14 @@ in the Hermes/Qwen2.5 layout; a rendering is the concatenation of its turns (wha
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderer import ChatMLRenderer
@@ -143,3 +146,28 @@ def test_smollm2_tokenizer_matches_its_own_template():
     expected = tok.apply_chat_template(msgs, add_generation_prompt=True)
     expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
     assert render(ChatMLRenderer(tok), msgs) == expected
+
+
+@pytest.mark.smollm2
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["#" * 80, "\n" + " " * 80, "=" * 65, " the", "é", "😀", "ab",
+                                 "\u0301", "ﬁ", "<|im_end|>", "\t"]), max_size=60)
+       | st.text(max_size=400))
+def test_min_tokens_never_exceeds_the_real_count(pieces):
+    """`Renderer.min_tokens` (the gateway refuses a message over max_model_len without
+    tokenizing it) is a lower bound of the real token count on SmolLM2's tokenizer, also for
+    its longest tokens ("#" x 80, newline + 80 spaces), combining and folded characters."""
+    if not SMOLLM2.exists():
+        pytest.skip(f"SmolLM2 cache {SMOLLM2} absent (run the set-up script)")
+    r = _smollm2_renderer()
+    assert r.max_token_chars == 81
+    text = pieces if isinstance(pieces, str) else "".join(pieces)
+    assert r.min_tokens(text) <= len(r.encode(text))
+    assert r.min_tokens("#" * 80 * 400) == 197  # 400 tokens in fact
+
+
+@functools.cache
+def _smollm2_renderer() -> ChatMLRenderer:
+    from transformers import AutoTokenizer
+
+    return ChatMLRenderer(AutoTokenizer.from_pretrained(SMOLLM2))

@@ -101,3 +101,44 @@ def test_a_conversation_that_outgrows_the_context_ends_with_an_overflow_event(se
     assert srv.pool.get_trajectory(tid).events == [Event(0, "context_overflow")]
     assert len(srv.pool.get_trajectory(tid).completions) == 1
     assert srv.gateway.counters["context_overflows"] == 1
+
+
+def test_a_huge_message_is_refused_before_it_is_tokenized(serve, tokenizer, monkeypatch):
+    """A message whose characters alone exceed max_model_len x 2 x the longest token string
+    (`Renderer.min_tokens`) is refused as `context_length_exceeded` with C09's event, and is
+    never tokenized: tokenizing a 60 MB body had held the event loop for 95 s. The same holds
+    for a /v1/completions text prompt; a shorter overflow still goes through the tokenizer."""
+    r = ChatMLRenderer(tokenizer)
+    srv = serve(ScriptedEngine([reply(r, "4"), reply(r, "5")], max_model_len=96), tokenizer)
+    assert srv.gateway.renderer.max_token_chars == 13  # "<|endoftext|>"
+    encoded: list[int] = []
+    real_encode = srv.gateway.renderer.encode
+    monkeypatch.setattr(srv.gateway.renderer, "encode",
+                        lambda text: encoded.append(len(text)) or real_encode(text))
+    huge = "x" * 2_000_000  # at least 76,923 tokens
+    tid, key = srv.session()
+    client = srv.client(key)
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    encoded.clear()
+    long = [*USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": huge}]
+    try:
+        client.chat.completions.create(model="tiny", messages=long, max_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded" and e.param == "messages"
+        assert "at least 76923 tokens; max_model_len is 96" in e.message
+    else:
+        raise AssertionError("the huge call was answered")
+    raw_tid, raw_key = srv.session(task_index=1)
+    raw = srv.client(raw_key)
+    raw.completions.create(model="tiny", prompt="2 + 3 =", max_tokens=4)
+    try:
+        raw.completions.create(model="tiny", prompt=huge, max_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded" and e.param == "prompt"
+    else:
+        raise AssertionError("the huge prompt was answered")
+    assert max(encoded) < 100  # "2 + 3 =" and turn headers; never the huge text
+    for t in (tid, raw_tid):
+        assert srv.pool.get_trajectory(t).events == [Event(0, "context_overflow")]
+        assert len(srv.pool.get_trajectory(t).completions) == 1
+    assert srv.gateway.counters["context_overflows"] == 2

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.core import Choice, Result
-from forgerl.gateway.errors import GatewayError, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, context_exceeded, parse_body, unsupported
 from forgerl.gateway.protocols.chat import usage_json
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
@@ -113,17 +113,20 @@ def _bad_prompt(message: str) -> GatewayError:
     return GatewayError(400, f"prompt: {message}", "invalid_prompt", "prompt")
 
 
-def prompt_ids(prompt: Prompt, renderer: Renderer) -> list[int]:
+def prompt_ids(prompt: Prompt, renderer: Renderer, max_model_len: int) -> list[int]:
     """The ids of a prompt: token ids as given, text encoded with special tokens split.
 
-    Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, or an id
-    outside the tokenizer's vocabulary [0, len(tokenizer)).
+    Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, an id
+    outside the tokenizer's vocabulary [0, len(tokenizer)), or `context_length_exceeded` for a
+    text that must exceed `max_model_len` tokens (`Renderer.min_tokens`, not tokenized).
     """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:
             raise unsupported("prompt", f"{len(prompt)} prompts in one request; send one "
                               "prompt per request (each is its own recorded completion)")
         prompt = prompt[0]
+    if isinstance(prompt, str) and (floor := renderer.min_tokens(prompt)) >= max_model_len:
+        raise context_exceeded(f"at least {floor}", max_model_len, "prompt")
     ids = renderer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise _bad_prompt("the prompt is empty")
@@ -163,12 +166,13 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
                           "rollout engine does not compute")
 
 
-def parse(raw: bytes, session: Session, renderer: Renderer) -> CompletionCall:
+def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> CompletionCall:
     """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
-    docstring). The core raises the rest: model, logprobs > 0, top_p, context length."""
+    docstring; `max_len`: the engine's max_model_len, see `prompt_ids`). The core raises the
+    rest: model, logprobs > 0, top_p, context length."""
     req = parse_body(raw, CompletionRequest)
     _refuse_unsupported(req)
-    ids = prompt_ids(req.prompt, renderer)
+    ids = prompt_ids(req.prompt, renderer, max_len)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     conv = Conversation(
         model=req.model,
