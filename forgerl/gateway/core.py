@@ -370,8 +370,8 @@ class Gateway:
                               "logprob (use 0)")
         if any(not s for s in conv.sampling.stop):
             raise unsupported(conv.param("stop"), "stop strings must not be empty")
-        floor = sum(self.renderer.min_tokens(m.content) for m in conv.messages
-                    if m.role != "assistant")  # a template may drop earlier replies' text
+        floor = self.renderer.min_tokens(m.content for m in conv.messages
+                                         if m.role != "assistant")  # may drop earlier replies
         if floor >= self.engine.max_model_len:  # refused before tokenizing megabytes
             raise context_exceeded(f"at least {floor}", self.engine.max_model_len,
                                    conv.param("messages"))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -106,11 +106,12 @@ class Renderer:
         characters than its string has (a byte-level "Ġ" is one byte, "<0x0A>" one byte)."""
         return max(map(len, self.tokenizer.get_vocab()), default=1)
 
-    def min_tokens(self, text: str) -> int:
-        """A lower bound on the tokens of `text` once rendered, without tokenizing it:
-        len(text.strip()) / (2 * max_token_chars). Templates may strip a message; the factor 2
-        covers normalizers that fold characters (NFKC). Tokenizing costs ~0.4 s per MB."""
-        return len(text.strip()) // (2 * self.max_token_chars)
+    def min_tokens(self, texts: Iterable[str]) -> int:
+        """A lower bound on the tokens of a rendering that holds each of `texts`, without
+        tokenizing: sum(len(text.strip())) / (2 * max_token_chars). Templates may strip a
+        message; the factor 2 covers normalizers that fold characters (NFKC). Tokenizing costs
+        ~0.4 s per MB of text and several GiB of memory per 10 MB."""
+        return sum(len(t.strip()) for t in texts) // (2 * self.max_token_chars)
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids (for parsing and the client only)."""

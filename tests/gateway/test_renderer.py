@@ -162,8 +162,9 @@ def test_min_tokens_never_exceeds_the_real_count(pieces):
     r = _smollm2_renderer()
     assert r.max_token_chars == 81
     text = pieces if isinstance(pieces, str) else "".join(pieces)
-    assert r.min_tokens(text) <= len(r.encode(text))
-    assert r.min_tokens("#" * 80 * 400) == 197  # 400 tokens in fact
+    assert r.min_tokens([text]) <= len(r.encode(text))
+    assert r.min_tokens([text, text]) <= 2 * len(r.encode(text))
+    assert r.min_tokens(["#" * 80 * 400]) == 197  # 400 tokens in fact
 
 
 @functools.cache

@@ -128,6 +128,13 @@ def test_a_huge_message_is_refused_before_it_is_tokenized(serve, tokenizer, monk
         assert "at least 76923 tokens; max_model_len is 96" in e.message
     else:
         raise AssertionError("the huge call was answered")
+    many = [{"role": "user", "content": "x"}] * 3000  # 3,000 characters: at least 115 tokens
+    try:
+        client.chat.completions.create(model="tiny", messages=many, max_tokens=4)
+    except openai.BadRequestError as e:
+        assert "at least 115 tokens" in e.message
+    else:
+        raise AssertionError("the 3,000 messages were answered")
     raw_tid, raw_key = srv.session(task_index=1)
     raw = srv.client(raw_key)
     raw.completions.create(model="tiny", prompt="2 + 3 =", max_tokens=4)
@@ -138,7 +145,7 @@ def test_a_huge_message_is_refused_before_it_is_tokenized(serve, tokenizer, monk
     else:
         raise AssertionError("the huge prompt was answered")
     assert max(encoded) < 100  # "2 + 3 =" and turn headers; never the huge text
-    for t in (tid, raw_tid):
-        assert srv.pool.get_trajectory(t).events == [Event(0, "context_overflow")]
+    for t, refused in ((tid, 2), (raw_tid, 1)):
+        assert srv.pool.get_trajectory(t).events == [Event(0, "context_overflow")] * refused
         assert len(srv.pool.get_trajectory(t).completions) == 1
-    assert srv.gateway.counters["context_overflows"] == 2
+    assert srv.gateway.counters["context_overflows"] == 3

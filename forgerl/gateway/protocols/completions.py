@@ -125,7 +125,7 @@ def prompt_ids(prompt: Prompt, renderer: Renderer, max_model_len: int) -> list[i
             raise unsupported("prompt", f"{len(prompt)} prompts in one request; send one "
                               "prompt per request (each is its own recorded completion)")
         prompt = prompt[0]
-    if isinstance(prompt, str) and (floor := renderer.min_tokens(prompt)) >= max_model_len:
+    if isinstance(prompt, str) and (floor := renderer.min_tokens([prompt])) >= max_model_len:
         raise context_exceeded(f"at least {floor}", max_model_len, "prompt")
     ids = renderer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
