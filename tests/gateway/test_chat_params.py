@@ -264,3 +264,19 @@ def test_an_invalid_tool_is_a_400_naming_it(serve, tokenizer, renderer, tools, n
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
     assert client.chat.completions.create(model="tiny", messages=USER,
                                           tools=[WEATHER]).choices[0].message.content == "a"
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "tool", "tool_call_id": "c1"},
+                                     {"role": "system", "content": None}])
+def test_a_message_without_content_is_a_400_naming_it(serve, tokenizer, renderer, message):
+    """A non-assistant message without content is refused as OpenAI refuses it (it was rendered
+    as an empty turn); an assistant message may omit content, and "" is content."""
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[*USER, message])
+    assert (e.value.code, e.value.param) == ("missing_required_parameter", "messages.1.content")
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+    ok = [*USER, {"role": "assistant", "content": None}, {"role": "user", "content": ""}]
+    assert client.chat.completions.create(model="tiny", messages=ok).choices[0].message.content \
+        == "a"

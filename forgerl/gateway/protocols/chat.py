@@ -204,6 +204,9 @@ def _message(m: ChatMessage, i: int) -> Message:
                  else json.dumps(c.function.arguments, ensure_ascii=False), c.id or "")
         for c in m.tool_calls or ()
     )
+    if m.content is None and m.role != "assistant":  # as OpenAI: never an empty turn silently
+        raise GatewayError(400, f"messages.{i}.content: a {m.role} message needs content",
+                           "missing_required_parameter", f"messages.{i}.content")
     role = "system" if m.role == "developer" else m.role
     return Message(role, _text(m.content, f"messages.{i}"), calls, m.tool_call_id,
                    m.reasoning_content if m.reasoning_content is not None else m.reasoning)
