@@ -773,7 +773,11 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
         raise ConfigError(f"run_dir {run_dir}: exists and is not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     locks.append(lock_run_dir(run_dir))
-    (run_dir / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
+    saved, now = run_dir / "config.json", config.model_dump()
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a new run, or a torn file
+        if changes := config_changes(json.loads(saved.read_text()), now):
+            log.warning("resuming %s with changed settings: %s", run_dir, "; ".join(changes))
+    saved.write_text(json.dumps(now, indent=2))
     trainer = build_trainer(config, model)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
@@ -905,6 +909,19 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 tokens = s.gateway.counters["completion_tokens"]
         print(summary(s.logger.records, s.trainer.step, time.time() - began), flush=True)
     return Path(config.run_dir)
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any], where: str = "") -> list[str]:
+    """The settings that differ between two `Config.model_dump()`s, as "section.key: old ->
+    new" (a resume logs them: nothing else says that the run goes on with another dataset)."""
+    out = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{where}{key}.")
+        elif a != b:
+            out.append(f"{where}{key}: {a!r} -> {b!r}")
+    return out
 
 
 def check_signal_streak(groups: int, k: int, metrics: dict[str, Any]) -> None:

@@ -50,8 +50,9 @@ from pathlib import Path
 # cannot start before any rollout (controller.check_agent_command), and to 8,650 for one-line
 # errors naming gateway.host / gateway.port and run_dir instead of OSError tracebacks' names,
 # and to 8,670 for refusing a message or prompt that must exceed max_model_len before tokenizing
-# it (Renderer.min_tokens; a 60 MB body had held the gateway's event loop for 95-136 s).
-MAX_LINES = 8670
+# it (Renderer.min_tokens; a 60 MB body had held the gateway's event loop for 95-136 s), and to
+# 8,685 for naming the settings a resume changes (controller.config_changes; it was silent).
+MAX_LINES = 8685
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

@@ -438,3 +438,13 @@ def test_cuda_allocator_peak_is_logged_per_record_and_reset(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
     assert cuda_peak_gib(torch.device("cuda:1")) == {"cuda_peak_gib": 3.0}
     assert resets == [torch.device("cuda:1")]
+
+
+def test_config_changes_name_each_changed_setting():
+    from forgerl.controller import config_changes
+
+    old = tiny_config(Path("/tmp/r")).model_dump()
+    new = tiny_config(Path("/tmp/r"), "--tasks.seed", "5", "--max_steps", "9").model_dump()
+    assert config_changes(old, old) == []
+    assert config_changes(old, new) == [f"max_steps: {old['max_steps']!r} -> 9",
+                                        f"tasks.seed: {old['tasks']['seed']!r} -> 5"]

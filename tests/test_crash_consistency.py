@@ -184,6 +184,8 @@ def test_ctrl_c_before_the_first_checkpoint_resumes(tmp_path):
     more = subprocess.run([*FORGERL, "train", str(config), "--max_steps", "3"],
                           capture_output=True, text=True, timeout=300)
     assert more.returncode == 0, more.stderr
+    assert f"resuming {run_dir} with changed settings: max_steps: 2 -> 3\n" in more.stderr
+    assert "changed settings" not in result.stderr  # the same config resumed: nothing to say
     check_run_state(run_dir, max_steps=3)
     assert len(list(run_dir.glob("checkpoints/step_*"))) == 1  # keep_checkpoints = 1
     assert survivors(tmp_path) == []
