@@ -280,3 +280,22 @@ def test_a_message_without_content_is_a_400_naming_it(serve, tokenizer, renderer
     ok = [*USER, {"role": "assistant", "content": None}, {"role": "user", "content": ""}]
     assert client.chat.completions.create(model="tiny", messages=ok).choices[0].message.content \
         == "a"
+
+
+def test_a_tool_schema_is_checked_once_per_distinct_schema():
+    """An agent declares the same tools every turn: the metaschema check (~0.4 ms) runs once
+    per distinct schema, whatever the key order, and a cached verdict is the fresh one."""
+    from forgerl.gateway.conversation import Tool
+    from forgerl.gateway.core import schema_problem, tool_problem
+
+    schema_problem.cache_clear()
+    good = {"type": "object", "properties": {"q": {"type": "string"}}}
+    bad = {"type": "objekt"}
+    for _ in range(3):
+        assert tool_problem(Tool("a", None, good), set()) is None
+        assert tool_problem(Tool("b", None, dict(reversed(good.items()))), set()) is None
+        assert tool_problem(Tool("c", None, bad), set()).startswith(
+            "parameters is not a valid JSON Schema at type: 'objekt' is not valid")
+    assert tool_problem(Tool("a", None, good), {"a"}) == "declared more than once"
+    info = schema_problem.cache_info()
+    assert (info.misses, info.hits) == (2, 7)
