@@ -8,6 +8,8 @@ the handlers, it means nothing was recorded by the failing call.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
@@ -64,6 +66,7 @@ def unsupported(param: str, message: str) -> GatewayError:
 
 
 M = TypeVar("M", bound=BaseModel)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayError:
@@ -76,15 +79,31 @@ def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayErro
 def parse_body(raw: bytes, schema: type[M]) -> M:
     """Validate a JSON body; malformed JSON and wrong types are both 400 (as OpenAI answers).
 
-    A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it.
+    A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it. A
+    lone UTF-16 surrogate escape ("\\ud83d", a JavaScript string cut inside an emoji) becomes
+    U+FFFD, as a UTF-8 decoder replaces a broken sequence, instead of failing the call.
     """
     try:
         return schema.model_validate_json(raw or b"{}")
     except ValidationError as e:
         err = e.errors()[0]
+        if err.get("type") == "json_invalid" and (fixed := _without_lone_surrogates(raw)):
+            return parse_body(fixed, schema)
         param = ".".join(str(x) for x in err.get("loc", ())) or None
         if err.get("type") == "extra_forbidden":
             raise GatewayError(400, f"Unrecognized request argument supplied: {param}",
                                "unknown_parameter", param) from None
         kind = "invalid_json" if err.get("type") == "json_invalid" else "invalid_type"
         raise GatewayError(400, f"{param or 'body'}: {err.get('msg')}", kind, param) from None
+
+
+def _without_lone_surrogates(raw: bytes) -> bytes | None:
+    """`raw` with each lone surrogate as U+FFFD; None when it has none or is not JSON."""
+    if b"\\ud" not in raw.lower():
+        return None
+    try:
+        text = json.dumps(json.loads(raw), ensure_ascii=False)  # the stdlib keeps lone ones
+    except ValueError:
+        return None
+    fixed = LONE_SURROGATE.sub("\ufffd", text)
+    return fixed.encode() if fixed != text else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -299,3 +300,27 @@ def test_a_tool_schema_is_checked_once_per_distinct_schema():
     assert tool_problem(Tool("a", None, good), {"a"}) == "declared more than once"
     info = schema_problem.cache_info()
     assert (info.misses, info.hits) == (2, 7)
+
+
+def test_a_lone_surrogate_becomes_a_replacement_character(serve, tokenizer, renderer):
+    """A tool result cut inside an emoji by a JavaScript agent arrives as a lone "\\ud83d"
+    escape (JSON.stringify writes one; Python's openai client cannot send it): it is rendered
+    as U+FFFD, as a UTF-8 decoder treats a broken sequence, instead of refusing the call as
+    invalid JSON. A complete pair stays the emoji; a body that is not JSON is still a 400."""
+    srv, tid, client = served(serve, tokenizer, renderer, ["a", "b"])
+
+    def post(raw: bytes) -> httpx.Response:
+        return httpx.post(f"{srv.base_url}/chat/completions", content=raw,
+                          headers={"Authorization": f"Bearer {client.api_key}"})
+
+    cut = (b'{"model": "tiny", "messages": [{"role": "user", '
+           b'"content": "a \\ud83d b \\ud83d\\ude00"}]}')
+    assert post(cut).json()["choices"][0]["message"]["content"] == "a"
+    fixed = [{"role": "user", "content": "a \ufffd b \U0001f600"}]
+    assert srv.engine.calls[0][0] == render(renderer, fixed)
+    bad = post(b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}], '
+               b'"n": "x"}')
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "n")
+    broken = post(b'{"a": "\\ud83d')
+    assert (broken.status_code, broken.json()["error"]["code"]) == (400, "invalid_json")
+    assert len(srv.pool.get_trajectory(tid).completions) == 1
