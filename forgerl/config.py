@@ -444,7 +444,7 @@ class Config(_Section):
     """Metrics, resolved config, pool and checkpoints; re-running with it resumes."""
     max_steps: int = Field(10, ge=0, le=10_000_000)
     """Optimizer steps of the whole run; re-running with a larger value continues it."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     """Seeds torch and every rollout's sampling (per request, from seed, task and rollout index
     and turn): see README "Reproducibility" for what batching leaves nondeterministic. Task
     order is fixed by tasks.seed."""

@@ -771,13 +771,14 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {run_dir}: exists and is not a directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run_dir {run_dir}: cannot be created ({e.strerror or e})") from e
     locks.append(lock_run_dir(run_dir))
-    saved, now = run_dir / "config.json", config.model_dump()
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a new run, or a torn file
-        if changes := config_changes(json.loads(saved.read_text()), now):
-            log.warning("resuming %s with changed settings: %s", run_dir, "; ".join(changes))
-    saved.write_text(json.dumps(now, indent=2))
+    for section in [] if agent or not training else [config.agent,
+                                                      *(d.agent for d in config.domains)]:
+        check_agent_command(section)  # after the lock, before anything of the run is written
     trainer = build_trainer(config, model)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None
@@ -808,6 +809,11 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)
         raise ConfigError(f"gateway.host / gateway.port: cannot listen on {config.gateway.host}:"
                           f"{config.gateway.port} ({e.strerror or e})") from e
+    saved, now = run_dir / "config.json", config.model_dump()  # the run's settings once started
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a new run, or a torn file
+        if changes := config_changes(json.loads(saved.read_text()), now):
+            log.warning("resuming %s with changed settings: %s", run_dir, "; ".join(changes))
+    saved.write_text(json.dumps(now, indent=2))
     if agent is None and config.agent is not None:
         agent = _command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
@@ -859,8 +865,6 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
         return Path(config.run_dir)
     began = time.time()
     async with start_services(config, agent) as s:
-        for section in [] if agent else [config.agent, *(d.agent for d in config.domains)]:
-            check_agent_command(section)  # after the run directory's lock and checkpoint
         s.max_steps = config.max_steps
         with ProgressBar(config.max_steps, s.trainer.step, enabled=progress) as bar:
             if s.trainer.step == 0 and not s.logger.logged(0):

@@ -31,6 +31,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         ("[agent]\ncommand = ['x']\n[tasks]\nparams = {foo = 1}\n", [], "tasks.params"),
         ("[agent]\ncommand = ['x']\n[tasks]\ndataset = 'nosuch'\n", [], "tasks.dataset"),
         ("[agent]\ncommand = ['x']\n", ["--run_dir", ""], "run_dir"),
+        ("[agent]\ncommand = ['x']\n", ["--seed", "99999999999999999999999"], "seed"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, override, expected):
@@ -98,13 +99,14 @@ def test_resuming_a_run_with_another_model_is_one_line_exit_2(tmp_path):
     ckpt = save_checkpoint(run_dir, model, torch.optim.AdamW(model.parameters()), 1, {})
     config = tmp_path / "c.toml"
     config.write_text(f"run_dir = '{run_dir}'\nmax_steps = 2\n[model]\npath = 'smollm2'\n"
-                      "[agent]\ncommand = ['x']\n[tasks]\neval_size = 0\n")
+                      "[agent]\ncommand = ['python', '-c', 'pass']\n[tasks]\neval_size = 0\n")
     result = _run("train", str(config))
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"forgerl: error: model.path: the checkpoint {ckpt} is not of "
                            "'smollm2' (size mismatch for "), line
     assert line.endswith("resume with the run's model or pass another --run_dir"), line
+    assert not (run_dir / "config.json").exists()  # the refused settings are not the run's
 
 
 @pytest.mark.parametrize(("command", "expected"), [
@@ -122,7 +124,7 @@ def test_an_agent_that_cannot_start_is_one_line_exit_2(tmp_path, command, expect
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "forgerl: error: agent.command: " + expected.format(dir=tmp_path))
-    assert not list((tmp_path / "run").glob("checkpoints/*"))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [".lock"]  # nothing to resume
 
 
 def test_a_taken_port_and_a_file_as_run_dir_are_one_line_exit_2(tmp_path):
@@ -151,3 +153,7 @@ def test_a_taken_port_and_a_file_as_run_dir_are_one_line_exit_2(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"forgerl: error: run_dir {tmp_path / 'file'}: exists and is not a directory")
     assert (tmp_path / "file").read_text() == "not a directory"
+    result = _run("train", str(config), "--run_dir", "/proc/forgerl_run")  # cannot be made
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "forgerl: error: run_dir /proc/forgerl_run: cannot be created (No such file or directory)")
