@@ -246,7 +246,8 @@ def schema_problem(schema_json: str) -> str | None:
 class Gateway:
     """Renderer + sessions + engine + pool: everything one model call needs.
 
-    temperature / max_tokens: defaults when neither the session nor the request sets them.
+    temperature: the default when neither the session nor the request sets one. max_tokens:
+    the cap on every call's completion tokens.
     strict_model: refuse (404) model names other than `model_name`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
     engine_errors, client_disconnects (calls cancelled because their client went away),
@@ -405,8 +406,9 @@ class Gateway:
     def sampling_params(
         self, session: Session, conv: Conversation, prompt_len: int
     ) -> SamplingParams:
-        """Temperature: session > request > gateway default. max_tokens: the smaller of the
-        session's and the request's (else the gateway default), clamped to the context.
+        """Temperature: session > request > gateway default. max_tokens: the smallest of the
+        session's, the request's and the gateway's (`rollout.max_tokens`, a cap on every call,
+        sessions opened over HTTP included), clamped to the context.
 
         The seed is the request's, else the session's `seed + turns so far` (mod 2**63).
         Raises GatewayError 400 for top_p < 1 on a training session (CASES.md C04: recorded
@@ -424,8 +426,8 @@ class Gateway:
         temperature = next(
             t for t in (session.temperature, s.temperature, self.temperature) if t is not None
         )
-        caps = [m for m in (session.max_tokens, s.max_tokens) if m is not None]
-        wanted = min(caps) if caps else self.max_tokens  # an agent may ask for fewer
+        wanted = min(m for m in (session.max_tokens, s.max_tokens, self.max_tokens)
+                     if m is not None)  # an agent may ask for fewer, never for more
         seed = s.seed if s.seed is not None or session.seed is None else (
             (session.seed + len(session.turns)) % 2**63)
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(wanted, room),

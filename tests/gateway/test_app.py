@@ -133,8 +133,8 @@ def test_c06_raw_sse_ends_with_done(serve, tokenizer, renderer):
 def test_c09_max_tokens_clamped_to_context(serve, tokenizer, renderer):
     # CASES.md C09 numbers: a 3500-token prompt, max_tokens 1024, max_model_len 4096 -> 596.
     # Byte tokenizer: 19 tokens of ChatML around the user text (11 of them the assistant header).
-    engine = ScriptedEngine([reply(renderer, "x" * 50)], max_model_len=4096)
-    srv = serve(engine, tokenizer)
+    engine = ScriptedEngine([reply(renderer, "x" * 50), reply(renderer, "z")], max_model_len=4096)
+    srv = serve(engine, tokenizer, max_tokens=2048)
     tid, key = srv.session()
     messages = [{"role": "user", "content": "y" * (3500 - 19)}]
     r = srv.client(key).chat.completions.create(model="tiny", messages=messages, max_tokens=1024)
@@ -142,6 +142,12 @@ def test_c09_max_tokens_clamped_to_context(serve, tokenizer, renderer):
     assert len(prompt) == 3500 and params.max_tokens == 596
     assert r.usage.prompt_tokens == 3500 and r.usage.completion_tokens == 51
     assert srv.pool.get_trajectory(tid).completions[0].sampling.max_tokens == 596
+    # the gateway's max_tokens (rollout.max_tokens) caps a session opened without one too
+    srv.gateway.max_tokens = 100
+    _, other = srv.gateway.open_session(task_index=-1)
+    srv.client(other).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10**12)
+    assert engine.calls[1][1].max_tokens == 100
 
 
 def test_c09_truncated_tool_call_keeps_length(serve, tokenizer, renderer):
