@@ -281,6 +281,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = await request.body()
         with gateway.active(session):  # a prompt surely over max_model_len: C09's event
             call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len)
+        if call.request.stream:
+            return completions.respond_stream(
+                call, gateway.stream(session, call.conversation, call.plan), gateway.renderer)
         result = await unless_disconnected(
             request, gateway.complete(session, call.conversation, call.plan), gateway.counters)
         return completions.respond(call, result, gateway.renderer)

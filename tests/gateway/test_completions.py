@@ -11,7 +11,8 @@ scripted engine; byte tokenizer: one id per byte, `<|im_start|>` = 1, `<|im_end|
   returns the recorded prompt and completion ids;
 - a prompt that starts with a recorded call's prompt + completion ids (a length-cut one too)
   is recorded as extending it; another prompt is a counted prefix miss;
-- `stream: true` yields the plain answer's text, logprobs and finish, usage, `[DONE]`;
+- `stream: true` sends text as the engine samples it, then each choice's finish with its
+  logprobs, usage, `[DONE]`; echo, n and stop strings give the plain answer's texts;
 - stop strings, n (seed + i), echo;
 - refusals, each a 400 (404 for the model) naming the field, with nothing recorded and the
   engine never called: several prompts, empty prompts, ids outside the vocabulary, prompts of
@@ -20,6 +21,8 @@ scripted engine; byte tokenizer: one id per byte, `<|im_start|>` = 1, `<|im_end|
 """
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -111,22 +114,47 @@ def test_prompt_extending_a_recorded_call_is_recorded_as_extending(serve, tokeni
     assert session.prefix_misses == 1 and srv.gateway.counters["prefix_hits"] == 2
 
 
-def test_stream_yields_the_plain_answer(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, [reply(renderer, "héllo")] * 2)
+def test_stream_yields_the_plain_answer_as_the_engine_samples(serve, tokenizer, renderer):
+    """stream: true goes through Gateway.stream: the first text chunk reaches the client while
+    the engine still samples (~60 ids at 0.02 s each); the text chunks join to the plain
+    answer; the finish chunk carries every logprob, equal to the plain call's; the record is
+    the same."""
+    scripted = reply(renderer, "héllo" * 10)
+    slow = Scripted(scripted.ids, scripted.logprobs, token_delay_s=0.02)
+    srv, tid, client = served(serve, tokenizer, [scripted, slow])
     kw = {"model": "tiny", "prompt": chatml_ids(renderer, "hi"), "logprobs": 0}
     plain = client.completions.create(**kw)
-    chunks = list(client.completions.create(**kw, stream=True,
-                                            stream_options={"include_usage": True}))
+    first, chunks = None, []
+    for c in client.completions.create(**kw, stream=True,
+                                       stream_options={"include_usage": True}):
+        first = first or (time.perf_counter() if c.choices and c.choices[0].text else None)
+        chunks.append(c)
     body = [c for c in chunks if c.choices]
-    assert all(c.object == "text_completion" for c in chunks)
-    assert "".join(c.choices[0].text for c in body) == plain.choices[0].text == "héllo"
-    assert [c.choices[0].finish_reason for c in body] == [None, "stop"]
-    lp = body[0].choices[0].logprobs
+    assert srv.engine.streamed[0][-1].sampled_at - first > 0.5  # ~40 ids after the first chunk
+    assert all(c.object == "text_completion" for c in chunks) and len(body) > 10
+    assert "".join(c.choices[0].text for c in body) == plain.choices[0].text == "héllo" * 10
+    assert [c.choices[0].finish_reason for c in body[-2:]] == [None, "stop"]
+    assert all(c.choices[0].logprobs is None for c in body[:-1])
+    lp = body[-1].choices[0].logprobs
     assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
     assert lp.text_offset == plain.choices[0].logprobs.text_offset
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 7
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 61
     a, b = srv.pool.get_trajectory(tid).completions
     assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+
+
+def test_a_stream_of_two_choices_with_echo_and_a_stop_string(serve, tokenizer, renderer):
+    script = [reply(renderer, "one\nObservation: x"), reply(renderer, "two")]
+    srv, tid, client = served(serve, tokenizer, script)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for c in client.completions.create(model="tiny", prompt="Q:", n=2, seed=5, echo=True,
+                                       stop=["\nObservation:"], stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+        finishes[c.choices[0].index] = c.choices[0].finish_reason
+    assert texts == {0: "Q:one", 1: "Q:two"} and finishes == {0: "stop", 1: "stop"}
+    assert [c.completion_ids for c in srv.pool.get_trajectory(tid).completions] == [
+        script[0].ids[:len("one\nObservation:")], script[1].ids]
 
 
 def test_stop_n_and_echo(serve, tokenizer, renderer):

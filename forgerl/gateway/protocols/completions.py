@@ -3,7 +3,9 @@
 Data flow: POST /v1/completions body --`parse`--> `CompletionCall` (the validated request, a
 `Conversation` without messages and the `PromptPlan` of the prompt ids) --> `Gateway.complete`
 with that plan (core.py: nothing is rendered; it dispatches, cuts at stop strings, records) -->
-`respond`: a `text_completion` object, or its SSE chunks with `stream: true`.
+`respond`: a `text_completion` object; with `stream: true`, `Gateway.stream` -->
+`respond_stream`: SSE chunks of text as the engine samples it, each choice's logprobs and
+token ids with its finish chunk.
 
 This is the token-native protocol. The prompt is recorded exactly as given: a list of token ids
 is sent to the engine as it is (control tokens included: the client renders its own template),
@@ -33,19 +35,20 @@ sampled token's logprob), echo with logprobs (no prompt logprobs), suffix, unkno
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from forgerl.gateway.conversation import Conversation, Sampling
-from forgerl.gateway.core import Choice, Result
+from forgerl.gateway.core import Choice, Delta, Result, Started
 from forgerl.gateway.errors import GatewayError, context_exceeded, parse_body, unsupported
-from forgerl.gateway.protocols.chat import usage_json
+from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
 
@@ -212,11 +215,16 @@ def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
             "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)]}
 
 
+def _echo(call: CompletionCall, renderer: Renderer) -> str:
+    """The prompt text put before the completion with `echo`, else ""."""
+    prompt = call.request.prompt
+    if not call.request.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else renderer.decode(call.plan.prompt_ids)
+
+
 def _choices(call: CompletionCall, result: Result, renderer: Renderer) -> list[dict]:
-    req = call.request
-    head = ""
-    if req.echo:
-        head = req.prompt if isinstance(req.prompt, str) else renderer.decode(call.plan.prompt_ids)
+    req, head = call.request, _echo(call, renderer)
     out = []
     for c in result.choices:
         choice: dict[str, Any] = {
@@ -229,34 +237,48 @@ def _choices(call: CompletionCall, result: Result, renderer: Renderer) -> list[d
     return out
 
 
-def completion_chunks(cid: str, model: str, result: Result, choices: list[dict],
-                      include_usage: bool) -> Iterator[str]:
-    """SSE lines of a `text_completion` stream: per choice its text (with its logprobs and
-    token ids), then its finish; then usage when asked; then `[DONE]`."""
+async def completion_chunks(call: CompletionCall, cid: str,
+                            events: AsyncIterator[Started | Delta | Result],
+                            renderer: Renderer) -> AsyncIterator[str]:
+    """SSE lines of a `text_completion` stream from `Gateway.stream` events: each text delta
+    as the engine samples it (the echoed prompt before a choice's first), then per choice a
+    finish chunk carrying that choice's logprobs and token ids when asked (all of them: the
+    legacy `text_offset`s are known once the text is); then usage when asked; then `[DONE]`."""
+    req, created, opened = call.request, 0, set()
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
-        obj = {"id": cid, "object": "text_completion", "created": int(result.started_at),
-               "model": model, "choices": [] if choice is None else [choice], **extra}
+        obj = {"id": cid, "object": "text_completion", "created": created, "model": req.model,
+               "choices": [] if choice is None else [choice], **extra}
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    for c in choices:
-        if c["text"] or c["logprobs"]:
-            yield chunk({**c, "finish_reason": None})
-        yield chunk({"text": "", "index": c["index"], "logprobs": None,
-                     "finish_reason": c["finish_reason"]})
-    if include_usage:
-        yield chunk(None, usage=usage_json(result))
+    async with contextlib.aclosing(events) as stream:
+        async for ev in stream:
+            if isinstance(ev, Started):
+                created = int(ev.started_at)
+            elif isinstance(ev, Delta) and (ev.text or (req.echo and ev.index not in opened)):
+                head = "" if ev.index in opened else _echo(call, renderer)
+                opened.add(ev.index)
+                yield chunk({"text": head + ev.text, "index": ev.index, "logprobs": None,
+                             "finish_reason": None})
+            elif isinstance(ev, Result):
+                for c in _choices(call, ev, renderer):
+                    yield chunk(c | {"text": "" if c["index"] in opened else c["text"]})
+                if req.stream_options and req.stream_options.include_usage:
+                    yield chunk(None, usage=usage_json(ev))
     yield "data: [DONE]\n\n"
 
 
-def respond(call: CompletionCall, result: Result,
-            renderer: Renderer) -> JSONResponse | StreamingResponse:
-    """The HTTP answer: a `text_completion` object, or its SSE stream with `stream: true`."""
-    req, cid = call.request, f"cmpl-{uuid.uuid4().hex}"
-    choices = _choices(call, result, renderer)
-    if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(completion_chunks(cid, req.model, result, choices, usage),
-                                 media_type="text/event-stream")
-    return JSONResponse({"id": cid, "object": "text_completion", "created": int(result.started_at),
-                         "model": req.model, "choices": choices, "usage": usage_json(result)})
+def respond(call: CompletionCall, result: Result, renderer: Renderer) -> JSONResponse:
+    """The HTTP answer of a call without `stream`: a `text_completion` object."""
+    return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                         "created": int(result.started_at), "model": call.request.model,
+                         "choices": _choices(call, result, renderer),
+                         "usage": usage_json(result)})
+
+
+def respond_stream(call: CompletionCall, events: AsyncIterator[Started | Delta | Result],
+                   renderer: Renderer) -> EventStream:
+    """The SSE answer of a `stream: true` call, sent as the engine samples (chat.EventStream:
+    a client that disconnects aborts the call and nothing of it is recorded)."""
+    return EventStream(completion_chunks(call, f"cmpl-{uuid.uuid4().hex}", events, renderer),
+                       error_event)
