@@ -77,14 +77,15 @@ def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayErro
 
 
 def parse_body(raw: bytes, schema: type[M]) -> M:
-    """Validate a JSON body; malformed JSON and wrong types are both 400 (as OpenAI answers).
+    """Validate a JSON body strictly ("8" is no integer, true no number, "yes" no boolean);
+    malformed JSON and wrong types are both 400 (as OpenAI answers).
 
     A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it. A
     lone UTF-16 surrogate escape ("\\ud83d", a JavaScript string cut inside an emoji) becomes
     U+FFFD, as a UTF-8 decoder replaces a broken sequence, instead of failing the call.
     """
     try:
-        return schema.model_validate_json(raw or b"{}")
+        return schema.model_validate_json(raw or b"{}", strict=True)
     except ValidationError as e:
         err = e.errors()[0]
         if err.get("type") == "json_invalid" and (fixed := _without_lone_surrogates(raw)):

@@ -324,3 +324,25 @@ def test_a_lone_surrogate_becomes_a_replacement_character(serve, tokenizer, rend
     broken = post(b'{"a": "\\ud83d')
     assert (broken.status_code, broken.json()["error"]["code"]) == (400, "invalid_json")
     assert len(srv.pool.get_trajectory(tid).completions) == 1
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/chat/completions", {"messages": USER, "max_tokens": "8"}, "max_tokens"),
+    ("/chat/completions", {"messages": USER, "max_tokens": True}, "max_tokens"),
+    ("/chat/completions", {"messages": USER, "stream": "yes"}, "stream"),
+    ("/completions", {"prompt": [True]}, "prompt"),
+    ("/messages", {"messages": USER, "max_tokens": True}, "max_tokens"),
+])
+def test_a_value_of_the_wrong_json_type_is_a_400(serve, tokenizer, renderer, path, body, param):
+    """Bodies are validated strictly, as the APIs document their types: "8" or true is not
+    an integer, "yes" is not a boolean (they were coerced: max_tokens true sampled 1 token)."""
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    r = httpx.post(f"{srv.base_url}{path}", json={"model": "tiny", **body},
+                   headers={"Authorization": f"Bearer {client.api_key}"})
+    assert r.status_code == 400, r.text
+    if path != "/messages":
+        assert r.json()["error"]["param"].startswith(param) and \
+            r.json()["error"]["code"] == "invalid_type"
+    assert srv.engine.calls == [] and srv.pool.get_trajectory(tid).completions == []
+    session = httpx.post(f"{srv.base_url}/sessions", json={"task_index": "3"})
+    assert session.status_code == 400 and session.json()["error"]["param"] == "task_index"
