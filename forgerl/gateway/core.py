@@ -397,7 +397,8 @@ class Gateway:
                 raise GatewayError(400, f"tool {tool.name!r}: {problem}", "invalid_tool",
                                    conv.param("tools"))
         if choice not in ("auto", "none") and not conv.tools:
-            raise unsupported(conv.param("tool_choice"), f"{choice!r} needs tools")
+            raise unsupported(conv.param("tool_choice"), "forces a tool call, but the request "
+                              "declares no tools")
         if isinstance(choice, ForcedTool) and choice.name not in names:
             raise unsupported(conv.param("tool_choice"),
                               f"tool {choice.name!r} is not among the declared tools {names}")

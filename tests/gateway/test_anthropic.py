@@ -344,3 +344,15 @@ def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, rend
     assert e.value.body["error"]["message"].startswith(
         "tool 'get_weather': parameters is not a valid JSON Schema at required"), e.value.body
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forcing_a_tool_without_tools_names_it_in_anthropic_words(serve, tokenizer, renderer,
+                                                                  choice):
+    """The refusal says what is wrong without the gateway's internal name ("required")."""
+    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=8, messages=USER, tool_choice=choice)
+    assert e.value.body["error"]["message"] == (
+        "tool_choice: forces a tool call, but the request declares no tools")
+    assert srv.pool.get_trajectory(tid).completions == []
