@@ -776,9 +776,9 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     except OSError as e:
         raise ConfigError(f"run_dir {run_dir}: cannot be created ({e.strerror or e})") from e
     locks.append(lock_run_dir(run_dir))
-    for section in [] if agent or not training else [config.agent,
-                                                      *(d.agent for d in config.domains)]:
-        check_agent_command(section)  # after the lock, before anything of the run is written
+    if training and agent is None:  # after the lock, before anything of the run is written
+        for section in (config.agent, *(d.agent for d in config.domains)):
+            check_agent_command(section)
     trainer = build_trainer(config, model)
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = None

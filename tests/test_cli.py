@@ -85,6 +85,12 @@ def test_a_run_dir_in_use_is_refused_and_left_alone(tmp_path):
         os.close(fd)
 
 
+def last_error_line(result: subprocess.CompletedProcess) -> str:
+    """The last stderr line of a run that must have failed with exit 2."""
+    assert result.returncode == 2, result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
 def test_resuming_a_run_with_another_model_is_one_line_exit_2(tmp_path):
     """A run directory whose checkpoint holds another model (here the tiny one, resumed with
     SmolLM2) is refused with one line naming the checkpoint and the first mismatch, not
@@ -121,8 +127,7 @@ def test_an_agent_that_cannot_start_is_one_line_exit_2(tmp_path, command, expect
     config.write_text(f"run_dir = '{tmp_path / 'run'}'\nmax_steps = 1\n[model]\npath = 'tiny'\n"
                       f"[agent]\ncommand = {command}\n[tasks]\neval_size = 0\n")
     result = _run("train", str(config))
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert last_error_line(result) == (
         "forgerl: error: agent.command: " + expected.format(dir=tmp_path))
     assert [p.name for p in (tmp_path / "run").iterdir()] == [".lock"]  # nothing to resume
 
@@ -143,17 +148,14 @@ def test_a_taken_port_and_a_file_as_run_dir_are_one_line_exit_2(tmp_path):
         result = _run("gateway", str(config), "--gateway.port", str(port))
     finally:
         taken.close()
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert last_error_line(result) == (
         f"forgerl: error: gateway.host / gateway.port: cannot listen on 127.0.0.1:{port} "
         "(Address already in use)")
     (tmp_path / "file").write_text("not a directory")
     result = _run("train", str(config), "--run_dir", str(tmp_path / "file"))
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert last_error_line(result) == (
         f"forgerl: error: run_dir {tmp_path / 'file'}: exists and is not a directory")
     assert (tmp_path / "file").read_text() == "not a directory"
     result = _run("train", str(config), "--run_dir", "/proc/forgerl_run")  # cannot be made
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert last_error_line(result) == (
         "forgerl: error: run_dir /proc/forgerl_run: cannot be created (No such file or directory)")

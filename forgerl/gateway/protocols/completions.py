@@ -46,8 +46,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from forgerl.gateway.conversation import Conversation, Sampling
-from forgerl.gateway.core import Choice, Delta, Result, Started
-from forgerl.gateway.errors import GatewayError, context_exceeded, parse_body, unsupported
+from forgerl.gateway.core import Choice, Delta, Result, Started, refuse_surely_too_long
+from forgerl.gateway.errors import GatewayError, parse_body, unsupported
 from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
 from forgerl.gateway.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
@@ -121,15 +121,15 @@ def prompt_ids(prompt: Prompt, renderer: Renderer, max_model_len: int) -> list[i
 
     Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, an id
     outside the tokenizer's vocabulary [0, len(tokenizer)), or `context_length_exceeded` for a
-    text that must exceed `max_model_len` tokens (`Renderer.min_tokens`, not tokenized).
+    text that must exceed `max_model_len` tokens (`core.refuse_surely_too_long`).
     """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:
             raise unsupported("prompt", f"{len(prompt)} prompts in one request; send one "
                               "prompt per request (each is its own recorded completion)")
         prompt = prompt[0]
-    if isinstance(prompt, str) and (floor := renderer.min_tokens([prompt])) >= max_model_len:
-        raise context_exceeded(f"at least {floor}", max_model_len, "prompt")
+    if isinstance(prompt, str):
+        refuse_surely_too_long(renderer, [prompt], max_model_len, "prompt")
     ids = renderer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise _bad_prompt("the prompt is empty")
@@ -223,9 +223,9 @@ def _echo(call: CompletionCall, renderer: Renderer) -> str:
     return prompt if isinstance(prompt, str) else renderer.decode(call.plan.prompt_ids)
 
 
-def _choices(call: CompletionCall, result: Result, renderer: Renderer) -> list[dict]:
-    req, head = call.request, _echo(call, renderer)
-    out = []
+def _choices(call: CompletionCall, result: Result, renderer: Renderer, head: str) -> list[dict]:
+    """The `choices` of `result`, each text after `head` (`_echo`)."""
+    req, out = call.request, []
     for c in result.choices:
         choice: dict[str, Any] = {
             "text": head + c.reply.content, "index": c.index, "finish_reason": c.finish_reason,
@@ -244,7 +244,7 @@ async def completion_chunks(call: CompletionCall, cid: str,
     as the engine samples it (the echoed prompt before a choice's first), then per choice a
     finish chunk carrying that choice's logprobs and token ids when asked (all of them: the
     legacy `text_offset`s are known once the text is); then usage when asked; then `[DONE]`."""
-    req, created, opened = call.request, 0, set()
+    req, created, opened, head = call.request, 0, set(), _echo(call, renderer)
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
         obj = {"id": cid, "object": "text_completion", "created": created, "model": req.model,
@@ -256,12 +256,12 @@ async def completion_chunks(call: CompletionCall, cid: str,
             if isinstance(ev, Started):
                 created = int(ev.started_at)
             elif isinstance(ev, Delta) and (ev.text or (req.echo and ev.index not in opened)):
-                head = "" if ev.index in opened else _echo(call, renderer)
+                text = ev.text if ev.index in opened else head + ev.text
                 opened.add(ev.index)
-                yield chunk({"text": head + ev.text, "index": ev.index, "logprobs": None,
+                yield chunk({"text": text, "index": ev.index, "logprobs": None,
                              "finish_reason": None})
             elif isinstance(ev, Result):
-                for c in _choices(call, ev, renderer):
+                for c in _choices(call, ev, renderer, head):
                     yield chunk(c | {"text": "" if c["index"] in opened else c["text"]})
                 if req.stream_options and req.stream_options.include_usage:
                     yield chunk(None, usage=usage_json(ev))
@@ -272,7 +272,7 @@ def respond(call: CompletionCall, result: Result, renderer: Renderer) -> JSONRes
     """The HTTP answer of a call without `stream`: a `text_completion` object."""
     return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                          "created": int(result.started_at), "model": call.request.model,
-                         "choices": _choices(call, result, renderer),
+                         "choices": _choices(call, result, renderer, _echo(call, renderer)),
                          "usage": usage_json(result)})
 
 
