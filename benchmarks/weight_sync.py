@@ -1,6 +1,7 @@
 """Benchmark: full vs delta weight sync (issue 13 item 3) on SmolLM2-135M, in-process.
 
     python benchmarks/weight_sync.py [--steps 21] [--steps-high 3] [--fp32-steps 5] [--threads 1]
+        [--router N] [--ray]
 
 The trainer side is SmolLM2-135M (fp32) taking real AdamW steps (weight decay 0, grad clip 1.0,
 as `Trainer`) of a causal-LM loss on a small fixed batch of real text (4 short sentences),
@@ -8,21 +9,22 @@ as `Trainer`) of a causal-LM loss on a small fixed batch of real text (4 short s
 After every step the weights are synced with `forgerl.trainer.weight_sync.WeightSync` into
 four `LocalEngine`s, one per (dtype, kind): fp32 and bf16 engine copies, each fed by a "full"
 and a "delta" sync (the fp32 pair only for the first `--fp32-steps` steps: there every element
-changes, the delta is dense and its numbers stay put). The first delta sync is full (no base
-yet); the delta columns average the later ones. About 100 s of CPU time; 3-4 min on the
-shared 2 cores.
+changes, the delta is dense and its numbers stay put). With `--router N`, also a bf16/routerN
+pair: a `Router` over N bf16 LocalEngines each, every instance fed the same full or delta
+payload. The first delta sync is full (no base yet); the delta columns average the later ones.
+About 100 s of CPU time; 3-4 min on the shared 2 cores.
 
-Columns: MB = payload bytes / 1e6 in the engine's dtype (tied embedding / lm_head sent once);
-s = wall seconds of `WeightSync.sync` (cast, compare + encode + checksums for a delta, hand-off
+Columns: MB = payload bytes / 1e6 in the engine's dtype (tied embedding / lm_head sent once); s
+= wall seconds of `WeightSync.sync` (cast, compare + encode + checksums for a delta, hand-off
 to the engine's worker thread, apply + checksums there); unchanged = elements whose bits in the
 engine's dtype did not change, mean (min) over steps; exact = after the last step the delta
-engine's weights equal the full engine's bit for bit. Transport: in-process (the payload is
-passed by reference); with `--ray`, also a bf16 full/delta pair of engine actors
-(`forgerl.cluster.RayEngine`, weights through the Ray object store: `ray.put` + the actor's
-get + apply) and a bf16/bcast pair whose full syncs are one gloo broadcast of a packed
-buffer (`[cluster] weight_transport = "broadcast"`; its deltas still go through the object
-store), on a Ray instance this process starts. Ray binds the machine's own address, so on
-a machine without a network run it in a private namespace:
+engine's weights (every instance's, behind a router) equal the full engine's bit for bit.
+Transport: in-process (the payload is passed by reference); with `--ray`, also a bf16
+full/delta pair of engine actors (`forgerl.cluster.RayEngine`, weights through the Ray object
+store: `ray.put` + the actor's get + apply) and a bf16/bcast pair whose full syncs are one gloo
+broadcast of a packed buffer (`[cluster] weight_transport = "broadcast"`; its deltas still go
+through the object store), on a Ray instance this process starts. Ray binds the machine's own
+address, so on a machine without a network run it in a private namespace:
 `unshare -n sh -c 'ip link set lo up && python benchmarks/weight_sync.py --ray'`. NCCL is not
 measured here (no GPU).
 """
@@ -39,6 +41,7 @@ import torch
 from forgerl.cluster import RayEngine, _Broadcast, _Engine
 from forgerl.config import load_config
 from forgerl.engines.local import LocalEngine
+from forgerl.gateway.router import Router
 from forgerl.models import load_pretrained
 from forgerl.trainer.weight_sync import WeightSync
 
@@ -76,19 +79,30 @@ def ray_engines() -> dict[tuple[str, str], RayEngine]:
     return engines
 
 
-async def _params(engine) -> dict[str, torch.Tensor]:
+async def _params(engine) -> list[dict[str, torch.Tensor]]:
+    """The weights each instance of `engine` holds (one dict, or one per Router instance)."""
+    if isinstance(engine, Router):
+        return [p for e in engine.instances for p in await _params(e)]
     if isinstance(engine, RayEngine):
-        return await engine.actor.params.remote()
-    return engine._params
+        return [await engine.actor.params.remote()]
+    return [engine._params]
 
 
 async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int,
-                 over_ray: dict) -> list[dict]:
+                 over_ray: dict, router: int) -> list[dict]:
     """Train `steps` AdamW steps at `lr`, syncing full and delta into bf16 engines (fp32 ones
-    for the first `fp32_steps`, and the `over_ray` engine actors); one result row per dtype."""
-    engines = {(d, k): LocalEngine(model, max_model_len=64, max_batch_size=1,
-                                   prefix_cache_tokens=0, dtype=dt)
-               for d, dt in DTYPES.items() for k in ("full", "delta")} | over_ray
+    for the first `fp32_steps`, Routers over `router` bf16 instances when > 0, and the
+    `over_ray` engine actors); one result row per dtype."""
+    def local(dtype: torch.dtype) -> LocalEngine:
+        return LocalEngine(model, max_model_len=64, max_batch_size=1, prefix_cache_tokens=0,
+                           dtype=dtype)
+
+    engines = {(d, k): local(dt) for d, dt in DTYPES.items() for k in ("full", "delta")}
+    if router:
+        engines |= {(f"bf16/router{router}", k): Router([local(torch.bfloat16)
+                                                         for _ in range(router)])
+                    for k in ("full", "delta")}
+    engines |= over_ray
     syncs = {key: WeightSync(e, key[1]) for key, e in engines.items()}
     records: dict[tuple[str, str], list[dict]] = {key: [] for key in engines}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -105,10 +119,10 @@ async def run_lr(model, batch: dict, lr: float, steps: int, fp32_steps: int,
         rows = []
         for d in dict.fromkeys(k[0] for k in engines):
             full, delta = records[(d, "full")], records[(d, "delta")][1:]
-            a = await _params(engines[(d, "full")])
-            b = await _params(engines[(d, "delta")])
+            a = (await _params(engines[(d, "full")]))[0]
             exact = all(torch.equal(a[k].view(-1).view(torch.uint8),
-                                    b[k].view(-1).view(torch.uint8)) for k in a)
+                                    b[k].view(-1).view(torch.uint8))
+                        for b in await _params(engines[(d, "delta")]) for k in a)
             unchanged = [1 - r["changed_fraction"] for r in delta]
             rows.append({
                 "lr": lr, "dtype": d, "deltas": len(delta), "exact": exact,
@@ -133,6 +147,8 @@ def main() -> None:
     parser.add_argument("--fp32-steps", type=int, default=5, help="steps synced in fp32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--ray", action="store_true", help="also sync bf16 engine actors")
+    parser.add_argument("--router", type=int, default=0, metavar="N",
+                        help="also sync Routers over N bf16 LocalEngines")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
@@ -146,21 +162,22 @@ def main() -> None:
         over_ray = ray_engines() if args.ray else {}
         try:
             rows += asyncio.run(run_lr(model.train(), batch, lr, steps, args.fp32_steps,
-                                       over_ray))
+                                       over_ray, args.router))
         finally:
             if over_ray:
                 import ray
 
                 ray.shutdown()
-    where = "in-process LocalEngine" + (" and Ray engine actors (bf16/ray, bf16/bcast)"
-                                        if args.ray else "")
+    where = "in-process LocalEngine" + (f", Routers over {args.router} LocalEngines"
+                                        if args.router else "") + (
+        " and Ray engine actors (bf16/ray, bf16/bcast)" if args.ray else "")
     print(f"SmolLM2-135M, batch {tuple(batch['input_ids'].shape)}, {where}, "
           f"{args.threads} thread(s), {time.perf_counter() - began:.0f} s in all")
-    header = (f"{'lr':>6} {'dtype':>8} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "
+    header = (f"{'lr':>6} {'dtype':>12} {'deltas':>6} {'full MB':>8} {'delta MB':>8} {'bytes':>6} "
               f"{'full s':>6} {'delta s':>7} {'time':>5} {'unchanged':>15} {'exact':>5}")
     print(header)
     for r in rows:
-        print(f"{r['lr']:>6.0e} {r['dtype']:>8} {r['deltas']:>6} {r['full_mb']:>8.1f} "
+        print(f"{r['lr']:>6.0e} {r['dtype']:>12} {r['deltas']:>6} {r['full_mb']:>8.1f} "
               f"{r['delta_mb']:>8.1f} {r['delta_mb'] / r['full_mb']:>6.3f} {r['full_s']:>6.2f} "
               f"{r['delta_s']:>7.2f} {r['delta_s'] / r['full_s']:>5.1f} "
               f"{100 * r['unchanged']:>6.2f}% ({100 * r['unchanged_min']:.2f}%) "

@@ -54,8 +54,9 @@ from pathlib import Path
 # 8,685 for naming the settings a resume changes (controller.config_changes; it was silent), and
 # to 8,695 for caching tool-schema checks (gateway.core.schema_problem: 0.43 ms -> 9 us a tool),
 # and to 8,710 for reading a lone surrogate escape as U+FFFD (it failed the call as bad JSON),
-# and to 8,725 for streaming /v1/completions as the engine samples (it sent all at the end).
-MAX_LINES = 8725
+# and to 8,725 for streaming /v1/completions as the engine samples (it sent all at the end),
+# and to 8,740 for weight-sync deltas through the Router to every instance (it took full only).
+MAX_LINES = 8740
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

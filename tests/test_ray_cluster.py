@@ -5,7 +5,8 @@ model, 2 engine actors behind the router, 2 trainer ranks (rank 0 in the control
 actor), the white-box agent over the real gateway. Pins: 3 steps on real recorded groups give
 the weights a 1-process trainer gets on the same groups (within 1e-5, fp32); after a checkpoint
 and a resume (new actors) one more step still matches; the actors sit on both nodes; weights
-reach the engines through one object-store copy; an engine actor killed with SIGKILL fails its
+reach the engines through one object-store copy (the first sync; later ones as deltas, each
+applied and checksummed on both actors); an engine actor killed with SIGKILL fails its
 request with a clear RuntimeError, is restarted by Ray and serves the synced version again; a
 killed trainer actor stops the step with a RuntimeError naming it. With
 `cluster.weight_transport = "broadcast"` one gloo broadcast reaches both engine actors: their
@@ -120,7 +121,7 @@ async def test_inner_ray_run_trains_like_one_process_and_resumes(tmp_path, clust
     from forgerl import cluster as cl
 
     run_dir = tmp_path / "run"
-    config = _config(run_dir, cluster)
+    config = _config(run_dir, cluster, "--trainer.weight_sync", "delta")
     async with start_services(config, make_agent()) as s:
         engines = s.engine.instances
         nodes = {e.node_id for e in engines}
@@ -128,12 +129,14 @@ async def test_inner_ray_run_trains_like_one_process_and_resumes(tmp_path, clust
         assert all(e.weight_version == 0 for e in engines)
         reference = build_trainer(_config(run_dir, cluster, "--trainer.workers", "1"),
                                   copy.deepcopy(s.trainer.model))
-        seen = set()
+        seen, kinds = set(), []
         for step in range(3):
             seen |= await _step_against_reference(s, reference)
             assert [e.weight_version for e in engines] == [step + 1] * 2
             assert not cl._PUTS  # the shared object-store copy was released after the sync
+            kinds.append(s.weight_sync.stats["kind"])
         assert max(seen) >= 1  # later rollouts ran on the weights synced to the actors
+        assert kinds == ["full", "delta", "delta"]  # both actors took each delta (checksummed)
         await s.checkpoint()
         assert ray.is_initialized()
     async with start_services(config, make_agent()) as s:  # new actors, resumed from step 3

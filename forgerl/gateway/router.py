@@ -34,12 +34,14 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from forgerl.engines.base import RolloutEngine, TokenEvent
+from forgerl.trainer.weight_sync import DeltaEngine, DeltaMismatch, WeightDelta
 from forgerl.types import GenerateOutput, SamplingParams
 
 log = logging.getLogger("forgerl")
@@ -370,6 +372,11 @@ class Router:
     go on, their tokens stamped with the new version, which produced them) until an update
     succeeds on all. New requests thus always run on weights of the router's weight_version.
     Unhealthy instances are sent the update too but their failure does not fail it.
+    Deltas (`apply_delta`, issue 13): the same delta goes to every instance when all are
+    DeltaEngines of one dtype (`weight_dtype` is then that dtype, else None and WeightSync sends
+    full syncs); an instance that refuses it (weight_sync.DeltaMismatch: it holds another
+    version, e.g. a restarted actor) makes the whole delta refused, the others held back as
+    above, and WeightSync's full sync that follows brings every instance to the new version.
     stats: the instances' own stats summed by key, plus RouterState.stats.
     """
 
@@ -458,18 +465,38 @@ class Router:
         finally:
             self._land(flight, out.completion_ids if out and out.finish_reason != "abort" else None)
 
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The instances' weight dtype when every one is a DeltaEngine holding that dtype (weight
+        syncs cast to it and may send deltas), else None."""
+        dtypes = {e.weight_dtype if isinstance(e, DeltaEngine) else None for e in self.instances}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights on every instance and publish `version`; see the class docstring for
         a failure on some instances (RuntimeError, old version kept)."""
+        await self._publish([e.update_weights(state_dict, version) for e in self.instances],
+                            version)
+
+    async def apply_delta(self, delta: WeightDelta, version: int) -> None:
+        """Apply a weight-sync delta on every instance and publish `version` (DeltaEngine);
+        raises DeltaMismatch when an instance refuses it or takes no deltas, RuntimeError when
+        one fails otherwise; the old version stays routed either way (class docstring)."""
+        if self.weight_dtype is None:
+            raise DeltaMismatch("not every engine instance takes deltas of one dtype")
+        await self._publish([e.apply_delta(delta, version) for e in self.instances], version)
+
+    async def _publish(self, updates: list[Coroutine[Any, Any, Any]], version: int) -> None:
+        """Await one weight update per instance; publish `version` when every healthy instance
+        took it (class docstring). Raises the first refusal (DeltaMismatch) as it is, or a
+        RuntimeError naming the instances that failed."""
         s = self.state
         required = [s.healthy[i] for i in range(s.n)]
-        results = await asyncio.gather(
-            *(e.update_weights(state_dict, version) for e in self.instances),
-            return_exceptions=True)
+        results = await asyncio.gather(*updates, return_exceptions=True)
         failed = []
         for i, result in enumerate(results):
             if isinstance(result, BaseException):
-                failed += [(i, result)] if required[i] else []
+                failed += [(i, result)] if required[i] or isinstance(result, DeltaMismatch) else []
                 continue
             s.versions[i], s.healthy[i] = version, True
             s.index.forget(i)  # its cache was cleared with the old weights
@@ -477,6 +504,8 @@ class Router:
         if not failed:
             s.version = version
             return
+        if refused := [exc for _, exc in failed if isinstance(exc, DeltaMismatch)]:
+            raise refused[0]
         raise RuntimeError(
             f"weight update to version {version} failed on instance(s) "
             f"{[i for i, _ in failed]}: {failed[0][1]!r}; weight_version stays {s.version}"

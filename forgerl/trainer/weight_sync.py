@@ -261,7 +261,8 @@ class WeightSync:
     """Pushes trainer weights to one engine, full or delta, and remembers what it holds.
 
     kind: "full" sends every tensor (cast to the engine's dtype when it declares one); "delta"
-    sends a WeightDelta whenever the engine is a DeltaEngine and its base is known, else full.
+    sends a WeightDelta whenever the engine is a DeltaEngine with a weight_dtype (a Router: every
+    instance one, of one dtype) and its base is known, else full.
     stats (of the last sync): kind ("full" | "delta"), bytes (payload, engine dtype), seconds
     (wall clock of the whole sync: cast, compare, transfer, apply), changed_fraction (elements
     whose engine-dtype bits changed; NaN after a full sync), fallbacks (deltas refused so far).
@@ -281,7 +282,8 @@ class WeightSync:
         old weights and version, and the next sync is full)."""
         start = time.perf_counter()
         weights = unique_tensors(state_dict)
-        delta_ok = self.kind == "delta" and isinstance(self.engine, DeltaEngine)
+        delta_ok = (self.kind == "delta" and isinstance(self.engine, DeltaEngine)
+                    and self.dtype is not None)
         if self.dtype is not None:
             weights = {k: v.detach().to(self.dtype, copy=delta_ok) for k, v in weights.items()}
         kind, nbytes, changed, crcs = "full", 0, math.nan, None

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from forgerl.engines.local import LocalEngine
+from forgerl.gateway.router import Router
 from forgerl.trainer.weight_sync import (
     DeltaMismatch,
     WeightDelta,
@@ -222,6 +223,68 @@ def test_encoding_counts_bits_and_restores_on_failure():
     _assert_bitwise_equal(params, base)
     with pytest.raises(DeltaMismatch):
         apply_delta(params, delta, 3)  # params hold version 4's base, not 3's
+
+
+def test_deltas_through_a_router_reach_every_instance(tiny_model):
+    asyncio.run(_deltas_through_a_router_reach_every_instance(tiny_model))
+
+
+async def _deltas_through_a_router_reach_every_instance(tiny_model):
+    """One delta per step goes to both bf16 instances of a Router; an instance at another
+    version refuses it and the full sync that follows brings both to the trainer's weights;
+    a Router with an instance that takes no deltas gets full syncs."""
+    model = tiny_model.train()
+    full = LocalEngine(model, max_model_len=64, dtype=torch.bfloat16, prefix_cache_tokens=0)
+    router = Router([LocalEngine(model, max_model_len=64, dtype=torch.bfloat16,
+                                 prefix_cache_tokens=0) for _ in range(2)], "round_robin")
+    sync, steps, kinds = WeightSync(router, "delta"), _optimizer_steps(model, 1e-5), []
+    try:
+        assert router.weight_dtype == torch.bfloat16
+        for version in range(1, 5):
+            next(steps)
+            weights = {k: v.detach() for k, v in model.state_dict().items()}
+            await full.update_weights(weights, version)
+            kinds.append((await sync.sync(weights, version))["kind"])
+            assert router.weight_version == version
+            for e in router.instances:
+                assert e.weight_version == version
+                _assert_bitwise_equal(_state(e), _state(full))
+        assert kinds == ["full", "delta", "delta", "delta"]
+        # instance 1 was given version 9 by someone else: it refuses the delta against 4
+        await router.instances[1].update_weights(weights, 9)
+        next(steps)
+        weights = {k: v.detach() for k, v in model.state_dict().items()}
+        await full.update_weights(weights, 5)
+        stats = await sync.sync(weights, 5)
+        assert stats["kind"] == "full" and stats["fallbacks"] == 1
+        assert router.weight_version == 5 and [e.weight_version for e in router.instances] == [5, 5]
+        for e in router.instances:
+            _assert_bitwise_equal(_state(e), _state(full))
+        outs = [await router.generate([5, 6, 7], SamplingParams(0.0, max_tokens=4))
+                for _ in range(2)]  # round robin: one on each instance, same weights
+        assert outs[0].completion_ids == outs[1].completion_ids
+        assert outs[0].weight_versions == outs[1].weight_versions == [5] * 4
+        next(steps)
+        assert (await sync.sync(model.state_dict(), 6))["kind"] == "delta"
+    finally:
+        await full.close()
+        await router.close()
+
+    class FullOnly(LocalEngine):  # e.g. a vLLM instance: full weights only
+        apply_delta = None
+
+    mixed = Router([LocalEngine(model, max_model_len=64, dtype=torch.bfloat16),
+                    FullOnly(model, max_model_len=64, dtype=torch.bfloat16)])
+    try:
+        assert mixed.weight_dtype is None
+        with pytest.raises(DeltaMismatch, match="not every engine instance"):
+            await mixed.apply_delta(WeightDelta(0, {}, 0, 0), 1)
+        sync = WeightSync(mixed, "delta")
+        for version in (1, 2):
+            assert (await sync.sync(model.state_dict(), version))["kind"] == "full"
+        assert sync.stats["fallbacks"] == 0 and mixed.weight_version == 2
+    finally:
+        await mixed.close()
 
 
 def test_full_mode_and_engines_without_deltas(tiny_model):
