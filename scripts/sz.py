@@ -55,8 +55,10 @@ from pathlib import Path
 # to 8,695 for caching tool-schema checks (gateway.core.schema_problem: 0.43 ms -> 9 us a tool),
 # and to 8,710 for reading a lone surrogate escape as U+FFFD (it failed the call as bad JSON),
 # and to 8,725 for streaming /v1/completions as the engine samples (it sent all at the end),
-# and to 8,740 for weight-sync deltas through the Router to every instance (it took full only).
-MAX_LINES = 8740
+# and to 8,740 for weight-sync deltas through the Router to every instance (it took full only),
+# and to 8,780 for malformed field values as 400s, a 500 that keeps the keep-alive connection
+# (Starlette re-raised and uvicorn reset it) and the C09 floor over every rendered text.
+MAX_LINES = 8780
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

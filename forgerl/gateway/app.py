@@ -242,6 +242,36 @@ def declare_bodies(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+class InternalErrors:
+    """ASGI middleware: an unexpected exception in a handler is logged with its traceback and
+    answered as a 500 `internal_error` (OpenAI- or Anthropic-shaped, `error_response`) on a
+    connection that stays open. Starlette's handler for Exception re-raises after answering,
+    and uvicorn then resets the client's keep-alive connection. An exception after the response
+    began (a stream) is re-raised: only the server can end that response."""
+
+    def __init__(self, app: Callable[..., Coroutine[Any, Any, None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        began = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal began
+            began = began or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if began or scope["type"] != "http":
+                raise
+            log.exception("unexpected gateway error")
+            response = error_response(Request(scope), GatewayError(
+                500, f"internal error ({type(e).__name__}); the gateway log has the details",
+                "internal_error", type="server_error"))
+            await response(scope, receive, send)
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
     app = FastAPI(title="ForgeRL gateway")
@@ -256,12 +286,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return error_response(request, GatewayError(e.status_code, str(e.detail), code))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected gateway error")
-        return error_response(request, GatewayError(
-            500, f"internal error: {type(e).__name__}: {e}", "internal_error", type="server_error"
-        ))
+    app.add_middleware(InternalErrors)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -233,12 +233,28 @@ def schema_problem(schema_json: str) -> str | None:
     from jsonschema.validators import validator_for
 
     schema = json.loads(schema_json)
+    if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
+        return "parameters is not a valid JSON Schema: $schema must be a string (a URI)"
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         at = "/".join(str(x) for x in e.path) or "(root)"
         return f"parameters is not a valid JSON Schema at {at}: {e.message}"
+    except RecursionError:
+        return "parameters is not a valid JSON Schema: nested too deeply to check"
     return None
+
+
+def surely_rendered(conv: Conversation) -> Iterator[str]:
+    """Texts any rendering of `conv` holds: every message's content (of an assistant reply
+    only what follows its last `</think>`, which templates may drop as reasoning), tool-call
+    names and arguments, and each tool's name, description and parameters (as JSON)."""
+    for m in conv.messages:
+        yield m.content.rpartition("</think>")[2] if m.role == "assistant" else m.content
+        for call in m.tool_calls:
+            yield from (call.name, call.arguments)
+    for tool in conv.tools:
+        yield from (tool.name, tool.description or "", json.dumps(tool.parameters))
 
 
 def refuse_surely_too_long(renderer: Renderer, texts: Iterable[str], max_model_len: int,
@@ -377,11 +393,12 @@ class Gateway:
         """The tools to render for `conv`, after the checks that need no rendering.
 
         Raises GatewayError 404 `model_not_found` (a model other than `model_name` when
-        `strict_model`), 400 `context_length_exceeded` for messages whose text alone must
-        exceed max_model_len (`refuse_surely_too_long`; C09), 400 for top_logprobs > 0 (engines
-        return only the sampled token's logprob), an empty stop string, a tool that is not
-        valid (`tool_problem`: 400 `invalid_tool` naming it, CASES.md C15), or a tool_choice that
-        forces a tool without tools / names an undeclared one.
+        `strict_model`), 400 `context_length_exceeded` for a request whose text alone must
+        exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
+        top_logprobs > 0 (engines return only the sampled token's logprob), an empty stop
+        string, a tool that is not valid (`tool_problem`: 400 `invalid_tool` naming it,
+        CASES.md C15), or a tool_choice that forces a tool without tools / names an undeclared
+        one.
         """
         if self.strict_model and conv.model != self.model_name:
             raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
@@ -392,9 +409,8 @@ class Gateway:
                               "logprob (use 0)")
         if any(not s for s in conv.sampling.stop):
             raise unsupported(conv.param("stop"), "stop strings must not be empty")
-        refuse_surely_too_long(self.renderer, (m.content for m in conv.messages  # a template
-                                               if m.role != "assistant"),  # may drop replies
-                               self.engine.max_model_len, conv.param("messages"))
+        refuse_surely_too_long(self.renderer, surely_rendered(conv), self.engine.max_model_len,
+                               conv.param("messages"))
         choice = conv.tool_choice
         names = [t.name for t in conv.tools]
         repeated = {n for n, k in collections.Counter(names).items() if k > 1}

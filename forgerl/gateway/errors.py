@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -96,6 +96,19 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
                                "unknown_parameter", param) from None
         kind = "invalid_json" if err.get("type") == "json_invalid" else "invalid_type"
         raise GatewayError(400, f"{param or 'body'}: {err.get('msg')}", kind, param) from None
+
+
+def loads_json_text(text: str) -> Any:
+    """`json.loads(text)` with each lone UTF-16 surrogate escape as U+FFFD, as in request
+    bodies (`parse_body`): JSON text inside a field (a tool call's arguments) reaches the
+    tokenizer, which fails on a lone surrogate. Raises what json.loads raises: ValueError
+    (malformed, or an integer of over 4,300 digits) or RecursionError (nested too deeply)."""
+    value = json.loads(text)
+    if "\\ud" not in text.lower():
+        return value
+    dumped = json.dumps(value, ensure_ascii=False)  # the stdlib keeps lone surrogates
+    fixed = LONE_SURROGATE.sub("\ufffd", dumped)
+    return value if fixed == dumped else json.loads(fixed)
 
 
 def _without_lone_surrogates(raw: bytes) -> bytes | None:

@@ -35,6 +35,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
+from forgerl.gateway.errors import loads_json_text
 from forgerl.gateway.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
 
 START, END = "<|im_start|>", "<|im_end|>"
@@ -54,10 +55,11 @@ TOOLS_FOOTER = (
 
 def call_arguments(call: ToolCall) -> Any:
     """A tool call's arguments as the object the model is asked to emit: its JSON text parsed
-    ("" is {}; an unparsable string is kept as is)."""
+    (`errors.loads_json_text`: a lone surrogate escape is U+FFFD); "" is {}, and text that does
+    not parse (malformed, nested too deeply, an integer of over 4,300 digits) is kept as is."""
     args: Any = call.arguments
-    with contextlib.suppress(json.JSONDecodeError):
-        args = json.loads(args) if args.strip() else {}
+    with contextlib.suppress(ValueError, RecursionError):
+        args = loads_json_text(args) if args.strip() else {}
     return args
 
 

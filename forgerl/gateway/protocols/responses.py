@@ -83,6 +83,19 @@ class FunctionTool(Loose):
     parameters: dict[str, Any] | None = None
 
 
+class TextFormat(Loose):
+    """`text.format`: `{type: "text" | "json_schema" | "json_object", ...}`."""
+
+    type: str = "text"
+
+
+class TextOptions(Loose):
+    """`text`: the output format and verbosity (only format "text" and no verbosity are served)."""
+
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses body; see the module docstring for what each field does."""
 
@@ -102,7 +115,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool | None = None
     stream: bool | None = None
-    text: dict[str, Any] | None = None
+    text: TextOptions | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
@@ -133,11 +146,11 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             raise unsupported(name, REFUSED[name])
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise unsupported("reasoning", "the served policy has no reasoning controls")
-    text = req.text or {}
-    if (fmt := (text.get("format") or {}).get("type", "text")) != "text":
+    text = req.text or TextOptions()
+    if (fmt := (text.format or TextFormat()).type) != "text":
         raise unsupported("text.format", f"{fmt!r} needs constrained decoding, which the rollout "
                           'engine lacks; only "text" is supported')
-    if text.get("verbosity") is not None:
+    if text.verbosity is not None:
         raise unsupported("text.verbosity", "the served policy has no verbosity control")
     if req.truncation == "auto":
         raise unsupported("truncation", '"auto" would drop context items; only "disabled"')

@@ -1,0 +1,117 @@
+"""Malformed values inside fields the body schema lets through, found by a breaker session
+(2026-12-05), all sent on one keep-alive connection, which must stay open throughout.
+
+Pins: a Responses `text.format` that is no object is a 400 naming it; a tool schema whose
+`$schema` is no string is a 400 `invalid_tool` on chat and on Anthropic's count_tokens (they
+were 500s from inside jsonschema); tool-call arguments that json.loads cannot take (an integer
+of 5,000 digits, 3,000 nested arrays) are rendered as strings, and an escaped lone surrogate in
+them is rendered as U+FFFD (each was a 500); texts the C09 floor did not count (an assistant
+reply, tool-call arguments, a tool description or schema) are refused before tokenizing
+("at least" N tokens), while an assistant's reasoning before `</think>` is not counted; an
+unexpected exception is a 500 `internal_error` without its message, and the same connection
+then serves the next request.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from forgerl.gateway.renderer import ChatMLRenderer
+
+from .conftest import ScriptedEngine, reply
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+def renderer(tokenizer) -> ChatMLRenderer:
+    return ChatMLRenderer(tokenizer)
+
+
+def _with_call(arguments: str, content: str = "") -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+
+
+def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, renderer):
+    engine = ScriptedEngine([reply(renderer, "ok")] * 4, max_model_len=16384)
+    srv = serve(engine, tokenizer)
+    _, key = srv.session()
+    big = "x" * 1_000_000  # far over 16384 tokens at any tokenization
+    with httpx.Client(base_url=srv.base_url.removesuffix("/v1"), timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "x-api-key": key}) as c:
+        clients = set()
+
+        def post(path: str, body: dict) -> httpx.Response:
+            r = c.post(path, json={"model": "tiny", **body})
+            clients.add(r.extensions["network_stream"].get_extra_info("client_addr"))
+            assert "Traceback" not in r.text
+            return r
+
+        def error(path: str, body: dict, status: int = 400) -> dict:
+            r = post(path, body)
+            assert r.status_code == status, r.text
+            return r.json()["error"]
+
+        err = error("/v1/responses", {"input": "hi", "text": {"format": "text"}})
+        assert (err["code"], err["param"]) == ("invalid_type", "text.format")
+        for schema in (5, [], {}):
+            tool = {"type": "function",
+                    "function": {"name": "f", "parameters": {"$schema": schema}}}
+            err = error("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+            assert err["code"] == "invalid_tool" and "$schema must be a string" in err["message"]
+        err = error("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": [{"name": "f", "input_schema":
+                                                             {"$schema": 5}}]})
+        assert err["type"] == "invalid_request_error" and "$schema" in err["message"]
+
+        for arguments in ('{"a":' + "9" * 5000 + "}", "[" * 3000 + "]" * 3000):
+            r = post("/v1/chat/completions", {"messages": _with_call(arguments), "tools": [TOOL]})
+            assert r.status_code == 200, r.text
+            # kept as the string it is (as any unparsable arguments), JSON-quoted in the call
+            assert json.dumps(arguments) in tokenizer.decode(engine.calls[-1][0])
+        r = post("/v1/chat/completions",
+                 {"messages": _with_call('{"a": "\\ud800 \\ud83d\\ude00"}'), "tools": [TOOL]})
+        assert r.status_code == 200, r.text
+        assert '{"a": "\ufffd \U0001f600"}' in tokenizer.decode(engine.calls[-1][0])
+
+        calls = len(engine.calls)
+        for body in ({"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": big},
+                                   {"role": "user", "content": "and?"}]},
+                     {"messages": _with_call(json.dumps({"a": big})), "tools": [TOOL]},
+                     {"messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"type": "function", "function": {"name": "f",
+                                                                  "description": big}}]},
+                     {"messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"type": "function", "function": {
+                          "name": "f", "parameters": {"type": "object", "description": big}}}]}):
+            err = error("/v1/chat/completions", body)
+            assert err["code"] == "context_length_exceeded"
+            assert "prompt has at least" in err["message"]  # the floor: nothing was tokenized
+        # reasoning a template may drop is not counted: this one is tokenized, then refused
+        err = error("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": f"<think>{big[:20_000]}</think>4"},
+            {"role": "user", "content": "and?"}]})
+        assert err["code"] == "context_length_exceeded" and "at least" not in err["message"]
+        assert len(engine.calls) == calls
+
+        def broken(conv):
+            raise KeyError("secret internals")
+
+        srv.gateway.check = broken
+        err = error("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                    500)
+        assert err["code"] == "internal_error" and err["type"] == "server_error"
+        assert "KeyError" in err["message"] and "secret" not in err["message"]
+        del srv.gateway.check
+        r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+        assert len(clients) == 1  # every answer, the 500 included, kept the connection
