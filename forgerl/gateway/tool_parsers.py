@@ -68,7 +68,7 @@ def _call(obj: Any, declared: set[str] | None, call_id: str) -> tuple[ToolCall |
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # malformed, too deep, a > 4,300-digit integer
             return None, f"arguments of {name!r} are not a JSON object"
     if not isinstance(args, dict):
         return None, f"arguments of {name!r} are not a JSON object"
@@ -83,6 +83,8 @@ def _loads(body: str) -> tuple[Any, str]:
         return json.loads(body), ""
     except json.JSONDecodeError as e:
         return None, f"invalid JSON in tool call: {e.msg} at char {e.pos}"
+    except (ValueError, RecursionError) as e:  # nested too deeply, a > 4,300-digit integer
+        return None, f"invalid JSON in tool call: {e}"
 
 
 def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply:

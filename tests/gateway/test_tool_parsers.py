@@ -2,7 +2,8 @@
 
 Pins CASES.md C05 at the parser level: two blocks give two calls in order; a block with broken
 JSON or an undeclared tool stays as text and is reported while the valid call is kept; an
-unclosed block (truncated reply, C09) stays as text.
+unclosed block (truncated reply, C09) stays as text; so does a sampled call that json.loads
+cannot take (an integer of 5,000 digits, 3,000 nested arrays), which raised out of the parser.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def test_odd_blocks_never_raise():
         '<tool_call>{"name": 3}</tool_call>': "not an object",
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "not a JSON object",
         '<tool_call>{"name": "f", "arguments": "nope"}</tool_call>': "not a JSON object",
+        # a sampled reply json.loads cannot take (they raised out of the parser: a 500)
+        f'<tool_call>{{"name": "f", "arguments": {{"a": {"9" * 5000}}}}}</tool_call>':
+            "Exceeds the limit (4300 digits)",
+        f'<tool_call>{{"name": "f", "arguments": {"[" * 3000 + "]" * 3000}}}</tool_call>':
+            "maximum recursion depth",
+        f'<tool_call>{{"name": "f", "arguments": "{{\\"a\\": {"9" * 5000}}}"}}</tool_call>':
+            "not a JSON object",
     }
     for text, err in cases.items():
         r = parse_tool_calls(text, None)
@@ -110,7 +118,9 @@ def test_llama3_json_calls():
 
 def test_llama3_json_bad_calls_stay_text():
     for text, err in ((LLAMA[:-1], "invalid JSON"), (LLAMA.replace("lookup", "rm"), "not declared"),
-                      ('{"answer": 42}', "not an object with a string 'name'")):
+                      ('{"answer": 42}', "not an object with a string 'name'"),
+                      ('{"name": "lookup", "arguments": ' + "[" * 3000 + "]" * 3000 + "}",
+                       "maximum recursion depth")):
         r = parse_llama3_json(text, {"lookup"})
         assert r.tool_calls == [] and r.content == text and err in r.errors[0]
 
@@ -127,9 +137,10 @@ def test_mistral_calls():
 
 
 def test_mistral_bad_calls():
-    broken = '[TOOL_CALLS][{"name": "lookup", "arguments": {"id": 7}'
-    r = parse_mistral(broken, {"lookup"})
-    assert r.tool_calls == [] and r.content == broken and "invalid JSON" in r.errors[0]
+    for broken in ('[TOOL_CALLS][{"name": "lookup", "arguments": {"id": 7}',
+                   '[TOOL_CALLS][{"name": "lookup", "arguments": {"id": ' + "7" * 5000 + "}}]"):
+        r = parse_mistral(broken, {"lookup"})
+        assert r.tool_calls == [] and r.content == broken and "invalid JSON" in r.errors[0]
     mixed = ('[TOOL_CALLS][{"name": "lookup", "arguments": {"id": 7}}, '
              '{"name": "rm", "arguments": {}}]')
     r = parse_mistral(mixed, {"lookup"})

@@ -292,7 +292,7 @@ def count_tokens(gateway: Gateway, session: Session, raw: bytes) -> dict[str, in
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    with contextlib.suppress(json.JSONDecodeError):
+    with contextlib.suppress(ValueError, RecursionError):
         value = json.loads(arguments or "{}")
         return value if isinstance(value, dict) else {}
     return {}
