@@ -133,11 +133,12 @@ class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     """0 picks a free port."""
-    model_name: str = "policy"
+    model_name: str = Field("policy", min_length=1)
     """The model id the gateway serves at /v1/models and accepts in requests."""
-    admin_key: str | None = Field(None, min_length=1)
+    admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
     """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
-    <admin_key>` (else 401); the sessions' own keys still authenticate model calls."""
+    <admin_key>` (else 401); the sessions' own keys still authenticate model calls. Printable
+    ASCII without spaces: HTTP headers carry no other text intact."""
     session_idle_timeout_s: float | None = Field(None, gt=0)
     """Seconds without a model call after which a session opened over HTTP expires: its
     trajectory is failed, its key stops working. None: never. Controller rollouts never expire
@@ -584,10 +585,27 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         return Config.model_validate(tree)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        where = error_location(err["loc"], tree) or "config"
         shown = err["loc"] and "input" in err and err["type"] != "missing"
         value = f" (got {err['input']!r})" if shown else ""
         more = f" [+{len(e.errors()) - 1} more]" if len(e.errors()) > 1 else ""
         if err["type"] == "string_type":  # e.g. --gateway.model_name 123 was read as TOML
             more += """; quote it to pass text: '"..."'"""
         raise ConfigError(f"{where}: {err['msg']}{value}{more}") from None
+
+
+def error_location(loc: tuple[int | str, ...], data: Any) -> str:
+    """A pydantic error's `loc` as the dotted path of the input it names: the union member
+    names pydantic inserts (a discriminated union's tag, "str", "literal['a','b']") are left
+    out, found as the items that name no key of `data` (the validated input, a JSON tree) at
+    their depth, the last one excepted (a missing field's name)."""
+    path, node = [], data
+    for i, item in enumerate(loc):
+        if isinstance(node, dict) and (item in node or i == len(loc) - 1):
+            path.append(str(item))
+            node = node.get(item)
+        elif isinstance(node, list) and isinstance(item, int) and 0 <= item < len(node):
+            path.append(str(item))
+            node = node[item]
+    return ".".join(path)
+

@@ -57,8 +57,10 @@ from pathlib import Path
 # and to 8,725 for streaming /v1/completions as the engine samples (it sent all at the end),
 # and to 8,740 for weight-sync deltas through the Router to every instance (it took full only),
 # and to 8,780 for malformed field values as 400s, a 500 that keeps the keep-alive connection
-# (Starlette re-raised and uvicorn reset it) and the C09 floor over every rendered text.
-MAX_LINES = 8780
+# (Starlette re-raised and uvicorn reset it) and the C09 floor over every rendered text,
+# and to 8,810 for error params that name body fields (no pydantic union members) and
+# invalid_value for values out of range (they were invalid_type).
+MAX_LINES = 8810
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

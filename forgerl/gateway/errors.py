@@ -9,11 +9,14 @@ the handlers, it means nothing was recorded by the failing call.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from forgerl.config import error_location
 
 
 class Loose(BaseModel):
@@ -76,9 +79,17 @@ def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayErro
                         "context_length_exceeded", param)
 
 
+OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                "finite_number", "too_short", "too_long", "string_too_short", "string_too_long",
+                "literal_error", "enum", "string_pattern_mismatch"}
+"""pydantic error types of a value of the right type but not an allowed one (`invalid_value`)."""
+
+
 def parse_body(raw: bytes, schema: type[M]) -> M:
     """Validate a JSON body strictly ("8" is no integer, true no number, "yes" no boolean);
-    malformed JSON and wrong types are both 400 (as OpenAI answers).
+    malformed JSON, wrong types and values out of range are 400s (as OpenAI answers), coded
+    `invalid_json`, `invalid_type` and `invalid_value` (`OUT_OF_RANGE`), with `param` the field's
+    dotted path in the body (`config.error_location`: no union member names).
 
     A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it. A
     lone UTF-16 surrogate escape ("\\ud83d", a JavaScript string cut inside an emoji) becomes
@@ -90,12 +101,17 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
         err = e.errors()[0]
         if err.get("type") == "json_invalid" and (fixed := _without_lone_surrogates(raw)):
             return parse_body(fixed, schema)
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        if err.get("type") == "extra_forbidden":
+        kind = err.get("type", "")
+        param = None if kind == "json_invalid" else error_location(err["loc"], _tree(raw))
+        if kind == "extra_forbidden":
             raise GatewayError(400, f"Unrecognized request argument supplied: {param}",
                                "unknown_parameter", param) from None
-        kind = "invalid_json" if err.get("type") == "json_invalid" else "invalid_type"
-        raise GatewayError(400, f"{param or 'body'}: {err.get('msg')}", kind, param) from None
+        code = ("invalid_json" if kind == "json_invalid" else
+                "invalid_value" if kind in OUT_OF_RANGE else "invalid_type")
+        value, msg = err.get("input"), err.get("msg")
+        if isinstance(value, float) and not math.isfinite(value):  # NaN is no "> 2" problem
+            msg = "Input should be a finite number"
+        raise GatewayError(400, f"{param or 'body'}: {msg}", code, param or None) from None
 
 
 def loads_json_text(text: str) -> Any:
@@ -109,6 +125,14 @@ def loads_json_text(text: str) -> Any:
     dumped = json.dumps(value, ensure_ascii=False)  # the stdlib keeps lone surrogates
     fixed = LONE_SURROGATE.sub("\ufffd", dumped)
     return value if fixed == dumped else json.loads(fixed)
+
+
+def _tree(raw: bytes) -> Any:
+    """The body as a JSON tree for `error_location` (None when the stdlib cannot read it)."""
+    try:
+        return json.loads(raw or b"{}")
+    except (ValueError, RecursionError):
+        return None
 
 
 def _without_lone_surrogates(raw: bytes) -> bytes | None:

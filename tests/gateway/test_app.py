@@ -241,7 +241,7 @@ BAD = [
         "good",
         json.dumps({"model": "tiny", "messages": [{"role": "bot"}]}),
         400,
-        "invalid_type",
+        "invalid_value",
     ),
     (
         "temperature-type",

@@ -60,6 +60,26 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
 
         err = error("/v1/responses", {"input": "hi", "text": {"format": "text"}})
         assert (err["code"], err["param"]) == ("invalid_type", "text.format")
+        # params name the body's fields, not pydantic's union members; ranges are values
+        user = [{"role": "user", "content": "hi"}]
+        for path, body, param, code in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+                 "messages.0.content", "invalid_type"),
+                ("/v1/chat/completions", {"messages": user, "tool_choice": "bogus"},
+                 "tool_choice", "invalid_value"),
+                ("/v1/responses", {"input": 5}, "input", "invalid_type"),
+                ("/v1/chat/completions", {"messages": user, "max_tokens": 0}, "max_tokens",
+                 "invalid_value"),
+                ("/v1/chat/completions", {"messages": user, "n": 129}, "n", "invalid_value")):
+            err = error(path, body)
+            assert (err["param"], err["code"]) == (param, code), err
+        err = error("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": 5}]}]})
+        assert "messages.0.content.0" in err["message"] and "other" not in err["message"]
+        r = c.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": '
+                   b'[{"role": "user", "content": "hi"}], "temperature": NaN}')
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "temperature: Input should be a finite number")
         for schema in (5, [], {}):
             tool = {"type": "function",
                     "function": {"name": "f", "parameters": {"$schema": schema}}}

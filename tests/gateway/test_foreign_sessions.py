@@ -106,7 +106,7 @@ def test_out_of_range_indices_are_400(serve, tokenizer, body, param):
     srv = serve(ScriptedEngine([]), tokenizer)
     stats = srv.pool.stats()
     r = httpx.post(f"{srv.base_url}/sessions", json=body)
-    message = _error(r, 400, "invalid_type", param)
+    message = _error(r, 400, "invalid_value", param)
     assert message.startswith(f"{param}: Input should be")
     assert srv.pool.stats() == stats and srv.gateway.external == set()
 

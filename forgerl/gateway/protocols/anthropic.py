@@ -249,7 +249,8 @@ def _refuse_unsupported(req: PromptRequest) -> None:
     for key, value in (req.output_config or {}).items():
         if value is not None:
             raise unsupported(f"output_config.{key}", "structured output needs constrained "
-                              "decoding and effort a control the policy lacks")
+                              "decoding, which the rollout engine lacks" if key == "format" else
+                              "the served policy has no such control")
 
 
 def to_conversation(req: PromptRequest) -> Conversation:
