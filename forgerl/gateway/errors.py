@@ -136,12 +136,14 @@ def _tree(raw: bytes) -> Any:
 
 
 def _without_lone_surrogates(raw: bytes) -> bytes | None:
-    """`raw` with each lone surrogate as U+FFFD; None when it has none or is not JSON."""
+    """`raw` with each lone surrogate as U+FFFD; None when it has none. Raises GatewayError 400
+    `invalid_json` with the stdlib's message when it is not JSON for another reason too (the
+    validator stops at the surrogate and would name it instead)."""
     if b"\\ud" not in raw.lower():
         return None
     try:
         text = json.dumps(json.loads(raw), ensure_ascii=False)  # the stdlib keeps lone ones
-    except ValueError:
-        return None
+    except (ValueError, RecursionError) as e:
+        raise GatewayError(400, f"body: Invalid JSON: {e}", "invalid_json") from None
     fixed = LONE_SURROGATE.sub("\ufffd", text)
     return fixed.encode() if fixed != text else None

@@ -9,7 +9,9 @@ them is rendered as U+FFFD (each was a 500); texts the C09 floor did not count (
 reply, tool-call arguments, a tool description or schema) are refused before tokenizing
 ("at least" N tokens), while an assistant's reasoning before `</think>` is not counted; an
 unexpected exception is a 500 `internal_error` without its message, and the same connection
-then serves the next request.
+then serves the next request. Error params name the body's fields (no pydantic union members),
+values out of range are `invalid_value`, NaN is "not a finite number", and JSON that is
+malformed besides a lone surrogate escape is reported for its real fault.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
                    b'[{"role": "user", "content": "hi"}], "temperature": NaN}')
         assert r.status_code == 400 and r.json()["error"]["message"] == (
             "temperature: Input should be a finite number")
+        r = c.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": '
+                   b'[{"role": "user", "content": "\\ud800"}],}')  # the comma is the fault
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        assert "Expecting property name" in r.json()["error"]["message"]
         for schema in (5, [], {}):
             tool = {"type": "function",
                     "function": {"name": "f", "parameters": {"$schema": schema}}}
