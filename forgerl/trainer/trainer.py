@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,10 @@ class PreparedBatch:
     advantages: Tensor
     weight_versions: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class NonFiniteStep(RuntimeError):
+    """A training step's loss or gradient norm is NaN or infinite; nothing was applied."""
 
 
 class Trainer:
@@ -172,7 +177,9 @@ class Trainer:
         values), step_seconds, tokens_per_second (tree tokens through forward+backward per
         second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
-        step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged.
+        step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged:
+        so it is for NonFiniteStep, a NaN or infinite loss or gradient norm (e.g. rewards of
+        1e38), which must never reach the weights, the engine or a checkpoint.
         """
         return self._optimize(lambda: self.prepare(groups), self.loss_fn)
 
@@ -200,6 +207,12 @@ class Trainer:
                     if hasattr(norm, "full_tensor"):
                         norm = norm.full_tensor()
                     metrics["grad_norm"] = norm.item()
+                    if not all(map(math.isfinite, (metrics["grad_norm"], metrics["loss"]))):
+                        raise NonFiniteStep(
+                            f"step {self.step + 1}: the loss ({metrics.get('loss')}) or the "
+                            f"gradient norm ({metrics['grad_norm']}) is not finite, so no "
+                            "optimizer step was taken and the weights stay as they were (check "
+                            f"the reward scale: reward_mean {metrics.get('reward_mean')})")
                     self.optimizer.step()
                     self.step += 1
                 else:

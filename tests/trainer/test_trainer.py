@@ -22,7 +22,7 @@ from forgerl.trainer.attention import TREE_SDPA
 from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from forgerl.trainer.losses import cispo_loss
 from forgerl.trainer.samples import trajectory_to_samples
-from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.trainer import NonFiniteStep, Trainer
 from forgerl.types import Completion, Group, SamplingParams, Trajectory
 
 IM_START, IM_END, NL = 1, 2, 13
@@ -258,6 +258,23 @@ def test_failing_step_leaves_no_gradients_and_the_next_step_equals_a_fresh_one()
     assert trainer.step == fresh.step == 1 and m["loss"] == m_fresh["loss"]
     for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_non_finite_step_changes_nothing():
+    """Rewards of ±1e38 pass the scorer's finiteness check, but their advantages overflow the
+    loss: the step raises NonFiniteStep and leaves weights, AdamW state, gradients and `step`
+    as they were (before, AdamW wrote NaN into every weight and the run went on)."""
+    model = build_tiny_model()
+    trainer = _trainer(model, lr=1e-3)
+    groups = make_groups(model)[:2]
+    for group, reward in zip(groups, (1e38, -1e38), strict=True):
+        group.trajectories[0].reward = reward
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(NonFiniteStep, match=r"step 1: the loss \(.*\) or the gradient norm"):
+        trainer.train_step(groups)
+    assert trainer.step == 0 and not trainer.optimizer.state
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
 def test_device_choice_and_cpu_attention():
