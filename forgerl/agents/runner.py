@@ -34,6 +34,7 @@ AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
 
 STDOUT_KEEP = 65536  # bytes of stdout kept: the answer is on the last line, logs may be long
 STDERR_KEEP = 4000  # characters of stderr kept for the trajectory's error field
+LOG_KEEP = 1 << 20  # bytes of one episode's stderr kept in its log file (first and last half)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ async def run_command_agent(
 
     The process inherits this environment plus `env` plus `agent_env(...)`, reads the task JSON
     on stdin, and starts a new session (its own process group). Its stderr is appended to
-    `log_path` when given (the file keeps all of it; the result keeps the tail), else piped.
+    `log_path` when given (the file keeps the first and last LOG_KEEP / 2 bytes of each
+    episode's; the result keeps the tail), else piped.
     At `timeout_s` seconds, or when the calling task is cancelled, the group gets SIGTERM,
     then SIGKILL `grace_s` seconds later;
     a finished agent's leftover children get SIGKILL too. Cancellation re-raises
@@ -181,12 +183,29 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
         with open(log.name, "rb") as f:
             f.seek(max(log_start, os.fstat(f.fileno()).st_size - STDERR_KEEP))
             err_buf += f.read()
+        _cut_log(log.name, log_start)
     out, err = (b.decode("utf-8", errors="replace") for b in (out_buf, err_buf))
     if status == "finished" and proc.returncode != 0:
         status = "failed"
     lines = [line.strip() for line in out.splitlines() if line.strip()]
     answer = lines[-1] if status == "finished" and lines else None
     return AgentResult(answer, status, proc.returncode, err, time.monotonic() - start)
+
+
+def _cut_log(path: str, start: int) -> None:
+    """Cut one episode's stderr in the log at `path` (from byte `start`) to its first and last
+    LOG_KEEP / 2 bytes, with a line saying how much was cut: a chatty agent wrote 6.1 GB of
+    logs in 28 s."""
+    size = os.path.getsize(path)
+    if size - start <= LOG_KEEP:
+        return
+    half = LOG_KEEP // 2
+    with open(path, "r+b") as f:
+        f.seek(size - half)
+        tail = f.read(half)
+        f.seek(start + half)
+        f.write(f"\n[... {size - start - 2 * half} bytes of stderr cut ...]\n".encode() + tail)
+        f.truncate()
 
 
 async def run_callable_agent(

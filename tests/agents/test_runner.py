@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.agents.runner import AgentResult, run_agent, run_callable_agent, run_command_agent
+from forgerl.agents.runner import (
+    LOG_KEEP,
+    AgentResult,
+    run_agent,
+    run_callable_agent,
+    run_command_agent,
+)
 
 TASK = {"question": "What is 2 + 3?", "answer": "5"}
 URL, KEY = "http://127.0.0.1:9/v1", "sk-rollout-7"
@@ -121,6 +127,26 @@ def test_crashing_agent_is_failed_with_stderr(tmp_path):
     assert result.returncode == 1
     assert result.answer is None
     assert "ValueError: tool exploded" in result.stderr_tail
+
+
+def test_a_chatty_agents_log_keeps_its_head_and_tail(tmp_path):
+    """3 MB of stderr per episode leave LOG_KEEP bytes in the log file (a chatty agent wrote
+    6.1 GB in 28 s): its first and last halves around a line naming the cut; a second episode
+    appends after the first, cut alike; the result's tail is the stream's real end."""
+    agent = write(tmp_path, "chatty.py", """
+        import sys
+        sys.stderr.write("HEAD" + "a" * 1_500_000 + "b" * 1_500_000 + "TAIL")
+        print(5)
+    """)
+    log = tmp_path / "logs" / "r.log"
+    for episode in (1, 2):
+        result = asyncio.run(run_command_agent(agent, TASK, URL, KEY, 30.0, log_path=log))
+        assert result.status == "finished" and result.stderr_tail.endswith("b" * 100 + "TAIL")
+        text = log.read_text()
+        marker = f"\n[... {3_000_008 - LOG_KEEP} bytes of stderr cut ...]\n"
+        assert len(text) == episode * (LOG_KEEP + len(marker))
+        assert text.startswith("HEAD" + "a" * 100) and text.endswith("b" * 100 + "TAIL")
+        assert text.count(marker) == episode and text.count("HEAD") == episode
 
 
 def test_missing_program_is_failed():
