@@ -202,8 +202,9 @@ class SchedulerConfig(_Section):
 class RolloutConfig(_Section):
     """[rollout]: group size, sampling, per-rollout and reward timeouts."""
 
-    group_size: int = Field(8, ge=1, le=1024)
-    """G: rollouts per task; the group is the advantage baseline."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """G: rollouts per task; the group is the advantage baseline (so G >= 2: one rollout is
+    its own baseline, every advantage 0)."""
     tasks_per_step: int = Field(2, ge=1, le=4096)
     """Groups trained per optimizer step."""
     temperature: float = Field(1.0, gt=0, le=10)

@@ -353,7 +353,7 @@ async def test_a_run_whose_every_rollout_fails_stops_with_the_agent_error(tmp_pa
 
 @sync
 async def test_a_run_without_learning_signal_stops(tmp_path):
-    """QA: an agent whose groups never differ (here G = 1, no model calls) gave no step and no
+    """QA: an agent whose groups never differ (one answer, no model calls) gave no step and no
     end; after max(64, 16 k) groups in a row without signal the run stops with one message."""
     calls = itertools.count()
 
@@ -361,13 +361,13 @@ async def test_a_run_without_learning_signal_stops(tmp_path):
         next(calls)
         return "no idea"
 
-    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--rollout.group_size", "1",
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--rollout.group_size", "2",
                          "--rollout.tasks_per_step", "1")
     with pytest.raises(RuntimeError, match=r"no learning signal in the last 64 groups: every "
                                            r"group's rewards were equal \(last batch's mean "
                                            r"reward 0\.000\)"):
         await run(config, agent=agent, progress=False)
-    assert 64 <= next(calls) <= 64 + 4  # the stop comes at the 64th trained group
+    assert 2 * 64 <= next(calls) <= 2 * (64 + 4)  # the stop comes at the 64th trained group
 
 
 @sync

@@ -78,3 +78,21 @@ async def test_each_domain_runs_its_own_agent(tmp_path):
             statuses.setdefault(s.domain_of(i), set()).update(
                 t.status for t in s.pool.get_group(i).trajectories)
         assert statuses == {"small": {"finished"}, "big": {"failed"}}
+
+
+@sync
+async def test_a_domain_whose_every_rollout_fails_stops_the_run(tmp_path):
+    """The other domain's groups train, so the run-wide streak of failed groups never grew;
+    per domain, 16 failed groups of "big" in a row stop the run naming it (a breaker ran such
+    a run to its end with exit 0)."""
+    crashing = json.dumps([sys.executable, "-c", "import sys; sys.exit('big agent broke')"])
+    config = _domains(tmp_path, "--tasks.eval_size", "0", "--rollout.tasks_per_step", "1",
+                      "--max_steps", "60", small_weight=1,
+                      big_agent=f", agent = {{command = {crashing}}}")
+    with pytest.raises(RuntimeError, match=r"every rollout of domain 'big'\'s last 16 groups "
+                                           r"failed; last error: agent failed \(exit code 1\)"
+                                           r": big agent broke"):
+        await run(config, agent=make_agent(), progress=False)
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("domain_small_groups") for r in steps)  # the other domain did train
+
