@@ -316,8 +316,8 @@ class Services:
             error = self.last_rollout_error.get(domain, "")
             lines = [x for x in error.splitlines() if x.strip()] or ["?"]
             last = lines[0] + (f": {lines[-1]}" if len(lines) > 1 else "")
-            of = f"domain {domain!r}'s " if domain else ""
-            raise RuntimeError(f"every rollout of {of}last {streak} groups failed; "
+            of = f" of domain {domain!r}" if domain else ""
+            raise RuntimeError(f"every rollout of the last {streak} groups{of} failed; "
                                f"last error: {last}")
 
     def duration_bias(self) -> dict[str, float]:

@@ -89,9 +89,9 @@ async def test_a_domain_whose_every_rollout_fails_stops_the_run(tmp_path):
     config = _domains(tmp_path, "--tasks.eval_size", "0", "--rollout.tasks_per_step", "1",
                       "--max_steps", "60", small_weight=1,
                       big_agent=f", agent = {{command = {crashing}}}")
-    with pytest.raises(RuntimeError, match=r"every rollout of domain 'big'\'s last 16 groups "
-                                           r"failed; last error: agent failed \(exit code 1\)"
-                                           r": big agent broke"):
+    with pytest.raises(RuntimeError, match=r"every rollout of the last 16 groups of domain "
+                                           r"'big' failed; last error: agent failed \(exit "
+                                           r"code 1\): big agent broke"):
         await run(config, agent=make_agent(), progress=False)
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("domain_small_groups") for r in steps)  # the other domain did train
