@@ -114,13 +114,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of a JSONL file ([] if missing); a torn (unparsable) line is skipped."""
+    """The step records of a JSONL file ([] if missing): a torn (unparsable) line, or one that
+    is no object with an integer "step" (an edited file), is skipped."""
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:
             continue
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            records.append(record)
     return records
 
 

@@ -33,6 +33,22 @@ def test_metrics_log_drops_records_after_the_restored_step(tmp_path):
     fresh.close()
 
 
+def test_lines_that_are_no_step_record_are_skipped(tmp_path):
+    """Hand-edited lines ([1, 2], null, an object without an integer step) are skipped by the
+    logger and by `forgerl plot`, as a torn line is (they raised AttributeError / KeyError)."""
+    from forgerl.plot import plot_run
+
+    lines = [json.dumps({"step": 0, "eval_accuracy": 0.5}), "[1, 2]", "null",
+             json.dumps({"reward_mean": 0.5}), json.dumps({"step": "1", "reward_mean": 0.1}),
+             json.dumps({"step": 1, "reward_mean": 0.25})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    logger = MetricsLogger(tmp_path, resume_step=1)
+    assert [r["step"] for r in logger.records] == [0, 1]
+    logger.close()
+    assert plot_run(tmp_path).stat().st_size > 0
+
+
 @pytest.mark.parametrize("keep", [1, 2])
 def test_the_newest_checkpoints_are_kept(tmp_path, keep):
     model = build_tiny_model()
