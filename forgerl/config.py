@@ -273,6 +273,13 @@ class DomainConfig(_Section):
     agent: AgentConfig | None = None
     """This domain's agent command; default: the run's [agent]."""
 
+    @model_validator(mode="after")
+    def _run_level(self) -> DomainConfig:
+        if run_level := sorted({"eval_every", "eval_concurrency"} & self.tasks.model_fields_set):
+            raise ValueError(f"tasks.{run_level[0]} is the run's, for every domain: set it in "
+                             "[tasks], not in [[domains]]")
+        return self
+
 
 class _LossSection(_Section):
     def build(self) -> Any:

@@ -59,6 +59,8 @@ def test_loss_union_builds_the_chosen_loss():
     (["--scheduler.max_in_flight", "true"], "scheduler.max_in_flight: Input should be a valid "
                                             "integer (got True)"),  # strict: no bool as 1
     (["--engine.bogus", "1"], "engine.bogus: Extra inputs"),  # no union tag in the path
+    (["--domains", "[{name = 'a', tasks = {eval_every = 2}}]"], "domains.0: Value error, "
+     "tasks.eval_every is the run's, for every domain: set it in [tasks], not in [[domains]]"),
     (["--rollout.group_size", "1"], "rollout.group_size: Input should be greater than or equal "
                                     "to 2"),  # its own baseline: every advantage 0
     (["--gateway.model_name", "''"], "gateway.model_name: String should have at least 1"),
