@@ -878,6 +878,7 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
             if s.trainer.step == 0 and not s.logger.logged(0):
                 s.log(0, await s.evaluate())
             if s.trainer.step < config.warmstart.steps:
+                check_warmstart_first(s.logger.records, config.warmstart.steps)
                 await s.warm_start()                        # supervised steps on demonstrations
                 bar.update(completed=s.trainer.step)
             start, no_signal, acc, tokens, step_seconds = time.time(), 0, "-", 0, []
@@ -921,6 +922,15 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
                 tokens = s.gateway.counters["completion_tokens"]
         print(summary(s.logger.records, s.trainer.step, time.time() - began), flush=True)
     return Path(config.run_dir)
+
+
+def check_warmstart_first(records: list[dict[str, Any]], steps: int) -> None:
+    """Raise ConfigError when warmstart.steps = `steps` asks for supervised steps after RL steps
+    were logged (`records`, a resumed run whose warmstart.steps was raised): warm start comes
+    before RL."""
+    if rl := [r["step"] for r in records if r["step"] > 0 and r.get("phase") != "warmstart"]:
+        raise ConfigError(f"warmstart.steps: {steps} would run supervised steps after RL step "
+                          f"{max(rl)}; warm start comes first (at most {min(rl) - 1} here)")
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], where: str = "") -> list[str]:

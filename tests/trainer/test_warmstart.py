@@ -17,7 +17,7 @@ import sqlite3
 import pytest
 import torch
 
-from forgerl.config import load_config
+from forgerl.config import ConfigError, load_config
 from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.models import build_tiny_model
 from forgerl.trainer.losses import nll_loss
@@ -169,6 +169,12 @@ def test_a_run_warm_starts_first_evaluates_and_resumes_after_it(tmp_path, tokeni
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("phase") == "warmstart"] == [1, 2]
     assert [r["step"] for r in records if "reward_mean" in r] == [3, 4]
+    # warmstart.steps raised after RL began: refused, not run as steps 5-6 after RL step 4
+    demos.write_text("\n".join(json.dumps(_record(str(k))) for k in range(5)) + "\n")
+    raised = [*args[:3], "6", *args[4:], "--max_steps", "7"]
+    with pytest.raises(ConfigError, match=r"warmstart.steps: 6 would run supervised steps after "
+                                          r"RL step 4; warm start comes first \(at most 2 here"):
+        asyncio.run(run(tiny_config(run_dir, *raised), agent=make_agent(), progress=False))
 
 
 def test_a_record_longer_than_the_row_budget_is_refused_when_the_file_is_read(tokenizer,
