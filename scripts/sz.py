@@ -59,8 +59,11 @@ from pathlib import Path
 # and to 8,780 for malformed field values as 400s, a 500 that keeps the keep-alive connection
 # (Starlette re-raised and uvicorn reset it) and the C09 floor over every rendered text,
 # and to 8,810 for error params that name body fields (no pydantic union members) and
-# invalid_value for values out of range (they were invalid_type).
-MAX_LINES = 8810
+# invalid_value for values out of range (they were invalid_type),
+# and to 8,850 for a second breaker's finds: no optimizer step on a NaN loss (NaN weights were
+# checkpointed), agent logs cut per episode (6.1 GB in 28 s), a failure streak per domain,
+# metrics lines that are no record, per-domain eval settings and warm start after RL refused.
+MAX_LINES = 8850
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
