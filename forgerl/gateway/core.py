@@ -245,12 +245,14 @@ def schema_problem(schema_json: str) -> str | None:
     return None
 
 
-def surely_rendered(conv: Conversation) -> Iterator[str]:
-    """Texts any rendering of `conv` holds: every message's content (of an assistant reply
-    only what follows its last `</think>`, which templates may drop as reasoning), tool-call
-    names and arguments, and each tool's name, description and parameters (as JSON)."""
+def surely_rendered(conv: Conversation, keeps_think_text: bool) -> Iterator[str]:
+    """Texts a rendering of `conv` holds: every message's content (of an assistant reply only
+    what follows its last `</think>` unless `keeps_think_text`: templates like Qwen3's drop the
+    rest as reasoning; `Renderer.keeps_think_text`), tool-call names and arguments, and each
+    tool's name, description and parameters (as JSON)."""
     for m in conv.messages:
-        yield m.content.rpartition("</think>")[2] if m.role == "assistant" else m.content
+        drop = m.role == "assistant" and not keeps_think_text
+        yield m.content.rpartition("</think>")[2] if drop else m.content
         for call in m.tool_calls:
             yield from (call.name, call.arguments)
     for tool in conv.tools:
@@ -409,8 +411,8 @@ class Gateway:
                               "logprob (use 0)")
         if any(not s for s in conv.sampling.stop):
             raise unsupported(conv.param("stop"), "stop strings must not be empty")
-        refuse_surely_too_long(self.renderer, surely_rendered(conv), self.engine.max_model_len,
-                               conv.param("messages"))
+        refuse_surely_too_long(self.renderer, surely_rendered(conv, self.renderer.keeps_think_text),
+                               self.engine.max_model_len, conv.param("messages"))
         choice = conv.tool_choice
         names = [t.name for t in conv.tools]
         repeated = {n for n, k in collections.Counter(names).items() if k > 1}

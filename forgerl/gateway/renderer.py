@@ -108,6 +108,19 @@ class Renderer:
         characters than its string has (a byte-level "Ġ" is one byte, "<0x0A>" one byte)."""
         return max(map(len, self.tokenizer.get_vocab()), default=1)
 
+    @functools.cached_property
+    def keeps_think_text(self) -> bool:
+        """Whether an earlier assistant reply's text before its `</think>` is in this format's
+        rendering (ChatML keeps it; templates like Qwen3's drop it as reasoning): probed once on
+        a two-turn conversation; True when the probe cannot render."""
+        probe = "q7x9zk"
+        turns = [Message("user", "a"), Message("assistant", f"<think>{probe}</think>b"),
+                 Message("user", "c")]
+        try:
+            return probe in self.tokenizer.decode(self.render(turns))
+        except Exception:  # a template that needs other turns: count the text
+            return True
+
     def min_tokens(self, texts: Iterable[str]) -> int:
         """A lower bound on the tokens of a rendering that holds each of `texts`, without
         tokenizing: sum(len(text.strip())) / (2 * max_token_chars). Templates may strip a

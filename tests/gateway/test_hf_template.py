@@ -354,3 +354,27 @@ def test_template_refusal_is_a_400():
     with pytest.raises(GatewayError) as e:
         HFTemplateRenderer(chatml).render(chat.messages(USER), chat.tools([WEATHER]))
     assert e.value.status == 400 and e.value.param == "tools"
+
+
+def test_the_floor_counts_think_text_only_where_the_template_renders_it():
+    """An earlier reply's text before `</think>` counts toward the C09 floor when the format
+    renders it (ChatML, or a template that keeps content whole; a breaker's 20 MB reply was
+    tokenized for 20.6 s while the gateway stalled), not where the template drops it as
+    reasoning (Qwen3 splits content at the last `</think>`)."""
+    from forgerl.gateway.conversation import Conversation, Message
+    from forgerl.gateway.core import surely_rendered
+    from forgerl.gateway.renderer import ChatMLRenderer
+
+    tok = family_tokenizer("qwen")
+    keeps = HFTemplateRenderer(tok)
+    tok = family_tokenizer("qwen")
+    tok.chat_template = QWEN.replace("KEEP", "true").replace(
+        "{{ m.content }}{% for c in m.tool_calls", "{{ m.content.split('</think>')[-1] }}"
+        "{% for c in m.tool_calls")
+    drops = HFTemplateRenderer(tok)
+    assert ChatMLRenderer(build_byte_tokenizer()).keeps_think_text and keeps.keeps_think_text
+    assert not drops.keeps_think_text
+    conv = Conversation("m", (Message("assistant", "<think>" + "x" * 50 + "</think>4"),
+                              Message("user", "and?")))
+    assert next(surely_rendered(conv, True)).startswith("<think>x")
+    assert next(surely_rendered(conv, False)) == "4"
