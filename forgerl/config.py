@@ -592,8 +592,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = error_location(err["loc"], tree) or "config"
+        err, where = first_error(e.errors(), tree)
+        where = where or "config"
         shown = err["loc"] and "input" in err and err["type"] != "missing"
         value = f" (got {err['input']!r})" if shown else ""
         more = f" [+{len(e.errors()) - 1} more]" if len(e.errors()) > 1 else ""
@@ -602,14 +602,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{where}: {err['msg']}{value}{more}") from None
 
 
-def error_location(loc: tuple[int | str, ...], data: Any) -> str:
+def first_error(errors: list[Any], data: Any) -> tuple[Any, str]:
+    """Of a ValidationError's `errors()` (one per failed member of a union, among others), the
+    one naming the deepest field of `data` (the validated input, a JSON tree), and that field's
+    dotted path (`error_location`); the first of equally deep ones. So a list item's bad role
+    is reported at `input.0.role`, not as "input: Input should be a valid string"."""
+    paths = [error_location(e["loc"], data, e["type"] == "missing") for e in errors]
+    i = max(range(len(errors)), key=lambda k: len(paths[k].split(".")) if paths[k] else 0)
+    return errors[i], paths[i]
+
+
+def error_location(loc: tuple[int | str, ...], data: Any, missing: bool = False) -> str:
     """A pydantic error's `loc` as the dotted path of the input it names: the union member
     names pydantic inserts (a discriminated union's tag, "str", "literal['a','b']") are left
-    out, found as the items that name no key of `data` (the validated input, a JSON tree) at
-    their depth, the last one excepted (a missing field's name)."""
+    out, found as the items that name no key of `data` at their depth, but for the last item
+    of a `missing` error (the missing field's name)."""
     path, node = [], data
     for i, item in enumerate(loc):
-        if isinstance(node, dict) and (item in node or i == len(loc) - 1):
+        if isinstance(node, dict) and (item in node or (missing and i == len(loc) - 1)):
             path.append(str(item))
             node = node.get(item)
         elif isinstance(node, list) and isinstance(item, int) and 0 <= item < len(node):

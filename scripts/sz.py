@@ -62,8 +62,10 @@ from pathlib import Path
 # invalid_value for values out of range (they were invalid_type),
 # and to 8,850 for a second breaker's finds: no optimizer step on a NaN loss (NaN weights were
 # checkpointed), agent logs cut per episode (6.1 GB in 28 s), a failure streak per domain,
-# metrics lines that are no record, per-domain eval settings and warm start after RL refused.
-MAX_LINES = 8850
+# metrics lines that are no record, per-domain eval settings and warm start after RL refused,
+# and to 8,875 for a third: the floor counts </think> text where it is rendered, error params
+# name the deepest real field, and a Responses stream fails with a Responses error event.
+MAX_LINES = 8875
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 

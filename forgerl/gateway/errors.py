@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from forgerl.config import error_location
+from forgerl.config import first_error
 
 
 class Loose(BaseModel):
@@ -89,7 +89,7 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
     """Validate a JSON body strictly ("8" is no integer, true no number, "yes" no boolean);
     malformed JSON, wrong types and values out of range are 400s (as OpenAI answers), coded
     `invalid_json`, `invalid_type` and `invalid_value` (`OUT_OF_RANGE`), with `param` the field's
-    dotted path in the body (`config.error_location`: no union member names).
+    dotted path in the body (`config.first_error`: the deepest field, no union member names).
 
     A field the schema forbids (`extra="forbid"`) is a 400 `unknown_parameter` naming it. A
     lone UTF-16 surrogate escape ("\\ud83d", a JavaScript string cut inside an emoji) becomes
@@ -101,8 +101,10 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
         err = e.errors()[0]
         if err.get("type") == "json_invalid" and (fixed := _without_lone_surrogates(raw)):
             return parse_body(fixed, schema)
+        param = None
+        if err.get("type") != "json_invalid":
+            err, param = first_error(e.errors(), _tree(raw))
         kind = err.get("type", "")
-        param = None if kind == "json_invalid" else error_location(err["loc"], _tree(raw))
         if kind == "extra_forbidden":
             raise GatewayError(400, f"Unrecognized request argument supplied: {param}",
                                "unknown_parameter", param) from None
@@ -110,7 +112,7 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
                 "invalid_value" if kind in OUT_OF_RANGE else "invalid_type")
         value, msg = err.get("input"), err.get("msg")
         if isinstance(value, float) and not math.isfinite(value):  # NaN is no "> 2" problem
-            msg = "Input should be a finite number"
+            msg, code = "Input should be a finite number", "invalid_value"
         raise GatewayError(400, f"{param or 'body'}: {msg}", code, param or None) from None
 
 

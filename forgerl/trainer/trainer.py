@@ -212,7 +212,8 @@ class Trainer:
                             f"step {self.step + 1}: the loss ({metrics.get('loss')}) or the "
                             f"gradient norm ({metrics['grad_norm']}) is not finite, so no "
                             "optimizer step was taken and the weights stay as they were (check "
-                            f"the reward scale: reward_mean {metrics.get('reward_mean')})")
+                            "the reward scale: mean |advantage| "
+                            f"{metrics.get('advantage_abs_mean', float('nan')):.3g})")
                     self.optimizer.step()
                     self.step += 1
                 else:

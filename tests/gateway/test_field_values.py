@@ -72,7 +72,20 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
                 ("/v1/responses", {"input": 5}, "input", "invalid_type"),
                 ("/v1/chat/completions", {"messages": user, "max_tokens": 0}, "max_tokens",
                  "invalid_value"),
-                ("/v1/chat/completions", {"messages": user, "n": 129}, "n", "invalid_value")):
+                ("/v1/chat/completions", {"messages": user, "n": 129}, "n", "invalid_value"),
+                # a breaker's second round: the deepest real field, never a member's name
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]},
+                 "messages.0.content", "invalid_type"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                    {"type": "text", "text": 5}]}]}, "messages.0.content.0.text", "invalid_type"),
+                ("/v1/chat/completions", {"messages": user, "tool_choice": {
+                    "type": "function", "function": {"name": 5}}}, "tool_choice.function.name",
+                 "invalid_type"),
+                ("/v1/chat/completions", {"messages": user, "stop": {"a": 1}}, "stop",
+                 "invalid_type"),
+                ("/v1/responses", {"input": [{"type": "message", "role": "bogus",
+                                              "content": "x"}]}, "input.0.role",
+                 "invalid_value")):
             err = error(path, body)
             assert (err["param"], err["code"]) == (param, code), err
         err = error("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [

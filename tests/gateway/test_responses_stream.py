@@ -218,11 +218,26 @@ def test_disconnect_mid_stream_aborts_the_engine_and_records_nothing(serve, toke
 
 
 def test_engine_error_mid_stream_is_raised_by_the_sdk(serve, tokenizer):
-    srv = serve(FailingAfter([reply(ChatMLRenderer(tokenizer), "hello there")], 3), tokenizer)
+    """The failure is a Responses `error` event (type, code, message, param, the next
+    sequence_number; it was a bare chat-style `data: {"error": ...}`), whose `error` object the
+    openai SDK raises."""
+    import httpx
+
+    renderer = ChatMLRenderer(tokenizer)
+    srv = serve(FailingAfter([reply(renderer, "hello there")] * 2, 3), tokenizer)
     tid, key = srv.session()
     with pytest.raises(openai.APIError, match="engine error: RuntimeError: forward failed"):
         list(srv.client(key).responses.create(model="tiny", input="hi", stream=True))
     assert srv.pool.get_trajectory(tid).completions == []
+    r = httpx.post(f"{srv.base_url}/responses", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "tiny", "input": "hi", "stream": True}, timeout=30)
+    blocks = [b for b in r.text.split("\n\n") if b]
+    last = json.loads(blocks[-1].split("data: ", 1)[1])
+    before = json.loads(blocks[-2].split("data: ", 1)[1])
+    assert blocks[-1].startswith("event: error\n") and last["type"] == "error"
+    assert last["sequence_number"] == before["sequence_number"] + 1
+    assert (last["code"], last["error"]["code"]) == ("engine_error", "engine_error")
+    assert "forward failed" in last["message"]
 
 
 def test_openai_agents_streamed_tool_loop(serve, tokenizer):

@@ -366,8 +366,8 @@ class EventStream(Response):
                         "more_body": True})
         except Exception as e:
             log.exception("stream failed")
-            error = GatewayError(500, f"internal error: {type(e).__name__}: {e}",
-                                 "internal_error", type="server_error")
+            error = GatewayError(500, f"internal error ({type(e).__name__}); the gateway log "
+                                 "has the details", "internal_error", type="server_error")
             await send({"type": "http.response.body", "body": self.error_event(error).encode(),
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -47,7 +47,7 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, error_event, token_json
+from forgerl.gateway.protocols.chat import EventStream, token_json
 from forgerl.gateway.sessions import Session, message_key
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
@@ -358,7 +358,8 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None,
 
 
 async def stream_events(req: ResponsesRequest, session: Session,
-                        events: AsyncIterator[Started | Delta | Result]) -> AsyncIterator[str]:
+                        events: AsyncIterator[Started | Delta | Result],
+                        seq: Iterator[int] | None = None) -> AsyncIterator[str]:
     """SSE lines as `Gateway.stream` yields. `Started`: response.created, .in_progress. First
     text delta: the message item's output_item.added + content_part.added; each text delta: an
     output_text.delta (with its tokens' logprobs when asked). A recognised tool call: its
@@ -366,8 +367,9 @@ async def stream_events(req: ResponsesRequest, session: Session,
     recorded turn, then per item (text / part done and) output_item.done with the final item,
     then response.completed (or .incomplete) with usage. output_index is the order items opened
     (generation order: a message opened after a call follows it in `output` too); the final
-    items equal the plain call's; sequence_number counts from 0."""
-    rid, seq, opened = new_id(req), itertools.count(), {}  # opened: item id -> output_index
+    items equal the plain call's; sequence_number counts from 0 (`seq`, shared with
+    `respond_stream`'s error event)."""
+    rid, seq, opened = new_id(req), seq or itertools.count(), {}  # opened: id -> output_index
     msg = f"msg_{rid[5:]}"
 
     def event(kind: str, **fields: Any) -> str:
@@ -440,5 +442,15 @@ def respond(req: ResponsesRequest, session: Session, result: Result) -> JSONResp
 def respond_stream(req: ResponsesRequest, session: Session,
                    events: AsyncIterator[Started | Delta | Result]) -> EventStream:
     """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples (a client
-    that leaves aborts the engine streams; nothing is recorded then, as for chat)."""
-    return EventStream(stream_events(req, session, events), error_event)
+    that leaves aborts the engine streams; nothing is recorded then, as for chat). A failure
+    after the stream began is an `error` event (type, code, message, param, sequence_number)
+    that also carries the chat-style `error` object, which the openai SDK raises."""
+    seq = itertools.count()
+
+    def failed(e: GatewayError) -> str:
+        obj = {"type": "error", "sequence_number": next(seq), "code": e.code,
+               "message": e.message, "param": e.param,
+               "error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+        return f"event: error\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    return EventStream(stream_events(req, session, events, seq), failed)
