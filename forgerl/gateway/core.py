@@ -416,10 +416,10 @@ class Gateway:
         choice = conv.tool_choice
         names = [t.name for t in conv.tools]
         repeated = {n for n, k in collections.Counter(names).items() if k > 1}
-        for tool in conv.tools:
+        for i, tool in enumerate(conv.tools):
             if problem := tool_problem(tool, repeated):
                 raise GatewayError(400, f"tool {tool.name!r}: {problem}", "invalid_tool",
-                                   conv.param("tools"))
+                                   f"{conv.param('tools')}.{i}")
         if choice not in ("auto", "none") and not conv.tools:
             raise unsupported(conv.param("tool_choice"), "forces a tool call, but the request "
                               "declares no tools")

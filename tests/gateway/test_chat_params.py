@@ -260,7 +260,7 @@ def test_an_invalid_tool_is_a_400_naming_it(serve, tokenizer, renderer, tools, n
     srv, tid, client = served(serve, tokenizer, renderer, ["a"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, tools=tools)
-    assert (e.value.code, e.value.param) == ("invalid_tool", "tools")
+    assert (e.value.code, e.value.param) == ("invalid_tool", "tools.0")
     assert e.value.body["message"].startswith(f"tool {name!r}: {problem}"), e.value.body
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
     assert client.chat.completions.create(model="tiny", messages=USER,
