@@ -122,11 +122,16 @@ def loads_json_text(text: str) -> Any:
     tokenizer, which fails on a lone surrogate. Raises what json.loads raises: ValueError
     (malformed, or an integer of over 4,300 digits) or RecursionError (nested too deeply)."""
     value = json.loads(text)
-    if "\\ud" not in text.lower():
-        return value
-    dumped = json.dumps(value, ensure_ascii=False)  # the stdlib keeps lone surrogates
-    fixed = LONE_SURROGATE.sub("\ufffd", dumped)
-    return value if fixed == dumped else json.loads(fixed)
+    if "\\ud" in text.lower() and (fixed := _lone_surrogates_replaced(value)):
+        return json.loads(fixed)
+    return value
+
+
+def _lone_surrogates_replaced(value: Any) -> str | None:
+    """`value` as JSON text with each lone surrogate as U+FFFD; None when it holds none."""
+    text = json.dumps(value, ensure_ascii=False)  # the stdlib keeps lone surrogates
+    fixed = LONE_SURROGATE.sub("\ufffd", text)
+    return fixed if fixed != text else None
 
 
 def _tree(raw: bytes) -> Any:
@@ -144,8 +149,8 @@ def _without_lone_surrogates(raw: bytes) -> bytes | None:
     if b"\\ud" not in raw.lower():
         return None
     try:
-        text = json.dumps(json.loads(raw), ensure_ascii=False)  # the stdlib keeps lone ones
+        value = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise GatewayError(400, f"body: Invalid JSON: {e}", "invalid_json") from None
-    fixed = LONE_SURROGATE.sub("\ufffd", text)
-    return fixed.encode() if fixed != text else None
+    fixed = _lone_surrogates_replaced(value)
+    return fixed.encode() if fixed else None
