@@ -48,6 +48,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from forgerl.cpu_share import CpuShare
 from forgerl.engines.base import TokenEvent
@@ -112,8 +113,9 @@ def engine_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     tokens on a 2-core EPYC: 1.51 ms a layer, folded 0.26 ms; a decode step 93-108 ms, 55 ms
     padded); fp32 times alike either way."""
     groups = getattr(module, "num_key_value_groups", 1)
+    extras = ("softcap", "s_aux", "position_bias")  # transformers' sdpa handles (or refuses)
     if query.shape[2] != 1 or attention_mask is not None or groups == 1 or kwargs.get(
-            "dropout") or any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")):
+            "dropout") or any(kwargs.get(k) is not None for k in extras):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, **kwargs)
     b, h, _, d = query.shape
@@ -123,6 +125,7 @@ def engine_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 AttentionInterface.register(ENGINE_SDPA, engine_sdpa)
+AttentionMaskInterface.register(ENGINE_SDPA, sdpa_mask)  # else transformers passes no mask at all
 
 
 def sampling_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
   their weights (`pack_linears`): logits equal nn.Linear's within 1e-5, a weight change shows
   only once they are packed again, other dtypes are left alone; full and delta updates rebuild
   them (tests/trainer/test_weight_sync.py).
+- A decode step with no padded row runs `engine_sdpa`: one-token queries folded onto their
+  key/value heads give naive grouped-query attention (fp32 within 1e-6, bf16 within bf16
+  rounding) over the cache's strided views; with a mask it is transformers' sdpa; the engine's
+  copy of the model uses it, the caller's model keeps its own.
 - The KV layer grows and drops rows in place: decode steps and `keep` (rows finished, leading
   padding trimmed) write into the same buffers and leave exactly the reference tensors;
   tensors replaced from outside are gathered instead.
@@ -35,15 +39,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from forgerl.engines.local import (
+    ENGINE_SDPA,
     LocalEngine,
     PrefixCache,
     _GrowingLayer,
     common_prefix,
+    engine_sdpa,
     pack_linears,
     sample_tokens,
     sampling_logprobs,
@@ -734,3 +741,31 @@ def test_packed_linears_give_the_plain_logits(tiny_model):
     finally:
         asyncio.run(engine.close())
         asyncio.run(plain_engine.close())
+
+
+def test_engine_sdpa_folds_one_token_queries_onto_their_kv_heads(tiny_model):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    layer = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q = torch.randn(5, 6, 1, 8)  # (B, H, 1, D): 6 query heads over 2 key/value heads
+    buf_k, buf_v = torch.randn(5, 2, 20, 8), torch.randn(5, 2, 20, 8)
+    k, v = buf_k[:, :, 3:14], buf_v[:, :, 2:13]  # strided views, as the decode cache hands out
+    scores = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3  # head h reads kv head h // 3
+    naive = (torch.softmax(scores, -1) @ v.repeat_interleave(3, 1)).transpose(1, 2)  # (B, 1, H, D)
+    out, weights = engine_sdpa(layer, q, k, v, None, scaling=0.3, dropout=0.0)
+    assert out.shape == (5, 1, 6, 8) and weights is None
+    assert (out - naive).abs().max() < 1e-6
+    half, _ = engine_sdpa(layer, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=0.3)
+    assert half.dtype == torch.bfloat16 and (half.float() - naive).abs().max() < 3e-2
+    mask = torch.ones(5, 1, 1, 11, dtype=torch.bool)
+    mask[0, ..., :4] = False  # a padded row: transformers' own path
+    masked, _ = engine_sdpa(layer, q, k, v, mask, scaling=0.3)
+    assert torch.equal(masked, sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)[0])
+    assert (masked[1:] - naive[1:]).abs().max() < 1e-6
+    engine = LocalEngine(tiny_model, max_model_len=64)
+    try:
+        assert engine.model.config._attn_implementation == ENGINE_SDPA
+        assert tiny_model.config._attn_implementation == "sdpa"
+    finally:
+        asyncio.run(engine.close())
