@@ -64,8 +64,9 @@ from pathlib import Path
 # checkpointed), agent logs cut per episode (6.1 GB in 28 s), a failure streak per domain,
 # metrics lines that are no record, per-domain eval settings and warm start after RL refused,
 # and to 8,875 for a third: the floor counts </think> text where it is rendered, error params
-# name the deepest real field, and a Responses stream fails with a Responses error event.
-MAX_LINES = 8875
+# name the deepest real field, and a Responses stream fails with a Responses error event,
+# and to 8,900 for the engine's decode attention without enable_gqa (CPU bf16: 4-6x slower).
+MAX_LINES = 8900
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
