@@ -68,6 +68,12 @@ def unsupported(param: str, message: str) -> GatewayError:
     return GatewayError(400, f"{param}: {message}", "unsupported_value", param)
 
 
+def missing(param: str) -> GatewayError:
+    """A 400 `missing_required_parameter` naming `param`, in OpenAI's words."""
+    return GatewayError(400, f"Missing required parameter: '{param}'.",
+                        "missing_required_parameter", param)
+
+
 M = TypeVar("M", bound=BaseModel)
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 

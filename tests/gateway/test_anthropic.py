@@ -346,6 +346,21 @@ def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, rend
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
 
 
+@pytest.mark.parametrize("content", ["", [], [{"type": "text", "text": ""}]])
+def test_an_empty_message_is_a_400(serve, tokenizer, renderer, content):
+    """As Anthropic answers: every message needs non-empty content, and a text block non-empty
+    text (an empty user turn was rendered and sampled after)."""
+    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=8,
+                          messages=[*USER, {"role": "assistant", "content": "b"},
+                                    {"role": "user", "content": content}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith(
+        "messages.2: all messages must have non-empty content"), e.value.body
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+
+
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_forcing_a_tool_without_tools_names_it_in_anthropic_words(serve, tokenizer, renderer,
                                                                   choice):

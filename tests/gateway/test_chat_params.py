@@ -283,6 +283,23 @@ def test_a_message_without_content_is_a_400_naming_it(serve, tokenizer, renderer
         == "a"
 
 
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "tool", "content": "4"}, "messages.1.tool_call_id"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages.1.content.0.text"),
+    ({"role": "assistant", "content": [{"type": "refusal"}]}, "messages.1.content.0.refusal"),
+])
+def test_a_message_missing_a_required_field_is_a_400_naming_it(serve, tokenizer, renderer,
+                                                               message, param):
+    """A tool result without the id of its call and a text part without its text are refused
+    as OpenAI refuses them (they were rendered as if the field were empty)."""
+    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[*USER, message])
+    assert (e.value.code, e.value.param) == ("missing_required_parameter", param)
+    assert e.value.body["message"] == f"Missing required parameter: '{param}'."
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+
+
 def test_a_tool_schema_is_checked_once_per_distinct_schema():
     """An agent declares the same tools every turn: the metaschema check (~0.4 ms) runs once
     per distinct schema, whatever the key order, and a cached verdict is the fresh one."""

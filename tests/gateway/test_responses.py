@@ -164,6 +164,21 @@ def test_c16_unknown_call_id_and_response_id_over_http(serve, tokenizer):
     assert len(srv.engine.calls) == 1 and len(srv.pool.get_trajectory(tid).completions) == 1
 
 
+@pytest.mark.parametrize(("item", "param"), [
+    ({"type": "message", "role": "user"}, "input.0.content"),
+    ({"role": "user", "content": [{"type": "input_text"}]}, "input.0.content.0.text"),
+    ({"role": "assistant", "content": [{"type": "refusal"}]}, "input.0.content.0.refusal"),
+])
+def test_an_item_missing_its_content_is_a_400_naming_it(serve, tokenizer, item, param):
+    """A message item without content, or a text part without its text, is refused as OpenAI
+    refuses it (it was rendered as an empty turn), and nothing is recorded."""
+    srv, tid, client = served(serve, tokenizer, ["one"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input=[item])
+    assert (e.value.body["code"], e.value.body["param"]) == ("missing_required_parameter", param)
+    assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
+
+
 def test_store_false_answers_an_id_no_request_can_continue(serve, tokenizer):
     srv, tid, client = served(serve, tokenizer, ["one"])
     r = client.responses.create(model="tiny", input="hi", store=False)

@@ -223,6 +223,9 @@ def _messages(req: PromptRequest) -> tuple[Message, ...]:
         where = f"messages.{i}"
         if m.role == "assistant" and i == len(req.messages) - 1:
             raise unsupported(where, "a final assistant message (prefill) is not supported")
+        if not m.content or any(isinstance(b, TextBlock) and not b.text for b in m.content):
+            raise GatewayError(400, f"{where}: all messages must have non-empty content, and "
+                               "text content blocks non-empty text", "invalid_value", where)
         out += _user(m, where) if m.role == "user" else [_assistant(m, where)]
     return tuple(out)
 

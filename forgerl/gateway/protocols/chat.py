@@ -49,7 +49,7 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
-from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,8 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
         if part.type not in ("text", "refusal"):
             raise unsupported(f"{where}.content.{j}.type",
                               f"content part {part.type!r}: the policy reads text only")
+        if getattr(part, part.type) is None:  # as OpenAI: a text part without its text is a 400
+            raise missing(f"{where}.content.{j}.{part.type}")
     return "".join(p.text or p.refusal or "" for p in content)
 
 
@@ -207,6 +209,8 @@ def _message(m: ChatMessage, i: int) -> Message:
     if m.content is None and m.role != "assistant":  # as OpenAI: never an empty turn silently
         raise GatewayError(400, f"messages.{i}.content: a {m.role} message needs content",
                            "missing_required_parameter", f"messages.{i}.content")
+    if m.role == "tool" and m.tool_call_id is None:  # as OpenAI: a result names its call
+        raise missing(f"messages.{i}.tool_call_id")
     role = "system" if m.role == "developer" else m.role
     return Message(role, _text(m.content, f"messages.{i}"), calls, m.tool_call_id,
                    m.reasoning_content if m.reasoning_content is not None else m.reasoning)

@@ -46,7 +46,7 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
-from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
+from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
 from forgerl.gateway.protocols.chat import EventStream, token_json
 from forgerl.gateway.sessions import Session, message_key
 
@@ -205,8 +205,7 @@ def _join(stored: list[Message], new: list[Message]) -> list[Message]:
 
 def _need(value: Any, where: str) -> Any:
     if value is None:
-        raise GatewayError(400, f"Missing required parameter: '{where}'.",
-                           "missing_required_parameter", where)
+        raise missing(where)
     return value
 
 
@@ -217,6 +216,9 @@ def _text(content: str | list[Part] | None, where: str) -> str:
         if part.type not in ("input_text", "output_text", "text", "refusal"):
             raise unsupported(f"{where}.{j}.type",
                               f"content part {part.type!r}: the policy reads text only")
+        field = "refusal" if part.type == "refusal" else "text"
+        if getattr(part, field) is None:  # as OpenAI: a text part without its text is a 400
+            raise missing(f"{where}.{j}.{field}")
     return "".join(p.text or p.refusal or "" for p in content)
 
 
@@ -239,7 +241,8 @@ def _messages(items: str | list[Item], known: set[str]) -> list[Message]:
     for i, it in enumerate(items):
         where = f"input.{i}"
         if it.type == "message":
-            role, text = _need(it.role, f"{where}.role"), _text(it.content, f"{where}.content")
+            role = _need(it.role, f"{where}.role")
+            text = _text(_need(it.content, f"{where}.content"), f"{where}.content")
             if role == "assistant":
                 _assistant(out, text)
             else:
