@@ -212,16 +212,17 @@ async def _merged(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def tool_problem(tool: Tool, repeated: Collection[str]) -> str | None:
+def tool_problem(tool: Tool, repeated: Collection[str], field: str = "parameters") -> str | None:
     """Why a declared tool cannot be rendered, or None: an empty name, a name in `repeated`
-    (declared more than once), or `parameters` that is not a valid JSON Schema
-    (`schema_problem`)."""
+    (declared more than once), or parameters that are not a valid JSON Schema
+    (`schema_problem`; the message names them `field`, as the protocol does)."""
     if not tool.name:
         return "a tool needs a non-empty name"
     if tool.name in repeated:
         return "declared more than once"
     params = tool.parameters
-    return None if params is None else schema_problem(json.dumps(params, sort_keys=True))
+    problem = None if params is None else schema_problem(json.dumps(params, sort_keys=True))
+    return problem and f"{field} {problem}"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,14 +235,14 @@ def schema_problem(schema_json: str) -> str | None:
 
     schema = json.loads(schema_json)
     if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
-        return "parameters is not a valid JSON Schema: $schema must be a string (a URI)"
+        return "is not a valid JSON Schema: $schema must be a string (a URI)"
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         at = "/".join(str(x) for x in e.path) or "(root)"
-        return f"parameters is not a valid JSON Schema at {at}: {e.message}"
+        return f"is not a valid JSON Schema at {at}: {e.message}"
     except RecursionError:
-        return "parameters is not a valid JSON Schema: nested too deeply to check"
+        return "is not a valid JSON Schema: nested too deeply to check"
     return None
 
 
@@ -417,7 +418,7 @@ class Gateway:
         names = [t.name for t in conv.tools]
         repeated = {n for n, k in collections.Counter(names).items() if k > 1}
         for i, tool in enumerate(conv.tools):
-            if problem := tool_problem(tool, repeated):
+            if problem := tool_problem(tool, repeated, conv.param("parameters")):
                 raise GatewayError(400, f"tool {tool.name!r}: {problem}", "invalid_tool",
                                    f"{conv.param('tools')}.{i}")
         if choice not in ("auto", "none") and not conv.tools:

@@ -342,7 +342,7 @@ def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, rend
             {"name": "get_weather", "input_schema": {"type": "object", "required": "city"}}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert e.value.body["error"]["message"].startswith(
-        "tool 'get_weather': parameters is not a valid JSON Schema at required"), e.value.body
+        "tool 'get_weather': input_schema is not a valid JSON Schema at required"), e.value.body
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
 
 

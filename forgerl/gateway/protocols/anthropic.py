@@ -273,7 +273,7 @@ def to_conversation(req: PromptRequest) -> Conversation:
     return Conversation(
         model=req.model, messages=_messages(req), tools=_tools(req), tool_choice=choice,
         parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), sampling=sampling,
-        param_names={"stop": "stop_sequences"})
+        param_names={"stop": "stop_sequences", "parameters": "input_schema"})
 
 
 def parse(raw: bytes) -> tuple[MessagesRequest, Conversation]:
