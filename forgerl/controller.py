@@ -180,8 +180,10 @@ class Services:
                                     error=error or status)
         command = isinstance(self.agent_for(task)[0], list)  # only commands have a log file
         where = f"; agent log agent_logs/{name}.log" if command else ""
-        log.warning("rollout %d of task %d (session %s) %s%s%s", rollout_index, task_index,
-                    trajectory_id, status, ", re-dispatched" if redispatch else "", where)
+        what = (f"rollout {rollout_index} of task {task_index}" if task_index >= 0
+                else f"held-out task {-1 - task_index}")
+        log.warning("%s (session %s) %s%s%s", what, trajectory_id, status,
+                    ", re-dispatched" if redispatch else "", where)
         return 0.0
 
     async def score(self, task: dict, answer: str | None) -> float:

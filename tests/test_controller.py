@@ -151,7 +151,7 @@ async def test_run_writes_metrics_resumes_and_plots(tmp_path):
 async def test_command_agent_and_crashing_agent(tmp_path, caplog):
     """The example black-box agent (a subprocess speaking the openai client) trains one step; a
     crashing agent command marks its trajectories failed, logs one line per rollout naming its
-    task, rollout, session and agent log, and the run goes on."""
+    task, rollout, session and agent log (a held-out task by its index), and the run goes on."""
     config = tiny_config(tmp_path / "run", "--max_steps", "1", "--tasks.eval_size", "0",
                          "--agent.command", json.dumps(["python", str(EXAMPLE_AGENT)]),
                          "--agent.max_turns", "2", "--model.max_model_len", "2048")
@@ -163,7 +163,7 @@ async def test_command_agent_and_crashing_agent(tmp_path, caplog):
         assert statuses == ["finished"] * 4, group.trajectories[0].error
         assert all(t.completions for t in group.trajectories)
     crashing = json.dumps([sys.executable, "-c", "raise SystemExit(3)"])
-    crash = tiny_config(tmp_path / "crash", "--max_steps", "1", "--tasks.eval_size", "0",
+    crash = tiny_config(tmp_path / "crash", "--max_steps", "1", "--tasks.eval_size", "2",
                         "--agent.command", crashing)
     async with start_services(crash) as s:
         s.admit()
@@ -177,6 +177,12 @@ async def test_command_agent_and_crashing_agent(tmp_path, caplog):
             f"agent_logs/task{batch[0]:06d}_r{t.rollout_index}.log" for t in group.trajectories)
         metrics = await s.train(batch)
         assert metrics["num_loss_tokens"] == 0 and s.trainer.step == 0
+        assert (await s.evaluate())["eval_accuracy"] == 0.0  # held-out tasks by their own index
+        lines = sorted(m for m in (r.getMessage() for r in caplog.records)
+                       if m.startswith("held-out task "))
+        assert [line.split(" (session")[0] for line in lines] == [
+            "held-out task 0", "held-out task 1"], lines
+        assert lines[0].endswith("failed; agent log agent_logs/eval0000.log"), lines
 
 
 @pytest.mark.parametrize("on_timeout", ["finalize", "redispatch"])
