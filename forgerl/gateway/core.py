@@ -679,8 +679,10 @@ class Gateway:
         yield out
 
     def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
-        text = self.renderer.decode([token_id])
-        return TokenLogprob(text, logprob, tuple(text.encode()))
+        """The token's own bytes (`Renderer.token_bytes`); its text shows bytes that are not
+        whole UTF-8 characters as escapes ("\\xc3"), never U+FFFD."""
+        raw = self.renderer.token_bytes(token_id)
+        return TokenLogprob(raw.decode(errors="backslashreplace"), logprob, tuple(raw))
 
     async def record(self, session: Session, conv: Conversation, tools: tuple[Tool, ...],
                      plan: PromptPlan, choices: list[Choice]) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -84,6 +85,15 @@ def tools_section(tools: Sequence[Tool]) -> str:
     return TOOLS_HEADER + "\n".join(sigs) + TOOLS_FOOTER
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed (character -> byte): printable Latin-1 bytes stand
+    for themselves, the other 68 bytes for U+0100 on, in byte order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
 class Renderer:
     """Messages (+ tools) <-> token ids in one chat format, and the tool-call format that goes
     with it (`parser`). Subclasses set `tokenizer`, `parser`, `end_of_turn_id` (the id the
@@ -131,6 +141,24 @@ class Renderer:
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids (for parsing and the client only)."""
         raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for, which may be part of a UTF-8 character (the
+        `bytes` of an OpenAI logprob, from which split characters are rebuilt): a byte-level
+        BPE token's own bytes (GPT-2's alphabet: SmolLM2's "Ã©" is [0xC3, 0xA9]), a
+        byte-fallback "<0xNN>" token's byte, else its text decoded alone, as UTF-8."""
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(token, str) and (m := re.fullmatch("<0x([0-9A-Fa-f]{2})>", token)):
+            return bytes([int(m[1], 16)])
+        table = _byte_decoder()
+        if self._byte_level and isinstance(token, str) and all(c in table for c in token):
+            return bytes(table[c] for c in token)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel"
 
     def render(self, messages: Sequence[Message], tools: Sequence[Tool] = (),
                add_generation_prompt: bool = True) -> list[int]:

@@ -103,14 +103,18 @@ def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer
     (rec,) = srv.pool.get_trajectory(tid).completions
     content = r.choices[0].logprobs.content
     assert [t.logprob for t in content] == rec.logprobs[:-1]  # <|im_end|> not returned
-    assert len(content) == 6 and [t.token for t in content][:1] == ["h"]
-    assert bytes(b for t in content if t.token != "\ufffd" for b in t.bytes) == b"hllo"
+    # each token's own bytes: "é" is split over two byte tokens, shown escaped, never U+FFFD
+    assert [t.token for t in content] == ["h", "\\xc3", "\\xa9", "l", "l", "o"]
+    assert [t.bytes for t in content] == [[104], [0xC3], [0xA9], [108], [108], [111]]
+    assert bytes(b for t in content for b in t.bytes).decode() == "héllo"
     assert all(t.top_logprobs == [] for t in content)
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, logprobs=True,
                                                  stream=True))
     streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]
     assert streamed == rec.logprobs[:-1]
+    assert [t.bytes for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content] == [t.bytes for t in content]
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

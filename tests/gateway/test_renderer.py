@@ -172,3 +172,31 @@ def _smollm2_renderer() -> ChatMLRenderer:
     from transformers import AutoTokenizer
 
     return ChatMLRenderer(AutoTokenizer.from_pretrained(SMOLLM2))
+
+
+@pytest.mark.smollm2
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=60))
+def test_token_bytes_join_to_the_text(text):
+    """`Renderer.token_bytes` (an OpenAI logprob's `bytes`) gives each token's own bytes, so
+    the tokens of any text, emoji and split characters included, join to its UTF-8 bytes; on
+    SmolLM2's byte-level BPE and on the byte tokenizer, where "é" is two tokens [0xC3], [0xA9].
+    (SmolLM2 drops bytes its vocabulary lacks, such as 0xF1 of U+40000: no text to join to.)"""
+    if not SMOLLM2.exists():
+        pytest.skip(f"SmolLM2 cache {SMOLLM2} absent (run the set-up script)")
+    from forgerl.models import build_byte_tokenizer
+
+    for r in (_smollm2_renderer(), ChatMLRenderer(build_byte_tokenizer())):
+        text_ids = r.encode(text)
+        if r.decode(text_ids) == text:  # SmolLM2's vocabulary lacks a few bytes (0xF1)
+            assert b"".join(r.token_bytes(i) for i in text_ids) == text.encode()
+        assert r.token_bytes(r.end_of_turn_id) == b"<|im_end|>"
+    byte = ChatMLRenderer(build_byte_tokenizer())
+    assert [byte.token_bytes(i) for i in byte.encode("é")] == [b"\xc3", b"\xa9"]
+
+
+@functools.cache
+def _smollm2_renderer() -> ChatMLRenderer:
+    from transformers import AutoTokenizer
+
+    return ChatMLRenderer(AutoTokenizer.from_pretrained(SMOLLM2))

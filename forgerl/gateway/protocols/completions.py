@@ -193,7 +193,8 @@ def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> Com
 
 def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
     """`logprobs` of a choice: every kept sampled id (end-of-turn included) with its recorded
-    logprob, its text (decoded alone; a special token spelled out) and its character offset
+    logprob, its text (its own bytes, `Renderer.token_bytes`, with bytes that are no whole
+    UTF-8 character escaped as "\\xc3"; a special token spelled out) and its character offset
     in the decoded completion (which may run past `text` when a stop string cut it).
 
     A token decoded alone is exact for byte-level vocabularies; where it is not (a UTF-8
@@ -204,7 +205,7 @@ def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
     full = renderer.decode(ids)
     tokens, offsets, pos = [], [], 0
     for k, i in enumerate(ids):
-        tokens.append(renderer.tokenizer.decode([i], skip_special_tokens=False))
+        tokens.append(renderer.token_bytes(i).decode(errors="backslashreplace"))
         offsets.append(pos)
         alone = renderer.decode([i])
         if full.startswith(alone, pos):
