@@ -66,8 +66,9 @@ from pathlib import Path
 # and to 8,875 for a third: the floor counts </think> text where it is rendered, error params
 # name the deepest real field, and a Responses stream fails with a Responses error event,
 # and to 8,900 for the engine's decode attention without enable_gqa (CPU bf16: 4-6x slower),
-# and to 8,925 for messages missing a required field as 400s (they were rendered as empty).
-MAX_LINES = 8925
+# and to 8,925 for messages missing a required field as 400s (they were rendered as empty),
+# and to 8,950 for logprob bytes of tokens that split a character (they were U+FFFD's).
+MAX_LINES = 8950
 ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 
 
