@@ -56,7 +56,7 @@ from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
 from forgerl.gateway.errors import GatewayError, context_exceeded, unsupported
 from forgerl.gateway.group_commit import GroupCommit
-from forgerl.gateway.renderer import Renderer
+from forgerl.gateway.renderer import Renderer, token_text
 from forgerl.gateway.replies import (
     IncrementalDecoder,
     ReplyStream,
@@ -679,10 +679,9 @@ class Gateway:
         yield out
 
     def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
-        """The token's own bytes (`Renderer.token_bytes`); its text shows bytes that are not
-        whole UTF-8 characters as escapes ("\\xc3"), never U+FFFD."""
+        """The token's own bytes (`Renderer.token_bytes`) and their text (`token_text`)."""
         raw = self.renderer.token_bytes(token_id)
-        return TokenLogprob(raw.decode(errors="backslashreplace"), logprob, tuple(raw))
+        return TokenLogprob(token_text(raw), logprob, tuple(raw))
 
     async def record(self, session: Session, conv: Conversation, tools: tuple[Tool, ...],
                      plan: PromptPlan, choices: list[Choice]) -> None:

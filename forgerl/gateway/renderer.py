@@ -85,6 +85,15 @@ def tools_section(tools: Sequence[Tool]) -> str:
     return TOOLS_HEADER + "\n".join(sigs) + TOOLS_FOOTER
 
 
+BYTE_FALLBACK = re.compile("<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+def token_text(raw: bytes) -> str:
+    """A token's bytes (`Renderer.token_bytes`) as the text of its logprob entry: UTF-8, with
+    bytes that are no whole character escaped ("\\xc3"), never U+FFFD."""
+    return raw.decode(errors="backslashreplace")
+
+
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed (character -> byte): printable Latin-1 bytes stand
@@ -148,11 +157,12 @@ class Renderer:
         BPE token's own bytes (GPT-2's alphabet: SmolLM2's "Ã©" is [0xC3, 0xA9]), a
         byte-fallback "<0xNN>" token's byte, else its text decoded alone, as UTF-8."""
         token = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(token, str) and (m := re.fullmatch("<0x([0-9A-Fa-f]{2})>", token)):
-            return bytes([int(m[1], 16)])
-        table = _byte_decoder()
-        if self._byte_level and isinstance(token, str) and all(c in table for c in token):
-            return bytes(table[c] for c in token)
+        if isinstance(token, str):
+            if m := BYTE_FALLBACK.fullmatch(token):
+                return bytes([int(m[1], 16)])
+            table = _byte_decoder()
+            if self._byte_level and all(c in table for c in token):
+                return bytes(table[c] for c in token)
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @functools.cached_property

@@ -49,7 +49,7 @@ from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.core import Choice, Delta, Result, Started, refuse_surely_too_long
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
 from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
-from forgerl.gateway.renderer import Renderer
+from forgerl.gateway.renderer import Renderer, token_text
 from forgerl.gateway.sessions import PromptPlan, Session
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -193,9 +193,9 @@ def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> Com
 
 def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
     """`logprobs` of a choice: every kept sampled id (end-of-turn included) with its recorded
-    logprob, its text (its own bytes, `Renderer.token_bytes`, with bytes that are no whole
-    UTF-8 character escaped as "\\xc3"; a special token spelled out) and its character offset
-    in the decoded completion (which may run past `text` when a stop string cut it).
+    logprob, its text (`renderer.token_text` of its own bytes; a special token spelled out) and
+    its character offset in the decoded completion (which may run past `text` when a stop
+    string cut it).
 
     A token decoded alone is exact for byte-level vocabularies; where it is not (a UTF-8
     character split over tokens, SentencePiece word starts) its end comes from decoding the
@@ -205,7 +205,7 @@ def token_logprobs(renderer: Renderer, c: Choice) -> dict[str, Any]:
     full = renderer.decode(ids)
     tokens, offsets, pos = [], [], 0
     for k, i in enumerate(ids):
-        tokens.append(renderer.token_bytes(i).decode(errors="backslashreplace"))
+        tokens.append(token_text(renderer.token_bytes(i)))
         offsets.append(pos)
         alone = renderer.decode([i])
         if full.startswith(alone, pos):
