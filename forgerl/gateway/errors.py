@@ -104,12 +104,13 @@ def parse_body(raw: bytes, schema: type[M]) -> M:
     try:
         return schema.model_validate_json(raw or b"{}", strict=True)
     except ValidationError as e:
-        err = e.errors()[0]
-        if err.get("type") == "json_invalid" and (fixed := _without_lone_surrogates(raw)):
-            return parse_body(fixed, schema)
-        param = None
-        if err.get("type") != "json_invalid":
-            err, param = first_error(e.errors(), _tree(raw))
+        errors = e.errors()
+        err, param = errors[0], None
+        if err.get("type") == "json_invalid":
+            if fixed := _without_lone_surrogates(raw):
+                return parse_body(fixed, schema)
+        else:
+            err, param = first_error(errors, _tree(raw))
         kind = err.get("type", "")
         if kind == "extra_forbidden":
             raise GatewayError(400, f"Unrecognized request argument supplied: {param}",
