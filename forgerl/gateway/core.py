@@ -563,7 +563,7 @@ class Gateway:
                 logprobs=list(out.logprobs[:k]), weight_versions=list(out.weight_versions[:k]),
                 weight_version=call.weight_version, finish_reason=finish, sampling=p,
                 started_at=call.started_at, ended_at=ended_at,
-                extends_previous=call.plan.extends_previous)
+                extends_previous=call.plan.extends_previous, retry=call.conv.retry)
             choices.append(Choice(i, completion, reply,
                                   self.token_logprobs(completion) if call.conv.logprobs else None,
                                   tuple(errors)))

@@ -23,8 +23,8 @@ The extension check is done here token-for-token, independent of the gateway's
 `extends_previous` flag, and every branch is counted (never silently patched).
 
 Before advantages, `drop_retry_orphans` removes the turns an SDK retry superseded (CASES.md
-C17): the client timed out on call R1, re-sent it and continued from the second answer, so the
-first answer is no part of what the agent did.
+C17): the client timed out on call R1, re-sent it (marked as a retry) and continued from the
+second answer, so the first answer is no part of what the agent did.
 """
 
 from __future__ import annotations
@@ -111,11 +111,13 @@ def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
 def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
     """`traj` without its retry orphans, and how many turns were dropped (CASES.md C17).
 
-    Turn k is a retry orphan when a later call (another `started_at`, so not a sibling choice
-    of the same n > 1 call) sent the same prompt_ids, and no later turn's prompt extends turn
-    k's prompt + completion (the agent never continued from it), or a later retry sampled the
-    very same ids (an SDK re-sends the request with its seed: the agent continued from "both").
-    Of identical retries the latest call is kept. `turn_rewards` and `events` lose the orphans'
+    Turn k is a retry orphan when a later call that its client marked as a retry
+    (`Completion.retry` > 0) sent the same prompt_ids, and no later turn's prompt extends turn
+    k's prompt + completion (the agent never continued from it), or that retry sampled the very
+    same ids (an SDK re-sends the request with its seed: the agent continued from "both"). Of
+    identical retries the latest call is kept. Calls with the same prompt that no client marked
+    as a retry (an agent sampling several answers at once or one after another, or the sibling
+    choices of one n > 1 call) are all kept. `turn_rewards` and `events` lose the orphans'
     entries (events are re-indexed to the kept turns). Returns `traj` itself when nothing is
     dropped.
     """
@@ -124,8 +126,8 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
     for k, turn in enumerate(turns):
         done = turn.prompt_ids + turn.completion_ids
         later = turns[k + 1 :]
-        retries = [t for t in later
-                   if t.prompt_ids == turn.prompt_ids and t.started_at != turn.started_at]
+        retries = [t for t in later if t.retry > 0 and t.prompt_ids == turn.prompt_ids
+                   and t.started_at != turn.started_at]
         duplicate = any(t.completion_ids == turn.completion_ids for t in retries)
         if retries and (duplicate or not any(_extends(done, t.prompt_ids) for t in later)):
             orphans.add(k)
