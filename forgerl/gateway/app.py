@@ -25,8 +25,8 @@ import contextlib
 import logging
 import secrets
 import socket
-from dataclasses import replace
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import uvicorn
