@@ -158,12 +158,13 @@ class ReplyStream:
     `<tool_call>` is held back; a `<tool_call>` block is held until it closes, then comes out as
     one `ToolCall` when it parses and as text when it does not (or never closes). When tools are
     parsed, whitespace at the end of the content is held back and dropped once a call is found,
-    as the non-streamed reply strips it. `stopped` turns True when a stop or close string
-    completes: everything after it is dropped and the caller stops the engine.
+    as the non-streamed reply strips it (and line breaks that start content after a call).
+    `stopped` turns True when a stop or close string completes: everything after it is dropped
+    and the caller stops the engine.
 
     The content deltas join to the non-streamed reply's content for any chunking of the same
-    text; the one exception is whitespace at the very start of content that comes before a tool
-    call (already sent when the call appears; the non-streamed reply strips it; sessions compare
+    text; the one exception is line breaks at the very start of content that comes before a tool
+    call (already sent when the call appears; the non-streamed reply strips them; sessions compare
     stripped content, so TITO reuse is unaffected).
     """
 
@@ -246,7 +247,7 @@ class ReplyStream:
         if self.declared is not None:
             piece = self._ws + piece
             if not self.content and self.calls:
-                piece = piece.lstrip()
+                piece = piece.lstrip("\r\n")
             body = piece.rstrip()
             piece, self._ws = body, piece[len(body) :]
             if not piece:

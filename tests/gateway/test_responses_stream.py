@@ -153,7 +153,7 @@ def test_streamed_record_and_response_equal_the_plain_ones(serve, tokenizer, tex
     if text == ZERO_ARGS and "max_output_tokens" not in kw:  # C14: the call, then the text
         assert [(o["type"], o.get("arguments")) for o in final["output"]] == [
             ("function_call", "{}"), ("message", None)]
-        assert final["output"][1]["content"][0]["text"] == "All done."
+        assert final["output"][1]["content"][0]["text"] == " All done."
 
 
 def test_previous_response_id_continues_a_streamed_response(serve, tokenizer):

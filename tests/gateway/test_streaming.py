@@ -152,7 +152,7 @@ def test_c14_zero_argument_call_streams_like_the_plain_one(serve, tokenizer, cal
     assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
         (c.function.name, c.function.arguments) for c in plain.message.tool_calls or ()]
     assert got["calls"] == [{"id": got["calls"][0]["id"], "name": "get_time", "arguments": "{}"}]
-    assert got["finish"] == "tool_calls" and got["content"] == "All done."
+    assert got["finish"] == "tool_calls" and got["content"] == " All done."
 
 
 def test_c14_zero_argument_call_then_a_call_with_arguments(serve, tokenizer):
