@@ -164,8 +164,34 @@ def test_c14_zero_argument_call_then_a_call_with_arguments(serve, tokenizer):
     assert_same_record(a, b)
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"]] == [
         ("get_time", {}), ("lookup", {"id": 7})]
-    assert got["calls"][0]["arguments"] == "{}" and got["content"] == ""
+    assert got["calls"][0]["arguments"] == "{}" and got["content"] == ""  # no content delta
     assert plain.message.content is None and got["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> All done.',
+    'Let me see.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    "no call at all",
+], ids=["tool-only", "call-then-text", "text-then-call", "text"])
+def test_the_sdks_stream_helper_reassembles_the_plain_message(serve, tokenizer, text):
+    """The openai SDK's own accumulator (`chat.completions.stream`) rebuilds the plain
+    message: content null for a tool-only reply (the role chunk opens with content null when a
+    call comes first), the text otherwise, and the same calls."""
+    r = ChatMLRenderer(tokenizer)
+    scripted = reply(r, text)
+    srv = serve(ScriptedEngine([scripted, scripted]), tokenizer)
+    _, key_a = srv.session(task_index=0)
+    _, key_b = srv.session(task_index=1)
+    kw = {"model": "tiny", "messages": USER, "tools": [GET_TIME, LOOKUP]}
+    plain = srv.client(key_a).chat.completions.create(**kw).choices[0]
+    with srv.client(key_b).chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.content == plain.message.content
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or ()] == [
+        (c.function.name, c.function.arguments) for c in plain.message.tool_calls or ()]
+    assert final.finish_reason == plain.finish_reason
+    assert (plain.message.content is None) == (text.startswith("<") and text.endswith(">"))
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 11, 12])

@@ -408,9 +408,11 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
                      "model": model, "choices": [] if choice is None else [choice], **extra})
 
     def delta(i: int, d: dict[str, Any], finish: str | None = None, lp: Any = None) -> str:
-        head = "" if i in opened else chunk({"index": i, "delta": {"role": "assistant",
-                                             "content": ""}, "finish_reason": None,
-                                             "logprobs": None})
+        # the role opens with content null when a tool call comes first (as OpenAI's API
+        # sends it), so that a reassembled tool-only reply has content null as the plain one
+        opening = {"role": "assistant", "content": None if "tool_calls" in d else ""}
+        head = "" if i in opened else chunk({"index": i, "delta": opening,
+                                             "finish_reason": None, "logprobs": None})
         opened.add(i)
         return head + chunk({"index": i, "delta": d, "finish_reason": finish, "logprobs": lp})
 
