@@ -189,10 +189,12 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None
 def retried(request: Request, conv: Conversation) -> Conversation:
     """`conv` with the client's retry attempt: the `x-stainless-retry-count` header that the
     openai and anthropic SDKs send with every request (0 on the first send, k on the k-th
-    retry after a timeout or a 5xx). Absent or not a count: 0. `samples.drop_retry_orphans`
-    drops an earlier answer to the same prompt only when a retry superseded it (C17)."""
+    retry after a timeout or a 5xx). Absent or not a count of at most 9 ASCII digits: 0.
+    `samples.drop_retry_orphans` drops an earlier answer to the same prompt only when a retry
+    superseded it (C17)."""
     header = request.headers.get("x-stainless-retry-count", "")
-    return replace(conv, retry=int(header)) if header.isdigit() and header != "0" else conv
+    count = int(header) if header.isascii() and header.isdigit() and len(header) <= 9 else 0
+    return replace(conv, retry=count) if count else conv
 
 
 async def unless_disconnected(

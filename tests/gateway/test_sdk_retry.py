@@ -189,3 +189,21 @@ def test_answers_sampled_at_once_through_the_gateway_are_all_trained(serve, toke
     batch = Trainer(tiny_model, device="cpu").prepare([Group(0, [traj, other])])
     assert batch.metrics["retry_orphans"] == 0.0
     assert batch.metrics["num_samples"] == 5.0
+
+
+def test_a_retry_count_that_is_no_small_count_is_recorded_as_0(serve, tokenizer):
+    """Header values that are not 1-9 ASCII digits (negative, text, a fraction, the Latin-1
+    superscript two, 10,000 digits) answer 200 and record retry 0; "2" records 2."""
+    import httpx
+
+    r = ChatMLRenderer(tokenizer)
+    values = [b"-1", b"abc", b"1.5", b"\xb2", b"9" * 10_000, b"2"]
+    srv = serve(ScriptedEngine([reply(r, "4") for _ in values]), tokenizer)
+    tid, key = srv.session()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "?"}]}
+    for v in values:
+        answer = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=30,
+                            headers={"authorization": f"Bearer {key}",
+                                     "x-stainless-retry-count": v})
+        assert answer.status_code == 200, answer.text
+    assert [c.retry for c in srv.pool.get_trajectory(tid).completions] == [0] * 5 + [2]
