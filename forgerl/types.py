@@ -70,9 +70,6 @@ class Completion:
     sampling: the params used. started_at / ended_at: wall-clock seconds (time.time()).
     token_exact: False when ids were not available token-exact; such turns never enter the loss.
     extends_previous: True when prompt_ids extend the previous turn's prompt + completion.
-    retry: the client's retry attempt of this call (its SDK's `x-stainless-retry-count` header,
-    sent by the openai and anthropic SDKs and what is built on them); 0 for a first send or a
-    client that does not say (`samples.drop_retry_orphans`).
     """
 
     prompt_ids: list[int]
@@ -86,7 +83,6 @@ class Completion:
     ended_at: float = 0.0
     token_exact: bool = True
     extends_previous: bool = False
-    retry: int = 0
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.logprobs):
@@ -113,6 +109,11 @@ class Event:
     turn: int
     kind: str
     value: float = 1.0
+
+
+UNDELIVERED = "undelivered"
+"""Event kind the gateway puts on a turn whose client left while the turn was being recorded
+(it never received the answer): `samples.drop_retry_orphans` keeps such turns out of training."""
 
 
 @dataclass

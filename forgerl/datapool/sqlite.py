@@ -85,7 +85,6 @@ CREATE TABLE IF NOT EXISTS completions (
     ended_at REAL NOT NULL,
     token_exact INTEGER NOT NULL,
     extends_previous INTEGER NOT NULL,
-    retry INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (trajectory_id, turn)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -149,9 +148,6 @@ class SQLitePool:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
-            columns = {r[1] for r in db.execute("PRAGMA table_info(completions)")}
-            if "retry" not in columns:  # a pool written before `Completion.retry`
-                db.execute("ALTER TABLE completions ADD COLUMN retry INTEGER NOT NULL DEFAULT 0")
 
     # ---- plumbing -----------------------------------------------------------------------------
 
@@ -263,11 +259,11 @@ class SQLitePool:
         turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
                           (trajectory_id,)).fetchone()[0]
         db.execute(
-            "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
              _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
              c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
-             int(c.token_exact), int(c.extends_previous), c.retry),
+             int(c.token_exact), int(c.extends_previous)),
         )
         return turn
 
@@ -511,15 +507,15 @@ class SQLitePool:
         tid, task_index, rollout_index, status, reward, turn_rewards, error, start, end = row
         rows = self._read(
             "SELECT prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
-            " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous,"
-            " retry FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
+            " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous"
+            " FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
         completions = [
             Completion(
                 prompt_ids=_unpack(r[0], "i"), completion_ids=_unpack(r[1], "i"),
                 logprobs=_unpack(r[2], "d"), weight_versions=_unpack(r[3], "q"),
                 weight_version=r[4], finish_reason=r[5], sampling=_sampling_from_json(r[6]),
                 started_at=r[7], ended_at=r[8], token_exact=bool(r[9]),
-                extends_previous=bool(r[10]), retry=r[11],
+                extends_previous=bool(r[10]),
             )
             for r in rows
         ]

@@ -26,7 +26,6 @@ import logging
 import secrets
 import socket
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -36,7 +35,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forgerl.gateway.conversation import Conversation
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError, parse_body
 from forgerl.gateway.protocols import anthropic, chat, completions, responses
@@ -186,17 +184,6 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None
 # ---- the app -------------------------------------------------------------------------------
 
 
-def retried(request: Request, conv: Conversation) -> Conversation:
-    """`conv` with the client's retry attempt: the `x-stainless-retry-count` header that the
-    openai and anthropic SDKs send with every request (0 on the first send, k on the k-th
-    retry after a timeout or a 5xx). Absent or not a count of at most 9 ASCII digits: 0.
-    `samples.drop_retry_orphans` drops an earlier answer to the same prompt only when a retry
-    superseded it (C17)."""
-    header = request.headers.get("x-stainless-retry-count", "")
-    count = int(header) if header.isascii() and header.isdigit() and len(header) <= 9 else 0
-    return replace(conv, retry=count) if count else conv
-
-
 async def unless_disconnected(
     request: Request, call: Coroutine[Any, Any, R], counters: dict[str, int]
 ) -> R:
@@ -306,7 +293,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
         req, conversation = chat.parse(await request.body())
-        conversation = retried(request, conversation)
         if req.stream:
             return chat.respond_stream(req, gateway.stream(session, conversation))
         result = await unless_disconnected(request, gateway.complete(session, conversation),
@@ -320,7 +306,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = await request.body()
         with gateway.active(session):  # a prompt surely over max_model_len: C09's event
             call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len)
-        call = replace(call, conversation=retried(request, call.conversation))
         if call.request.stream:
             return completions.respond_stream(
                 call, gateway.stream(session, call.conversation, call.plan), gateway.renderer)
@@ -333,7 +318,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         """Anthropic Messages (plain or SSE), recorded token-in-token-out."""
         session = authenticate_key(gateway, request.headers)
         req, conversation = anthropic.parse(await request.body())
-        conversation = retried(request, conversation)
         if req.stream:
             return anthropic.respond_stream(req, conversation,
                                             gateway.stream(session, conversation), gateway)
@@ -352,7 +336,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         """OpenAI Responses (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
         req, conversation = responses.parse(await request.body(), session)
-        conversation = retried(request, conversation)
         if req.stream:
             return responses.respond_stream(req, session, gateway.stream(session, conversation))
         result = await unless_disconnected(request, gateway.complete(session, conversation),

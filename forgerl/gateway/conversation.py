@@ -113,8 +113,7 @@ class Conversation:
     none: > 0 is refused).
     param_names: this protocol's name for an internal field, used as the `param` of errors the
     core raises (e.g. {"stop": "stop_sequences"}); fields not listed keep their internal name,
-    which is the Chat Completions name. retry: the client's retry attempt of this request
-    (recorded as `Completion.retry`; set from the HTTP header by the app).
+    which is the Chat Completions name.
     """
 
     model: str
@@ -127,7 +126,6 @@ class Conversation:
     logprobs: bool = False
     top_logprobs: int = 0
     param_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    retry: int = 0
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

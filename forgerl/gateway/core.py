@@ -65,7 +65,7 @@ from forgerl.gateway.replies import (
 )
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore, Turn
 from forgerl.gateway.tool_parsers import HeldReply
-from forgerl.types import Completion, GenerateOutput, SamplingParams
+from forgerl.types import UNDELIVERED, Completion, GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
     from forgerl.gateway.app import GatewayServer
@@ -563,7 +563,7 @@ class Gateway:
                 logprobs=list(out.logprobs[:k]), weight_versions=list(out.weight_versions[:k]),
                 weight_version=call.weight_version, finish_reason=finish, sampling=p,
                 started_at=call.started_at, ended_at=ended_at,
-                extends_previous=call.plan.extends_previous, retry=call.conv.retry)
+                extends_previous=call.plan.extends_previous)
             choices.append(Choice(i, completion, reply,
                                   self.token_logprobs(completion) if call.conv.logprobs else None,
                                   tuple(errors)))
@@ -691,9 +691,13 @@ class Gateway:
 
         Each tool-call parse error of a choice is a process event on its turn (kind
         `tool_error_kind`: "undeclared_tool" or "invalid_tool_call"), which `[reward] process`
-        may weight. Raises GatewayError 409 when the pool refuses (the trajectory ended
-        meanwhile); nothing of the call is recorded then.
+        may weight. A call cancelled during the commit (its client left) is still recorded,
+        and its turns get an `UNDELIVERED` event: the client never saw them (C17). Raises
+        GatewayError 409 when the pool refuses (the trajectory ended meanwhile); nothing of the
+        call is recorded then.
         """
+        gone = False
+
         def committed(turns: list[int]) -> None:
             for c in choices:
                 self.counters["completion_tokens"] += len(c.completion.completion_ids)
@@ -704,11 +708,17 @@ class Gateway:
             session.record([Turn(conv.messages, tools, c.completion.prompt_ids,
                                  c.completion.completion_ids, c.reply, plan.parent)
                             for c in choices], plan.extends_previous)
+            for turn in turns if gone else ():
+                with contextlib.suppress(KeyError, ValueError):  # the trajectory ended
+                    self.pool.add_event(session.trajectory_id, UNDELIVERED, turn=turn)
 
         try:
             await self.commits.record(
                 session.trajectory_id, [c.completion for c in choices],
                 [[tool_error_kind(e) for e in c.tool_errors] for c in choices], committed)
+        except asyncio.CancelledError:
+            gone = True
+            raise
         except (KeyError, ValueError) as e:
             raise GatewayError(409, f"trajectory {session.trajectory_id} takes no "
                                f"completions: {e}", "trajectory_not_running") from e

@@ -23,15 +23,16 @@ The extension check is done here token-for-token, independent of the gateway's
 `extends_previous` flag, and every branch is counted (never silently patched).
 
 Before advantages, `drop_retry_orphans` removes the turns an SDK retry superseded (CASES.md
-C17): the client timed out on call R1, re-sent it (marked as a retry) and continued from the
-second answer, so the first answer is no part of what the agent did.
+C17): the client timed out on call R1 while its answer was being recorded (the gateway marks
+that turn undelivered), re-sent it and continued from the second answer, so the first answer
+is no part of what the agent did.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from forgerl.types import Completion, Sample, Trajectory
+from forgerl.types import UNDELIVERED, Completion, Sample, Trajectory
 
 
 @dataclass
@@ -111,26 +112,15 @@ def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
 def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
     """`traj` without its retry orphans, and how many turns were dropped (CASES.md C17).
 
-    Turn k is a retry orphan when a later call that its client marked as a retry
-    (`Completion.retry` > 0) sent the same prompt_ids, and no later turn's prompt extends turn
-    k's prompt + completion (the agent never continued from it), or that retry sampled the very
-    same ids (an SDK re-sends the request with its seed: the agent continued from "both"). Of
-    identical retries the latest call is kept. Calls with the same prompt that no client marked
-    as a retry (an agent sampling several answers at once or one after another, or the sibling
-    choices of one n > 1 call) are all kept. `turn_rewards` and `events` lose the orphans'
-    entries (events are re-indexed to the kept turns). Returns `traj` itself when nothing is
-    dropped.
+    A retry orphan is a turn the gateway marked `UNDELIVERED`: its client left (an SDK
+    timeout) while the answer was being recorded, so the agent never saw it and re-sent the
+    request; the retry's answer is what the agent continued from. Answers the agent did
+    receive are all kept, however often it sent the same prompt (samples to vote on, sibling
+    choices of an n > 1 call). `turn_rewards` and `events` lose the orphans' entries (events
+    are re-indexed to the kept turns). Returns `traj` itself when nothing is dropped.
     """
     turns = traj.completions
-    orphans = set()
-    for k, turn in enumerate(turns):
-        done = turn.prompt_ids + turn.completion_ids
-        later = turns[k + 1 :]
-        retries = [t for t in later if t.retry > 0 and t.prompt_ids == turn.prompt_ids
-                   and t.started_at != turn.started_at]
-        duplicate = any(t.completion_ids == turn.completion_ids for t in retries)
-        if retries and (duplicate or not any(_extends(done, t.prompt_ids) for t in later)):
-            orphans.add(k)
+    orphans = {e.turn for e in traj.events if e.kind == UNDELIVERED}
     if not orphans:
         return traj, 0
     keep = [k for k in range(len(turns)) if k not in orphans]

@@ -41,7 +41,6 @@ def make_completion(i: int) -> Completion:
         ended_at=1_700_000_001.987654321 + i,
         token_exact=i % 3 != 0,
         extends_previous=i % 2 == 1,
-        retry=i % 3,
     )
 
 
@@ -68,22 +67,6 @@ def test_completion_and_trajectory_round_trip_exactly(db_path):
     assert pool.get_task(3) == {"question": "2+2?", "answer": 4}
     pool.close()
     pool.close()  # idempotent
-
-
-def test_a_pool_written_before_the_retry_column_opens_and_reads_retry_0(db_path):
-    """A pool file from before `Completion.retry` (its completions table has no such column)
-    gains the column on open: old turns read retry 0, new turns keep theirs."""
-    pool = SQLitePool(db_path)
-    pool.add_task(0, {})
-    tid = pool.create_trajectory(0, 0)
-    pool.add_completion(tid, make_completion(1))
-    pool.close()
-    with sqlite3.connect(db_path) as db:
-        db.execute("ALTER TABLE completions DROP COLUMN retry")
-    pool = SQLitePool(db_path)
-    pool.add_completion(tid, make_completion(2))
-    assert [c.retry for c in pool.get_trajectory(tid).completions] == [0, 2]
-    pool.close()
 
 
 def test_wal_mode_and_full_sync(db_path):

@@ -1,11 +1,11 @@
 """An SDK retry must not split the trajectory (CASES.md C17).
 
-The client timed out on request R1 ([u1]) while the gateway still answered it (C1), re-sent R1
-(the SDK's `x-stainless-retry-count: 1`) and got C1', then continued with [u1, a1', tool r1] ->
-C2. Trained: C1' -> C2 only; C1 is counted as a retry orphan, and rewards / advantages cover
-C1' and C2. Sibling choices of one n > 1 call (same started_at) are not retries, a turn the
-agent continued from is kept, and so are answers to the same prompt that no client marked as a
-retry (an agent that samples several answers on purpose).
+The client timed out on request R1 ([u1]) while the gateway was recording its answer C1, re-sent
+R1 and got C1', then continued with [u1, a1', tool r1] -> C2. The gateway marks C1 undelivered
+(`UNDELIVERED` event: its client left during the commit); trained: C1' -> C2 only, C1 counted as
+a retry orphan, rewards / advantages cover C1' and C2. A client that leaves before the answer is
+ready cancels the call: nothing recorded. Answers the agent received are all trained, however
+often it sent the same prompt (samples to vote on, sibling choices of one n > 1 call).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from forgerl.gateway.renderer import ChatMLRenderer
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.samples import drop_retry_orphans, trajectory_to_samples
 from forgerl.trainer.trainer import Trainer
-from forgerl.types import Completion, Group, SamplingParams, Trajectory
+from forgerl.types import UNDELIVERED, Completion, Event, Group, SamplingParams, Trajectory
 
 from .conftest import ScriptedEngine, reply
 
@@ -30,26 +30,27 @@ P2 = P1 + C1B + INSERT  # extends C1', not C1
 C2 = [20, 99]
 
 
-def _turn(prompt, completion, started_at, retry=0):
+def _turn(prompt, completion, started_at):
     return Completion(prompt, completion, [-0.5] * len(completion), [0] * len(completion), 0,
-                      "stop", sampling=SamplingParams(temperature=1.0), started_at=started_at,
-                      retry=retry)
+                      "stop", sampling=SamplingParams(temperature=1.0), started_at=started_at)
 
 
-def _traj(tid, turns, reward, process=None):
-    return Trajectory(tid, 0, 0, turns, reward=reward, turn_rewards=process, status="finished")
+def _traj(tid, turns, reward, process=None, events=()):
+    return Trajectory(tid, 0, 0, turns, reward=reward, turn_rewards=process, status="finished",
+                      events=list(events))
 
 
-def test_the_retried_answer_is_dropped_with_its_process_reward():
-    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0, retry=1), _turn(P2, C2, 3.0)],
-                 1.0, process=[-0.3, 0.1, 0.2])
+def test_the_undelivered_answer_is_dropped_with_its_process_reward_and_events():
+    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0), _turn(P2, C2, 3.0)], 1.0,
+                 process=[-0.3, 0.1, 0.2],
+                 events=[Event(0, UNDELIVERED), Event(0, "invalid_tool_call"), Event(2, "x")])
     kept, dropped = drop_retry_orphans(traj)
     assert dropped == 1
     assert [t.completion_ids for t in kept.completions] == [C1B, C2]
-    assert kept.turn_rewards == [0.1, 0.2]
+    assert kept.turn_rewards == [0.1, 0.2] and kept.events == [Event(1, "x")]
     assert len(traj.completions) == 3  # the recorded trajectory is left as it was
-    # Group with a one-turn rollout of reward 0: outcome baseline 0.5, turn-0 process baseline
-    # mean(0.3, 0) = 0.15, turn 1 alone (baseline 0.2): advantages by hand.
+    # Group with a one-turn rollout of reward 0: outcome baseline 0.5, turn-0 process
+    # reward-to-go 0.1 + 0.2 against 0, baseline 0.15; turn 1 alone (baseline 0.2): by hand.
     other = _traj("o", [_turn(P1, [30, 99], 4.0)], 0.0)
     advs = trajectory_advantages([kept, other])
     assert advs == [[0.5 + 0.15, 0.5 + 0.0], [-0.5 - 0.15]]
@@ -58,68 +59,67 @@ def test_the_retried_answer_is_dropped_with_its_process_reward():
     assert sample.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
 
 
-def test_two_leaves_keep_the_latest_and_the_first_turn_retry_alone_is_fine():
-    kept, dropped = drop_retry_orphans(
-        _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0, retry=1)], 1.0))
-    assert dropped == 1
-    assert [t.completion_ids for t in kept.completions] == [C1B]
-    assert len(trajectory_to_samples(kept, [1.0])) == 1
-
-
-def test_an_identical_retry_is_trained_once():
+def test_an_identical_retry_is_trained_once_and_a_first_turn_retry_alone_is_fine():
     """The retried request carried its seed, so C1' == C1 and C2 extends both: C1 is still the
-    orphan, one sample C1' -> C2."""
+    orphan, one sample C1' -> C2. A session ending right after C1' trains C1' alone."""
     c2_prompt = P1 + C1 + INSERT
-    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1, 2.0, retry=1),
-                       _turn(c2_prompt, C2, 3.0)], 1.0)
+    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1, 2.0), _turn(c2_prompt, C2, 3.0)], 1.0,
+                 events=[Event(0, UNDELIVERED)])
     kept, dropped = drop_retry_orphans(traj)
     assert dropped == 1 and [t.started_at for t in kept.completions] == [2.0, 3.0]
     (sample,) = trajectory_to_samples(kept, [0.5, 0.5])
     assert sample.input_ids == c2_prompt + C2
+    kept, dropped = drop_retry_orphans(_traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0)], 1.0,
+                                             events=[Event(0, UNDELIVERED)]))
+    assert dropped == 1 and [t.completion_ids for t in kept.completions] == [C1B]
+    assert len(trajectory_to_samples(kept, [1.0])) == 1
 
 
-def test_sibling_choices_and_continued_turns_are_not_orphans():
-    siblings = _traj("n", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.0)], 1.0)  # one n=2 call
+def test_answers_the_agent_received_are_all_kept():
+    """Siblings of one n = 2 call, four calls with one prompt (some identical, at once or one
+    after another), a turn continued from and the same prompt asked again later: no orphan."""
+    siblings = _traj("n", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.0)], 1.0)
     assert drop_retry_orphans(siblings) == (siblings, 0)
-    # The agent continued from the first answer and later re-asked the first prompt: both used.
-    continued = _traj("c", [_turn(P1, C1B, 1.0), _turn(P2, C2, 2.0), _turn(P1, C1, 3.0, retry=1)],
-                      1.0)
+    asked = _traj("v", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.01), _turn(P1, C1, 1.02),
+                        _turn(P1, C1B, 5.0)], 1.0)
+    assert drop_retry_orphans(asked) == (asked, 0)
+    assert len(trajectory_to_samples(asked, [0.5] * 4)) == 4
+    continued = _traj("c", [_turn(P1, C1B, 1.0), _turn(P2, C2, 2.0), _turn(P1, C1, 3.0)], 1.0)
     assert drop_retry_orphans(continued) == (continued, 0)
 
 
-def test_answers_the_agent_asked_for_twice_are_all_kept():
-    """Four calls with one prompt, none a retry (sampled at once or one after another, some
-    identical): all four are trained; a later retry of the same prompt drops only the leaves
-    before it."""
-    asked = [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.01), _turn(P1, C1, 1.02), _turn(P1, C1B, 5.0)]
-    traj = _traj("v", asked, 1.0)
-    assert drop_retry_orphans(traj) == (traj, 0)
-    assert len(trajectory_to_samples(traj, [0.5] * 4)) == 4
-    kept, dropped = drop_retry_orphans(_traj("v", [*asked, _turn(P1, C1B, 9.0, retry=1)], 1.0))
-    assert dropped == 4 and [t.started_at for t in kept.completions] == [9.0]
+def test_a_timeout_during_the_commit_marks_the_turn_and_the_trainer_drops_it(serve, tokenizer,
+                                                                             tiny_model):
+    """Over HTTP with the openai SDK (timeout 0.5 s, one retry): the first answer's commit
+    takes 0.8 s, so the SDK gives up during it and re-sends; the agent continues from the
+    retry's answer. The pool holds all three turns, the first marked undelivered; the
+    trainer's batch holds C1' -> C2 as one sample and counts one retry orphan."""
+    from openai import OpenAI
 
-
-def test_a_resent_request_through_the_gateway_trains_one_trajectory(serve, tokenizer,
-                                                                    tiny_model):
-    """Over HTTP with the openai SDK: R1 sent twice (the gateway answered both), then turn 2.
-    The trainer's batch holds C1' -> C2 as one sample and counts one retry orphan."""
     r = ChatMLRenderer(tokenizer)
     first, retried, second = reply(r, "4"), reply(r, "5"), reply(r, "done")
     srv = serve(ScriptedEngine([first, retried, second]), tokenizer)
+    srv.gateway.commits.in_thread = True  # the loop sees the disconnect during the commit
+    record_calls, slow = srv.pool.record_calls, [0.8]
+
+    def slow_first(calls):
+        time.sleep(slow.pop() if slow else 0.0)
+        return record_calls(calls)
+
+    srv.pool.record_calls = slow_first
     tid, key = srv.session()
-    client = srv.client(key)
+    client = OpenAI(base_url=srv.base_url, api_key=key, max_retries=1, timeout=0.5)
     user = [{"role": "user", "content": "2+2?"}]
-    client.chat.completions.create(model="tiny", messages=user)
-    # the SDK's re-send, as it marks it (the first answer came after its timeout)
-    answer = client.chat.completions.create(model="tiny", messages=user,
-                                            extra_headers={"x-stainless-retry-count": "1"})
+    answer = client.chat.completions.create(model="tiny", messages=user)
+    assert answer.choices[0].message.content == "5"
     client.chat.completions.create(model="tiny", messages=[
         *user, answer.choices[0].message.model_dump(exclude_none=True),
         {"role": "user", "content": "sure?"}])
+    assert srv.gateway.counters["client_disconnects"] == 1
     srv.pool.finish_trajectory(tid, "finished", reward=1.0)
     traj = srv.pool.get_trajectory(tid)
     assert [c.completion_ids for c in traj.completions] == [first.ids, retried.ids, second.ids]
-    assert [c.retry for c in traj.completions] == [0, 1, 0]
+    assert traj.events == [Event(0, UNDELIVERED)]
     other = _traj("o", [_turn(traj.completions[0].prompt_ids, first.ids, 9.0)], 0.0)
     batch = Trainer(tiny_model, device="cpu").prepare([Group(0, [traj, other])])
     assert batch.metrics["retry_orphans"] == 1.0
@@ -132,10 +132,10 @@ def test_a_resent_request_through_the_gateway_trains_one_trajectory(serve, token
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-def test_a_real_sdk_timeout_and_retry_records_only_the_retry(serve, tokenizer, sdk):
+def test_a_timeout_before_the_answer_records_only_the_retry(serve, tokenizer, sdk):
     """The SDK's own timeout (0.5 s) and retry against an engine that takes 3 s on the first
     send: the gateway cancels the abandoned call (nothing recorded, the engine's generate
-    cancelled) and records the retry's answer with the attempt the SDK sent."""
+    cancelled) and records the retry's answer alone, unmarked."""
     import anthropic
     from openai import OpenAI
 
@@ -159,51 +159,34 @@ def test_a_real_sdk_timeout_and_retry_records_only_the_retry(serve, tokenizer, s
     while not engine.cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(engine.cancelled) == 1 and srv.gateway.counters["client_disconnects"] == 1
-    (turn,) = srv.pool.get_trajectory(tid).completions
-    assert turn.completion_ids == fast.ids and turn.retry == 1
+    traj = srv.pool.get_trajectory(tid)
+    assert [t.completion_ids for t in traj.completions] == [fast.ids] and traj.events == []
 
 
 def test_answers_sampled_at_once_through_the_gateway_are_all_trained(serve, tokenizer,
                                                                      tiny_model):
     """An agent sends one prompt four times at once (self-consistency voting) with the openai
-    SDK (no retry among them): four completions recorded, four samples, no retry orphan."""
+    SDK, then once more: five completions recorded, none marked, five samples trained."""
     r = ChatMLRenderer(tokenizer)
-    answers = [reply(r, t) for t in ("4", "4", "5", "4")]
+    answers = [reply(r, t) for t in ("4", "4", "5", "4", "4")]
     for a in answers:
         a.delay_s = 0.3
     srv = serve(ScriptedEngine(answers), tokenizer)
     tid, key = srv.session()
     client = srv.client(key)
-    user = [{"role": "user", "content": "2+2?"}]
-    threads = [threading.Thread(target=client.chat.completions.create,
-                                kwargs={"model": "tiny", "messages": user}) for _ in answers]
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "2+2?"}]}
+    threads = [threading.Thread(target=client.chat.completions.create, kwargs=kw)
+               for _ in answers[:4]]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    client.chat.completions.create(**kw)
     srv.pool.finish_trajectory(tid, "finished", reward=1.0)
     traj = srv.pool.get_trajectory(tid)
     assert sorted(c.completion_ids for c in traj.completions) == sorted(a.ids for a in answers)
-    assert [c.retry for c in traj.completions] == [0] * 4
+    assert traj.events == []
     other = _traj("o", [_turn(traj.completions[0].prompt_ids, answers[2].ids, 9.0)], 0.0)
     batch = Trainer(tiny_model, device="cpu").prepare([Group(0, [traj, other])])
     assert batch.metrics["retry_orphans"] == 0.0
-    assert batch.metrics["num_samples"] == 5.0
-
-
-def test_a_retry_count_that_is_no_small_count_is_recorded_as_0(serve, tokenizer):
-    """Header values that are not 1-9 ASCII digits (negative, text, a fraction, the Latin-1
-    superscript two, 10,000 digits) answer 200 and record retry 0; "2" records 2."""
-    import httpx
-
-    r = ChatMLRenderer(tokenizer)
-    values = [b"-1", b"abc", b"1.5", b"\xb2", b"9" * 10_000, b"2"]
-    srv = serve(ScriptedEngine([reply(r, "4") for _ in values]), tokenizer)
-    tid, key = srv.session()
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "?"}]}
-    for v in values:
-        answer = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=30,
-                            headers={"authorization": f"Bearer {key}",
-                                     "x-stainless-retry-count": v})
-        assert answer.status_code == 200, answer.text
-    assert [c.retry for c in srv.pool.get_trajectory(tid).completions] == [0] * 5 + [2]
+    assert batch.metrics["num_samples"] == 6.0
