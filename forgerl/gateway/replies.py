@@ -163,9 +163,7 @@ class ReplyStream:
     and the caller stops the engine.
 
     The content deltas join to the non-streamed reply's content for any chunking of the same
-    text; the one exception is line breaks at the very start of content that comes before a tool
-    call (already sent when the call appears; the non-streamed reply strips them; sessions compare
-    stripped content, so TITO reuse is unaffected).
+    text.
     """
 
     def __init__(self, prefix: str, stops: Sequence[str], closes: Sequence[str],

@@ -45,7 +45,7 @@ BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL
 @dataclass
 class ParsedReply:
     """content: the text outside valid tool calls (None when empty and calls were found; with
-    calls, leading line breaks and trailing whitespace stripped).
+    calls, trailing whitespace and line breaks that start text after a call stripped).
     tool_calls: `ToolCall`s (arguments JSON text), in reply order; ids "call_" + 24 hex digits
     (mistral: the model's 9-character id, else 9 random letters and digits).
     errors: one line per call kept as text."""
@@ -110,9 +110,10 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
     kept.append(text[pos:])
     for _ in range(sum(seg.count(CALL_OPEN) for seg in kept) - len(errors)):
         errors.append("unclosed <tool_call> (reply truncated?)")
-    # with calls: the line breaks that set the blocks apart and trailing whitespace go; a space
-    # that starts the text after a call is the model's (CASES.md C14: " All done.")
-    content = "".join(kept).lstrip("\r\n").rstrip() if calls else "".join(kept)
+    content = "".join(kept)
+    if calls:  # trailing whitespace goes, and line breaks that start text after a call; a
+        # space there is the model's (CASES.md C14: " All done.")
+        content = (content.lstrip("\r\n") if not kept[0].strip() else content).rstrip()
     return ParsedReply(content=content or (None if calls else ""), tool_calls=calls, errors=errors)
 
 

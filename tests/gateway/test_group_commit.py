@@ -37,6 +37,19 @@ def test_record_calls_is_one_transaction_with_a_savepoint_per_call(tmp_path):
     pool.close()
 
 
+def test_a_value_no_column_holds_fails_its_call_alone(tmp_path):
+    """A token id over int32 (OverflowError) in one call of the batch: that call gets the
+    error and nothing of it is recorded; the calls before and after it are."""
+    pool = SQLitePool(tmp_path / "pool.sqlite")
+    a, b, c = (pool.create_trajectory(0, i) for i in range(3))
+    bad = Completion([1, 2], [2**31, 9], [-0.1, -0.2], [0, 0], 0, "stop")
+    out = pool.record_calls([(a, [_completion(1)], [[]]), (b, [_completion(2), bad], [[], []]),
+                             (c, [_completion(3)], [[]])])
+    assert out[0] == [0] and out[2] == [0] and isinstance(out[1], OverflowError)
+    assert [len(pool.get_trajectory(t).completions) for t in (a, b, c)] == [1, 0, 1]
+    pool.close()
+
+
 def test_concurrent_calls_share_a_commit_and_a_refused_one_loses_nothing(tmp_path):
     pool = SQLitePool(tmp_path / "pool.sqlite")
     tids = [pool.create_trajectory(0, i) for i in range(20)]

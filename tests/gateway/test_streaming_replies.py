@@ -24,6 +24,10 @@ TEXTS = [
     "a <tool_call>broken</tool_call> b <tool_call> unclosed <tool_call>{\"name\": \"lookup\"}"
     "</tool_call> tail <tool_",
     "stop here: STOP and never this <tool_call>",
+    '\r\n\r\nHi<tool_call>{"name": "get_time"}</tool_call>',
+    '\n<tool_call>{"name": "get_time"}</tool_call>\n All\n<tool_call>{"name": "get_time"}'
+    '</tool_call> \t\n',
+    '  <tool_call>{"name": "get_time"}</tool_call>\r\n\u00a0x ',
     "ends with a partial ST",
 ]
 
