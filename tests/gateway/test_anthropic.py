@@ -371,3 +371,28 @@ def test_forcing_a_tool_without_tools_names_it_in_anthropic_words(serve, tokeniz
     assert e.value.body["error"]["message"] == (
         "tool_choice: forces a tool call, but the request declares no tools")
     assert srv.pool.get_trajectory(tid).completions == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_around_a_tool_call_sent_back_extends_the_recorded_turn(serve, tokenizer, renderer,
+                                                                      stream):
+    """"Hi <call> bye": plain gives one text block before the tool_use, the stream gives the
+    blocks in generation order (text, tool_use, text). Either sent back with its tool_result
+    extends turn 1 token for token: an assistant message's text blocks join with nothing."""
+    srv, tid, c = served(serve, tokenizer, renderer, [f"Hi {CALL} bye", "ok"])
+    kw = {"model": "tiny", "max_tokens": 400, "tools": [TOOL]}
+    if stream:
+        with c.messages.stream(messages=USER, **kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = c.messages.create(messages=USER, **kw)
+    texts = [b.text for b in msg.content if b.type == "text"]
+    assert texts == (["Hi", "  bye"] if stream else ["Hi  bye"])
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    c.messages.create(messages=[*USER, {"role": "assistant", "content": [
+        b.model_dump(exclude_none=True) for b in msg.content]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}], **kw)
+    first, second = srv.pool.get_trajectory(tid).completions
+    assert second.extends_previous
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+        first.prompt_ids + first.completion_ids)

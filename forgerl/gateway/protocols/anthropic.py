@@ -6,7 +6,8 @@ Data flow: POST /v1/messages body --`parse`--> (`MessagesRequest`, `Conversation
 _delta (`text_delta`, `input_json_delta`) / _stop, message_delta, message_stop).
 POST /v1/messages/count_tokens answers the next call's `input_tokens` and records nothing.
 
-Honoured: system (string or text blocks, joined by "\n"); content as a string or blocks text,
+Honoured: system (string or text blocks, joined by "\n"); content as a string or blocks text
+(an assistant's joined with nothing: its streamed reply splits its text around tool_use blocks),
 tool_use, tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML
 having no error slot), thinking (the internal `reasoning`; its signature kept as sent,
 unchecked); tools with input_schema; tool_choice auto / any / tool (both prefill a tool call) /
@@ -209,7 +210,7 @@ def _assistant(m: MessageIn, where: str) -> Message:
                    if isinstance(b, ThinkingBlock) else f"block {b.type!r} is not read")
             raise unsupported(f"{where}.content.{j}.type", why)
     t = thinking[0] if thinking else None
-    return Message("assistant", "\n".join(texts), tuple(calls), None, t and t.thinking,
+    return Message("assistant", "".join(texts), tuple(calls), None, t and t.thinking,
                    t and t.signature)
 
 
