@@ -99,7 +99,6 @@ def test_a_timeout_during_the_commit_marks_the_turn_and_the_trainer_drops_it(ser
     r = ChatMLRenderer(tokenizer)
     first, retried, second = reply(r, "4"), reply(r, "5"), reply(r, "done")
     srv = serve(ScriptedEngine([first, retried, second]), tokenizer)
-    srv.gateway.commits.in_thread = True  # the loop sees the disconnect during the commit
     record_calls, slow = srv.pool.record_calls, [0.8]
 
     def slow_first(calls):
