@@ -233,9 +233,10 @@ class SQLitePool:
         Each call is (trajectory_id, its completions, per completion the kinds of the process
         events to add on its turn, value 1.0). A call's completions land together or not at all
         (a savepoint each); a call that fails (KeyError unknown / ValueError not running, or
-        OverflowError / TypeError for a value its column cannot hold, e.g. a token id of 2**31)
-        gets its exception in the result and leaves the others recorded. Returns, per call,
-        the turn indices of its completions or the exception.
+        OverflowError / TypeError / IntegrityError for a value its column cannot hold, e.g. a
+        token id of 2**31 or a finish_reason None) gets its exception in the result and leaves
+        the others recorded. Returns, per call, the turn indices of its completions or the
+        exception.
         """
         results: list[list[int] | Exception] = []
         with self._tx() as db:
@@ -246,7 +247,8 @@ class SQLitePool:
                     for turn, kinds in zip(turns, events, strict=True):
                         db.executemany("INSERT INTO events VALUES (?, ?, ?, 1.0)",
                                        [(tid, turn, k) for k in kinds])
-                except (KeyError, ValueError, OverflowError, TypeError) as e:
+                except (KeyError, ValueError, OverflowError, TypeError,
+                        sqlite3.IntegrityError) as e:
                     db.execute("ROLLBACK TO call")
                     results.append(e)
                 else:

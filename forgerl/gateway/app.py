@@ -39,6 +39,7 @@ from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError, parse_body
 from forgerl.gateway.protocols import anthropic, chat, completions, responses
 from forgerl.gateway.sessions import Session
+from forgerl.types import UNDELIVERED
 
 __all__ = ["Gateway", "GatewayError", "GatewayServer", "create_app"]
 
@@ -84,12 +85,16 @@ class EventRequest(BaseModel):
 def add_event(gateway: Gateway, session_id: str, session: Session, req: EventRequest) -> int:
     """POST /v1/sessions/{id}/events: record the event; returns its turn.
 
-    Raises GatewayError 403 when the key's session is another one, 409 when the trajectory
-    has no such turn (or no model call yet) or is no longer running. Nothing is recorded then.
+    Raises GatewayError 403 when the key's session is another one, 400 for the gateway's own
+    kind `UNDELIVERED` (it takes a turn out of training), 409 when the trajectory has no such
+    turn (or no model call yet) or is no longer running. Nothing is recorded then.
     """
     if session.trajectory_id != session_id:
         raise GatewayError(403, f"this API key belongs to another session than {session_id!r}",
                            "permission_denied", "session_id")
+    if req.kind == UNDELIVERED:
+        raise GatewayError(400, f"event kind {UNDELIVERED!r} is the gateway's own (a turn whose "
+                           "client left before its answer)", "invalid_value", "kind")
     try:
         return gateway.pool.add_event(session_id, req.kind, req.value, req.turn)
     except ValueError as e:

@@ -96,7 +96,7 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
     calls: list[ToolCall] = []
     errors: list[str] = []
     kept: list[str] = []
-    pos = 0
+    pos, lead = 0, ""
     for m in BLOCK.finditer(text):
         kept.append(text[pos : m.start()])
         obj, err = _loads(m.group(1).strip())
@@ -105,6 +105,7 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
             kept.append(m.group(0))
             errors.append(err)
         else:
+            lead = lead if calls else "".join(kept)  # the text before the first call
             calls.append(call)
         pos = m.end()
     kept.append(text[pos:])
@@ -113,7 +114,7 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
     content = "".join(kept)
     if calls:  # trailing whitespace goes, and line breaks that start text after a call; a
         # space there is the model's (CASES.md C14: " All done.")
-        content = (content.lstrip("\r\n") if not kept[0].strip() else content).rstrip()
+        content = (content.lstrip("\r\n") if not lead.strip() else content).rstrip()
     return ParsedReply(content=content or (None if calls else ""), tool_calls=calls, errors=errors)
 
 

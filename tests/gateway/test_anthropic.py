@@ -396,3 +396,15 @@ def test_text_around_a_tool_call_sent_back_extends_the_recorded_turn(serve, toke
     assert second.extends_previous
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
         first.prompt_ids + first.completion_ids)
+
+
+def test_assistant_text_blocks_join_by_newline_in_a_row_and_by_nothing_across_a_tool_use():
+    """Agent-written [text, text] keeps a line between them; [text, tool_use, text] (how the
+    stream splits one reply) is the reply's text again."""
+    body = {"model": "tiny", "max_tokens": 8, "messages": [*USER, {"role": "assistant", "content": [
+        {"type": "text", "text": "One."}, {"type": "text", "text": "Two."},
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}},
+        {"type": "text", "text": "  bye"}]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
+    _, conv = wire.parse(json.dumps(body).encode())
+    assert conv.messages[1].content == "One.\nTwo.  bye"

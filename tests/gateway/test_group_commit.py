@@ -8,6 +8,7 @@ a request cancelled while its commit runs still gets its turn into the session t
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import pytest
 
@@ -38,14 +39,16 @@ def test_record_calls_is_one_transaction_with_a_savepoint_per_call(tmp_path):
 
 
 def test_a_value_no_column_holds_fails_its_call_alone(tmp_path):
-    """A token id over int32 (OverflowError) in one call of the batch: that call gets the
-    error and nothing of it is recorded; the calls before and after it are."""
+    """A token id over int32 (OverflowError) or a finish_reason None (NOT NULL) in a call of
+    the batch: that call gets the error and nothing of it is recorded; the others are."""
     pool = SQLitePool(tmp_path / "pool.sqlite")
     a, b, c = (pool.create_trajectory(0, i) for i in range(3))
     bad = Completion([1, 2], [2**31, 9], [-0.1, -0.2], [0, 0], 0, "stop")
+    null = Completion([1, 2], [3, 9], [-0.1, -0.2], [0, 0], 0, None)  # NOT NULL column
     out = pool.record_calls([(a, [_completion(1)], [[]]), (b, [_completion(2), bad], [[], []]),
-                             (c, [_completion(3)], [[]])])
+                             (c, [_completion(3)], [[]]), (c, [null], [[]])])
     assert out[0] == [0] and out[2] == [0] and isinstance(out[1], OverflowError)
+    assert isinstance(out[3], sqlite3.IntegrityError)
     assert [len(pool.get_trajectory(t).completions) for t in (a, b, c)] == [1, 0, 1]
     pool.close()
 

@@ -47,6 +47,7 @@ def test_agent_events_land_on_their_turns_and_bad_ones_record_nothing(serve, tok
         (_post(srv, tid, key, {"kind": ""}), 400),
         (_post(srv, tid, key, {"kind": "x", "value": "NaN"}), 400),
         (_post(srv, tid, key, {"kind": "x", "extra": 1}), 400),
+        (_post(srv, tid, key, {"kind": "undelivered", "turn": 0}), 400),  # the gateway's own
     ]
     for response, status in bad:
         assert response.status_code == status, response.text

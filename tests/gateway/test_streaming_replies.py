@@ -28,6 +28,7 @@ TEXTS = [
     '\n<tool_call>{"name": "get_time"}</tool_call>\n All\n<tool_call>{"name": "get_time"}'
     '</tool_call> \t\n',
     '  <tool_call>{"name": "get_time"}</tool_call>\r\n\u00a0x ',
+    '\n<tool_call>{"name": "nope"}</tool_call><tool_call>{"name": "get_time"}</tool_call>',
     "ends with a partial ST",
 ]
 

@@ -7,7 +7,8 @@ _delta (`text_delta`, `input_json_delta`) / _stop, message_delta, message_stop).
 POST /v1/messages/count_tokens answers the next call's `input_tokens` and records nothing.
 
 Honoured: system (string or text blocks, joined by "\n"); content as a string or blocks text
-(an assistant's joined with nothing: its streamed reply splits its text around tool_use blocks),
+(in a row joined by "\n"; an assistant's split by tool_use blocks, as its stream splits them, by
+nothing),
 tool_use, tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML
 having no error slot), thinking (the internal `reasoning`; its signature kept as sent,
 unchecked); tools with input_schema; tool_choice auto / any / tool (both prefill a tool call) /
@@ -199,8 +200,10 @@ def _assistant(m: MessageIn, where: str) -> Message:
     calls: list[ToolCall] = []
     thinking: list[ThinkingBlock] = []
     for j, b in enumerate(m.content):
-        if isinstance(b, TextBlock):
-            texts.append(b.text)
+        if isinstance(b, TextBlock):  # text blocks in a row join by "\n", across a tool_use
+            # by nothing: the streamed reply splits its one text around tool_use blocks
+            after_text = j > 0 and isinstance(m.content[j - 1], TextBlock)
+            texts.append(("\n" if after_text else "") + b.text)
         elif isinstance(b, ToolUseBlock):
             calls.append(ToolCall(b.name, json.dumps(b.input, ensure_ascii=False), b.id))
         elif isinstance(b, ThinkingBlock) and not thinking:
