@@ -708,9 +708,10 @@ class Gateway:
             session.record([Turn(conv.messages, tools, c.completion.prompt_ids,
                                  c.completion.completion_ids, c.reply, plan.parent)
                             for c in choices], plan.extends_previous)
-            for turn in turns if gone else ():
-                with contextlib.suppress(KeyError, ValueError):  # the trajectory ended
-                    self.pool.add_event(session.trajectory_id, UNDELIVERED, turn=turn)
+            if gone:  # the client left during the commit: it never saw these answers
+                for turn in turns:
+                    with contextlib.suppress(KeyError, ValueError):  # the trajectory ended
+                        self.pool.add_event(session.trajectory_id, UNDELIVERED, turn=turn)
 
         try:
             await self.commits.record(

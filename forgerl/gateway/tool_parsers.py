@@ -105,7 +105,8 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
             kept.append(m.group(0))
             errors.append(err)
         else:
-            lead = lead if calls else "".join(kept)  # the text before the first call
+            if not calls:
+                lead = "".join(kept)  # the text before the first call
             calls.append(call)
         pos = m.end()
     kept.append(text[pos:])

@@ -193,10 +193,3 @@ def test_token_bytes_join_to_the_text(text):
         assert r.token_bytes(r.end_of_turn_id) == b"<|im_end|>"
     byte = ChatMLRenderer(build_byte_tokenizer())
     assert [byte.token_bytes(i) for i in byte.encode("é")] == [b"\xc3", b"\xa9"]
-
-
-@functools.cache
-def _smollm2_renderer() -> ChatMLRenderer:
-    from transformers import AutoTokenizer
-
-    return ChatMLRenderer(AutoTokenizer.from_pretrained(SMOLLM2))
