@@ -54,8 +54,9 @@ def worker(size: int, method: str, chunk: int, threads: int, model_name: str) ->
     from forgerl.controller import load_policy
     from forgerl.models import build_tiny_model
     from forgerl.trainer.attention import attn_implementation
-    from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+    from forgerl.trainer.prefix_tree import build_tree_batch
     from forgerl.trainer.trainer import set_activation_checkpointing
+    from forgerl.trainer.tree_forward import forward_logprobs
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -41,7 +41,8 @@ from multiprocessing import get_context
 import torch
 
 from forgerl.trainer.attention import attn_implementation, preferred_attn_implementation
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
+from forgerl.trainer.tree_forward import forward_logprobs
 
 
 @dataclass(frozen=True)

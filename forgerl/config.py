@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from forgerl.rewards.composite import RewardWeights
+from forgerl.types import RewardWeights
 
 
 class ConfigError(ValueError):

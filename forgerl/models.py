@@ -177,7 +177,7 @@ def load_pretrained(
     local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on CPU: bf16 matmuls
     are about 300x slower there (DESIGN.md). Whether the family can be trained (its own
     forward on prefix-tree rows) is checked when the `Trainer` is built
-    (`trainer.attention.check_tree_support`).
+    (`trainer.tree_forward.check_tree_support`).
 
     Raises:
         RuntimeError: the folder is missing or unreadable, or the SmolLM2 cache cannot be built.

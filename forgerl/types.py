@@ -8,6 +8,7 @@ process boundaries (pickle, JSON) without pydantic; pydantic lives only at the H
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,6 +139,16 @@ class Trajectory:
     started_at: float = 0.0
     ended_at: float = 0.0
     events: list[Event] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """outcome: w_o, the verifier score's weight. completion_time: w_time (0 = off). process:
+    reward per unit of each event kind (kinds not listed give 0 and are only counted)."""
+
+    outcome: float = 1.0
+    completion_time: float = 0.0
+    process: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass

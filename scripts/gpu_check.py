@@ -44,8 +44,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from forgerl.engines.local import LocalEngine
 from forgerl.models import build_tiny_model
 from forgerl.trainer.attention import attn_implementation, preferred_attn_implementation
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
 from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.tree_forward import forward_logprobs
 from forgerl.types import Completion, Group, SamplingParams, Trajectory
 
 

@@ -25,19 +25,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from forgerl.types import Trajectory
-
-
-@dataclass(frozen=True)
-class RewardWeights:
-    """outcome: w_o, the verifier score's weight. completion_time: w_time (0 = off). process:
-    reward per unit of each event kind (kinds not listed give 0 and are only counted)."""
-
-    outcome: float = 1.0
-    completion_time: float = 0.0
-    process: Mapping[str, float] = field(default_factory=dict)
 
 
 def duration_s(traj: Trajectory) -> float:

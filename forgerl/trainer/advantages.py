@@ -29,12 +29,11 @@ import math
 import statistics
 
 from forgerl.rewards.composite import (
-    RewardWeights,
     completion_time_rewards,
     duration_s,
     process_turn_rewards,
 )
-from forgerl.types import Group, Trajectory
+from forgerl.types import Group, RewardWeights, Trajectory
 
 
 def group_advantages(

@@ -18,24 +18,24 @@ transformers 5.x passes a 4D mask (tensor or BlockMask) through unchanged (`mask
 _preprocess_mask_arguments` returns early for any 4D mask), so the mask built here is the one
 the attention kernel sees; tests/trainer/test_prefix_tree.py checks the logits numerically.
 
-The trainer picks the implementation per device (`checked_attn_implementation`: flex on
+The trainer picks the implementation per device (`tree_forward.checked_attn_implementation`: flex on
 CUDA, else TREE_SDPA or the model's own eager) and sets it only around its own forwards and
 backwards (`attn_implementation`; checkpointed layers recompute under it).
-`check_tree_support` is the start-up gate: a model is trained only if its own forward, fed a
-tree row, gives the logits of each path run alone (tests/trainer/test_model_families.py).
+`tree_forward.check_tree_support` is the start-up gate: a model is trained only if its own
+forward, fed a tree row, gives the logits of each path run alone
+(tests/trainer/test_model_families.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from forgerl.trainer.prefix_tree import TreeRow, build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import TreeRow
 
 TREE_LAYER_TYPES = {"full_attention", "sliding_attention"}  # layers that take a 4D mask
 
@@ -179,24 +179,6 @@ def preferred_attn_implementation(model: torch.nn.Module, device: torch.device |
     return TREE_SDPA if impl in ("sdpa", "flex_attention") else impl
 
 
-def checked_attn_implementation(model: torch.nn.Module, device: torch.device | str,
-                                max_row_tokens: int) -> str:
-    """`preferred_attn_implementation` once `check_tree_support` passes under it; a family
-    whose layers do not hand `TREE_SDPA` its blocks intact falls back to dense sdpa. Raises
-    `check_tree_support`'s ValueError when the model cannot be trained on tree rows at all."""
-    impl = preferred_attn_implementation(model, device)
-    if impl == TREE_SDPA:
-        try:
-            with attn_implementation(model, impl):
-                check_tree_support(model, max_row_tokens)
-            return impl
-        except ValueError:
-            impl = "sdpa"
-    with attn_implementation(model, impl):
-        check_tree_support(model, max_row_tokens)
-    return impl
-
-
 @contextlib.contextmanager
 def attn_implementation(model: torch.nn.Module, impl: str) -> Iterator[None]:
     """Run `model` with attention implementation `impl` inside the block, then restore it.
@@ -210,112 +192,3 @@ def attn_implementation(model: torch.nn.Module, impl: str) -> Iterator[None]:
         yield
     finally:
         model.config._attn_implementation = old
-
-
-def check_tree_support(model: torch.nn.Module, max_row_tokens: int) -> None:
-    """Refuse a model whose own forward cannot give prefix-tree logprobs (one-line ValueError).
-
-    Rules, checked in order: (1) the forward takes `logits_to_keep`, so `forward_logprobs` gets
-    the model's own logits with its family's transform (logit scaling, soft-capping);
-    (2) every layer is an attention layer that takes a 4D mask (`config.layer_types` within
-    TREE_LAYER_TYPES: no recurrent/SSM layers); (3) a sliding window, if used, is at least
-    `max_row_tokens` (a tree path is at most a row long, so the window never cuts it);
-    (4) a probe: two 16-token sequences sharing 8 tokens, merged into one row, give the
-    logprobs of each run alone through the plain causal forward, within 1e-4 (fp32) or 0.1
-    (16-bit weights). The probe runs without gradients in eval mode (no dropout).
-    """
-    config = model.config
-    name = f"model type {getattr(config, 'model_type', type(model).__name__)!r}"
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        raise ValueError(
-            f"{name} is not supported: its forward takes no logits_to_keep, so "
-            "trainer logprobs cannot come from the model's own forward"
-        )
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds - TREE_LAYER_TYPES:
-        raise ValueError(
-            f"{name} is not supported: layer types {sorted(kinds - TREE_LAYER_TYPES)}"
-            " cannot take a prefix-tree attention mask"
-        )
-    window = getattr(config, "sliding_window", None)
-    if (
-        window is not None
-        and (not kinds or "sliding_attention" in kinds)
-        and max_row_tokens > window
-    ):
-        raise ValueError(
-            f"{name}: sliding window {window} < trainer.max_row_tokens "
-            f"{max_row_tokens} (the tree mask ignores the window); set "
-            f"trainer.max_row_tokens <= {window}"
-        )
-    diff = _probe_difference(model, name)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 0.1
-    if not diff <= tol:
-        raise ValueError(
-            f"{name} is not supported: its prefix-tree logprobs differ from its "
-            f"own forward by {diff:.3g} (> {tol}): attention or positions ignore "
-            "the tree mask"
-        )
-
-
-@torch.no_grad()
-def supports_chunked_logprobs(model: torch.nn.Module) -> bool:
-    """Whether chunked logprobs (`forward_logprobs` with chunk_tokens > 0, from the decoder's
-    hidden states and `prefix_tree.head_logits`) equal the model's own forward's on the probe
-    row of `check_tree_support`, within 1e-5 (fp32) or 0.1 (16-bit weights) relative to the
-    largest |logprob| (float rounding grows with it: SmolLM2 differs by 1.05e-5 at 21 nats,
-    which an absolute 1e-5 wrongly refused); False for a
-    family whose forward transforms its logits in a way `head_logits` does not reproduce, or
-    whose decoder cannot be called alone. Runs in eval mode without gradients."""
-    try:
-        with _eval_mode(model):
-            (row,) = build_tree_batch(_probe_sequences(model), 32).rows
-            plain = forward_logprobs(model, row)
-            diff = (forward_logprobs(model, row, 5) - plain).abs().max()
-    except Exception:  # any failure of the decoder-only path means "not supported"
-        return False
-    tol = 1e-5 if next(model.parameters()).dtype == torch.float32 else 0.1
-    return bool(diff <= tol * max(1.0, plain.abs().max().item()))
-
-
-def _probe_sequences(model: torch.nn.Module) -> list[list[int]]:
-    """Two 16-token sequences sharing their first 8 tokens, within the model's vocabulary."""
-    vocab = model.get_input_embeddings().num_embeddings
-    shared = [(7 * i + 3) % vocab for i in range(8)]
-    return [
-        shared + [(11 * i + 5) % vocab for i in range(8)],
-        shared + [(13 * i + 1) % vocab for i in range(8)],
-    ]
-
-
-@torch.no_grad()
-def _probe_difference(model: torch.nn.Module, name: str) -> float:
-    """Max |tree - alone| logprob over a 2-branch probe row (see `check_tree_support`)."""
-    seqs = _probe_sequences(model)
-    device = next(model.parameters()).device
-    try:
-        with _eval_mode(model):
-            (row,) = build_tree_batch(seqs, 32).rows
-            tree = forward_logprobs(model, row)  # (K,) sorted by (sample, token)
-            alone = []
-            for seq in seqs:
-                ids = torch.tensor([seq], device=device)
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (16, V)
-                alone.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
-            return (tree - torch.cat(alone)).abs().max().item()
-    except Exception as exc:
-        reason = repr(exc)[:200]
-        raise ValueError(
-            f"{name} is not supported: a prefix-tree forward fails ({reason})"
-        ) from exc
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model` in eval mode (no dropout) inside the block, then restore its mode."""
-    training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(training)

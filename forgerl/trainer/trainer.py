@@ -24,21 +24,21 @@ from torch import Tensor
 
 from forgerl.cpu_share import CpuShare
 from forgerl.engines.local import engine_dtype
-from forgerl.rewards.composite import RewardWeights
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
-from forgerl.trainer.attention import (
-    attn_implementation,
-    checked_attn_implementation,
-    supports_chunked_logprobs,
-)
+from forgerl.trainer.attention import attn_implementation
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
-from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch
 from forgerl.trainer.samples import (
     TrainingSample,
     drop_retry_orphans,
     trajectory_to_samples_with_stats,
 )
-from forgerl.types import Group
+from forgerl.trainer.tree_forward import (
+    checked_attn_implementation,
+    forward_logprobs,
+    supports_chunked_logprobs,
+)
+from forgerl.types import Group, RewardWeights
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,10 @@ class Trainer:
             outcome alone, plus any agent turn rewards).
         mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
         logprob_chunk_tokens: policy logprobs from the final hidden states in chunks of this
-            many predictions, recomputed in the backward (`prefix_tree.forward_logprobs`): no
+            many predictions, recomputed in the backward (`tree_forward.forward_logprobs`): no
             (tokens, vocab) logits are held. 0 = the model's own forward over all predictions;
             a family whose logit transform the chunked head does not reproduce falls back to
-            0 (`attention.supports_chunked_logprobs`, logged).
+            0 (`tree_forward.supports_chunked_logprobs`, logged).
         activation_checkpointing: "off"; "full" recomputes every decoder layer in the backward
             (only layer inputs are kept); "selective" every `checkpoint_every_layers`-th layer
             (transformers' `activation_checkpointing_enable`, non-reentrant).
@@ -98,7 +98,7 @@ class Trainer:
             stay in the model's dtype, the returned logprobs are float32.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use
             FlexAttention on CUDA, else block-sparse tree attention over sdpa (or the model's
-            own eager attention with a dense mask; `attention.checked_attn_implementation`),
+            own eager attention with a dense mask; `tree_forward.checked_attn_implementation`),
             set only around the trainer's own forwards (the engine's copy keeps its attention).
 
     Attribute `cpu_share` (default None): a `forgerl.cpu_share.CpuShare` that the controller
@@ -107,7 +107,7 @@ class Trainer:
 
     Raises:
         ValueError: device "cuda" without CUDA, an unknown device, a model whose forward
-            cannot give prefix-tree logprobs (`attention.check_tree_support`, one line), or
+            cannot give prefix-tree logprobs (`tree_forward.check_tree_support`, one line), or
             activation checkpointing asked of a model without support for it.
     """
 

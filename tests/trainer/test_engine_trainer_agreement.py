@@ -10,7 +10,8 @@ import asyncio
 import torch
 
 from forgerl.engines.local import LocalEngine
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
+from forgerl.trainer.tree_forward import forward_logprobs
 from forgerl.types import SamplingParams
 
 

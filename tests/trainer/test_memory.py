@@ -20,9 +20,9 @@ import torch
 import transformers as tf
 
 from forgerl.models import build_tiny_model
-from forgerl.trainer.attention import supports_chunked_logprobs
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
 from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.tree_forward import forward_logprobs, supports_chunked_logprobs
 from forgerl.types import Completion, Group, SamplingParams, Trajectory
 
 

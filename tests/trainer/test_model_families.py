@@ -19,8 +19,9 @@ import torch
 import transformers as tf
 
 from forgerl.trainer.attention import tree_attention_mask
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
 from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.tree_forward import forward_logprobs
 
 DIMS = dict(
     vocab_size=97,

@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forgerl.trainer.attention import ancestor_mask, tree_attention_mask
-from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch
+from forgerl.trainer.tree_forward import forward_logprobs
 
 IGNORE = -100
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from forgerl.engines.local import LocalEngine
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
 from forgerl.trainer.trainer import PreparedBatch, Trainer
+from forgerl.trainer.tree_forward import forward_logprobs
 from forgerl.types import Completion, Group, SamplingParams, Trajectory
 
 RATIO_TOL = 1e-4  # engine (KV-cached decode) vs trainer (tree forward): fp32 rounding only

@@ -12,7 +12,8 @@ import torch
 from forgerl.models import build_tiny_model
 from forgerl.trainer import attention
 from forgerl.trainer.attention import TREE_SDPA, attn_implementation, tree_blocks
-from forgerl.trainer.prefix_tree import build_tree_batch, forward_logprobs
+from forgerl.trainer.prefix_tree import build_tree_batch
+from forgerl.trainer.tree_forward import forward_logprobs
 
 
 def _tree_row():
