@@ -84,13 +84,13 @@ async def main(model: str = "smollm2", steps: int = 2, group_size: int = 4,
             group = pool.get_group(step)  # the token-exact record of what the engine sampled
             metrics = await asyncio.to_thread(trainer.train_step, [group])
             await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
-            assert engine.weight_version == trainer.step  # the engine now serves the new policy
+            # the engine now serves the new policy (a group without a spread takes no step)
+            assert engine.weight_version == trainer.step
             held_out = await rollout(gateway, server.base_url, HELD_OUT, -1 - step, 0, 0.0)
             history.append({"step": step + 1, "reward_mean": sum(rewards) / len(rewards),
                             "loss": metrics["loss"], "weight_version": engine.weight_version,
                             "held_out_reward": held_out})
-            print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in history[-1].items()), flush=True)
+            print("  ".join(f"{k} {v:.4g}" for k, v in history[-1].items()), flush=True)
     finally:
         await server.stop()
         await engine.close()
