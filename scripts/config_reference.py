@@ -119,7 +119,14 @@ def default_text(info: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: one line, pipes escaped outside code spans (inside them Python-Markdown's
+    tables do not split, and a backslash would show)."""
+    parts = " ".join(text.split()).split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
+
+
+def _code(text: str) -> str:
+    return "`" + " ".join(text.split()) + "`"
 
 
 def section(model: type[BaseModel], prefix: str, title: str, out: list[str],
@@ -133,7 +140,7 @@ def section(model: type[BaseModel], prefix: str, title: str, out: list[str],
         dotted = f"{prefix}{name}"
         models = _models_in(info.annotation)
         kind = type_name(info.annotation)
-        out.append(f"| `{dotted}` | `{_cell(kind)}` | `{_cell(default_text(info))}` "
+        out.append(f"| `{dotted}` | {_code(kind)} | {_code(default_text(info))} "
                    f"| {_cell(field_doc(model, name))} |")
         if get_origin(_strip_annotated(info.annotation)) is list:
             dotted += "[]"
