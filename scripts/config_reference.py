@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import re
 import sys
 import types
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -42,7 +42,7 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
     tree = ast.parse(_dedent(source))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
+    for stmt, nxt in itertools.pairwise(body):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
@@ -98,7 +98,7 @@ def _models_in(tp: Any) -> list[type[BaseModel]]:
         for arg in get_args(tp):
             out += _models_in(arg)
         return out
-    if get_origin(tp) in (list, typing.List):  # noqa: UP006 - [[domains]] is a list of tables
+    if get_origin(tp) is list:
         return _models_in(get_args(tp)[0])
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [tp]

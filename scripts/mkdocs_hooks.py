@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def on_files(files: Files, config) -> Files:
-    pages = [ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+    reports = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    pages = [ROOT / "benchmarks" / "README.md", *reports]
     for path in pages:
         files.append(File(path.relative_to(ROOT).as_posix(), src_dir=str(ROOT),
                           dest_dir=config["site_dir"],
