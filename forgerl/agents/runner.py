@@ -194,8 +194,7 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
 
 def _cut_log(path: str, start: int) -> None:
     """Cut one episode's stderr in the log at `path` (from byte `start`) to its first and last
-    LOG_KEEP / 2 bytes, with a line saying how much was cut: a chatty agent wrote 6.1 GB of
-    logs in 28 s."""
+    LOG_KEEP / 2 bytes, with a line saying how much was cut (a chatty agent can fill a disk)."""
     size = os.path.getsize(path)
     if size - start <= LOG_KEEP:
         return

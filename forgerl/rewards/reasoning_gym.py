@@ -37,7 +37,7 @@ def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dic
         entries = [{"metadata": {}, **e}
                    for e in _user_file(dataset).make_tasks(size=size, seed=seed, **params)]
     else:
-        import reasoning_gym  # 1-3.5 s: only where tasks are made or scored
+        import reasoning_gym  # lazy: a heavy import, only where tasks are made or scored
 
         entries = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **params)
     # JSON round trip: tuples in metadata become lists, as they will after storage.

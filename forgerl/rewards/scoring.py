@@ -3,13 +3,11 @@
 A verifier is user code: it can busy-loop in pure CPU (not awaitable, not interruptible by a
 thread) or raise. `score_with_timeout` runs each item in its own short-lived process, at most
 `os.cpu_count()` at once, forked by multiprocessing's fork server: a small process started at
-first use that imports `fn`'s module once (`reasoning_gym` alone takes 1-3.5 s), so a child
-starts with it imported. The run's own process is never forked: it holds gigabytes (policy,
-AdamW state, engine, KV caches), and each fork of it copied its page tables and left every
-page write-protected, so the run's next write to each page took a copy-on-write fault (the
-chain_sum job, 16 items per step, 3 steps: 7.6 M page faults and 46 s of system CPU in the run's
-process with forks of it, 3.3 M and 29 s without). As with any spawn or fork-server start, a
-script that drives ForgeRL itself must keep its work under `if __name__ == "__main__":`.
+first use that imports `fn`'s module once, so a child starts with it imported. The run's own
+process is never forked: it holds gigabytes (policy, AdamW state, engine, KV caches), and each
+fork of it copied its page tables and left every page write-protected, so the run's next write
+to each page took a copy-on-write fault. As with any spawn or fork-server start, a script that
+drives ForgeRL itself must keep its work under `if __name__ == "__main__":`.
 
 An item that has not answered `timeout_s` after its process started is killed with its whole
 process group and reaped; it and any item that raised or returned a non-finite value get the
@@ -103,7 +101,7 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """`fn(*args)` in a daemon child of the fork server (started, with `PRELOAD`, if it is not
     running); returns at once: a helper thread waits out the server's start and the result.
     What `fn` raises is raised by `.result()`. The run submits its task generation this way
-    before it imports torch (2-4 s): the server's import of reasoning-gym and the generation
+    before it imports torch: the server's import of reasoning-gym and the generation
     use the other core meanwhile, and the server is warm for the first reward. `fn` and `args`
     must be picklable (`fn` by reference). The child holds only the sending end of its pipe:
     once this process is gone (even by SIGKILL) it ends, with nothing left behind."""
