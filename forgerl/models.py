@@ -1,7 +1,8 @@
 """Model and tokenizer loading: the packaged SmolLM2, any local HF folder, or a tiny random model.
 
 `tiny` builds a 2-layer Llama-style model with random weights and a byte-level tokenizer in code
-(unit tests, benchmarks); nothing here downloads anything.
+(unit tests, benchmarks); nothing here downloads anything. `engine_dtype` resolves a dtype name
+("auto" included) on a device, for the engines' weights and the trainer's autocast.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def load_pretrained(
     `path == "smollm2"` loads the packaged SmolLM2-135M-Instruct (30 layers, 134.5M params,
     vocab 49152, ChatML), building its cache on first use (`smollm2_dir`); any other value is a
     local HF folder (`local_files_only`, nothing is downloaded). Use fp32 on CPU: bf16 matmuls
-    are about 300x slower there (DESIGN.md). Whether the family can be trained (its own
+    are much slower there (DESIGN.md). Whether the family can be trained (its own
     forward on prefix-tree rows) is checked when the `Trainer` is built
     (`trainer.attention.check_tree_support`).
 
@@ -197,3 +198,18 @@ def load_pretrained(
     except Exception as exc:
         raise RuntimeError(f"could not load the model folder {folder}: {exc!r}") from exc
     return model.eval(), tokenizer
+
+
+def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device` (None: the
+    engine's default, CUDA when available): "auto" is bfloat16 on CUDA with bf16 support or on a
+    CPU with bf16 matmul instructions, AMX-BF16 tiles or AVX512-BF16, else float32 (without
+    either, bf16 matmuls are emulated and slower than fp32). Also the trainer's `autocast`."""
+    if name != "auto":
+        return getattr(torch, name)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    fast = device.type == "cpu" and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+    return torch.bfloat16 if fast else torch.float32
