@@ -54,7 +54,7 @@ class _Engine:
             self.engine: Any = VllmEngine.from_config(config)
             return
         from forgerl.engines.local import LocalEngine
-        from forgerl.models import engine_dtype
+        from forgerl.models import engine_dtype  # lazy: transformers, for engine actors only
 
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,

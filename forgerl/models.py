@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -146,8 +148,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     for needed in ("gguf", "accelerate"):  # transformers reads GGUF only with both installed
         if importlib.util.find_spec(needed) is None:
             raise RuntimeError(f"the `{needed}` package is missing; {SMOLLM2_SETUP_HINT}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -183,8 +183,6 @@ def load_pretrained(
     Raises:
         RuntimeError: the folder is missing or unreadable, or the SmolLM2 cache cannot be built.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = model_dir(path)
     if not (folder / "config.json").is_file():
         raise RuntimeError(

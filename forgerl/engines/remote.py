@@ -40,6 +40,8 @@ from pathlib import Path
 
 import httpx
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from forgerl.engines.base import TokenEvent
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
@@ -308,8 +310,6 @@ def _save_safetensors(
     checking names and shapes against the checkpoint in `reference` (skipped when that folder
     is not readable here); the later name of a tied tensor (lm_head) is left out, as in
     transformers' checkpoints. Raises ValueError on a mismatch."""
-    from safetensors.torch import save_file
-
     tensors = {k: t.detach().cpu().contiguous() for k, t in unique_tensors(state_dict).items()}
     shapes = checkpoint_shapes(reference)
     if shapes and (bad := shape_mismatches(tensors, shapes)):
@@ -322,8 +322,6 @@ def _save_safetensors(
 def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """name → shape of every tensor in `folder`'s *.safetensors files, read from their headers
     ({} for a folder that is missing here or holds none)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
         with safe_open(path, "pt") as f:

@@ -55,6 +55,7 @@ from vllm.v1.engine.llm_engine import LLMEngine
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.remote import checkpoint_shapes, shape_mismatches
 from forgerl.engines.worker import ThreadWorker, WeightUpdate, push
+from forgerl.models import model_dir
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 from forgerl.weights import unique_tensors
 
@@ -123,8 +124,6 @@ class VllmEngine(ThreadWorker):
         """The engine a `forgerl.config.Config` with `[engine] type = "vllm"` describes: its
         [model] path and max_model_len, the section's dtype, kv_cache_gb and max_num_seqs, and
         the run's seed (the controller's in-process engine and every Ray engine actor)."""
-        from forgerl.models import model_dir
-
         ec = config.engine
         return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
                    kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
