@@ -221,9 +221,11 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
                 item.settle(RuntimeError(self._closed_message), error=True)
 
     def _busy(self) -> bool:
+        """Whether rows run or wait (the worker then steps instead of blocking)."""
         return self._batch is not None or bool(self._waiting)
 
     def _idle(self) -> None:
+        """Before blocking on an empty inbox: give the trainer the whole CPU (`cpu_share`)."""
         if self.cpu_share is not None:
             self.cpu_share.leave("engine")
 
