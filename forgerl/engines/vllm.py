@@ -11,6 +11,8 @@ synchronous `vllm.v1.engine.llm_engine.LLMEngine` (VLLM_ENABLE_V1_MULTIPROCESSIN
 engine core in this process) and loops: drain the inbox (add requests, abort closed streams,
 apply weight updates), then `step()`, vLLM's own continuous batching of every running request.
 Each step's new tokens go to the request's asyncio queue through `loop.call_soon_threadsafe`.
+The inbox, thread and close() are the `ThreadWorker` shell (forgerl/engines/worker.py), shared
+with the local engine.
 
 Settings as for the remote server (tests/engines/test_remote_vllm.py): eager mode, `logprobs_mode
 = "processed_logprobs"` so a token's logprob is that of the distribution actually sampled,
