@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from forgerl.engines import local
 from forgerl.engines.local import LocalEngine
+from forgerl.engines.local import batcher as local
 from forgerl.models import build_tiny_model, load_pretrained
 from forgerl.types import GenerateOutput, SamplingParams
 

@@ -71,7 +71,8 @@ import httpx
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from forgerl.engines.local import LocalEngine, _GrowingLayer
+from forgerl.engines.local import LocalEngine
+from forgerl.engines.local.kv_batch import _GrowingLayer
 from forgerl.engines.remote import RemoteEngine
 from forgerl.engines.remote import vllm_server as start_vllm_server
 from forgerl.models import load_pretrained, smollm2_dir

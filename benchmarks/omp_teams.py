@@ -25,8 +25,8 @@ def worker(main_team: bool, rows: int, dtype: str) -> dict:
     """Median seconds of a decode step run from a second thread."""
     import torch
 
-    from forgerl.engines.local import _KVCache, engine_dtype
-    from forgerl.models import load_pretrained
+    from forgerl.engines.local.kv_batch import _KVCache
+    from forgerl.models import engine_dtype, load_pretrained
 
     cores = torch.get_num_threads()
     if not main_team:

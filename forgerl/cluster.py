@@ -35,6 +35,7 @@ import torch
 from forgerl.config import Config
 from forgerl.engines.base import TokenEvent
 from forgerl.types import GenerateOutput, SamplingParams
+from forgerl.weights import DeltaMismatch, pack, packed_nbytes, unique_tensors, unpack, weight_group
 
 
 class _Engine:
@@ -52,7 +53,8 @@ class _Engine:
 
             self.engine: Any = VllmEngine.from_config(config)
             return
-        from forgerl.engines.local import LocalEngine, engine_dtype
+        from forgerl.engines.local import LocalEngine
+        from forgerl.models import engine_dtype  # lazy: transformers, for engine actors only
 
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
@@ -70,8 +72,6 @@ class _Engine:
 
     async def apply_delta(self, delta: Any, version: int) -> dict[str, Any]:
         if not hasattr(self.engine, "apply_delta"):  # vLLM: the sync falls back to full
-            from forgerl.trainer.weight_sync import DeltaMismatch
-
             raise DeltaMismatch("this engine loads full weights only")
         await self.engine.apply_delta(delta, version)
         return dict(self.engine.stats)
@@ -81,8 +81,6 @@ class _Engine:
         """Become `rank` of the weight-broadcast group hosted at `address` (_Broadcast)."""
         import asyncio
 
-        from forgerl.trainer.weight_sync import weight_group
-
         store = torch.distributed.TCPStore(*address, world, False, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=timeout_s))
         self.group = await asyncio.to_thread(weight_group, store, rank, world, epoch, backend,
@@ -91,8 +89,6 @@ class _Engine:
     async def receive(self, specs: list, version: int) -> dict[str, Any]:
         """Take one packed full sync from the group's broadcast, then `update_weights`."""
         import asyncio
-
-        from forgerl.trainer.weight_sync import packed_nbytes, unpack
 
         buffer = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=self.engine.device)
         await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
@@ -156,8 +152,6 @@ class _Broadcast:
         failed broadcast), then each engine's own result to its future."""
         import asyncio
 
-        from forgerl.trainer.weight_sync import pack, unpack
-
         results: list = []
         try:
             buffer, specs = pack(state_dict, self.engines[0].weight_dtype)
@@ -191,8 +185,6 @@ class _Broadcast:
     async def _form(self) -> None:
         """A new group of the driver and every engine actor (epoch + 1)."""
         import asyncio
-
-        from forgerl.trainer.weight_sync import weight_group
 
         host, world = _ray().util.get_node_ip_address(), len(self.engines) + 1
         if self.store is None:
@@ -267,8 +259,6 @@ class RayEngine:
             return
         ray, key = _ray(), id(state_dict)
         if key not in _PUTS:
-            from forgerl.trainer.weight_sync import unique_tensors
-
             # tied names once: copies out of the object store no longer share storage
             _PUTS[key] = [ray.put(unique_tensors(state_dict)), 0]
         entry = _PUTS[key]

@@ -669,7 +669,8 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
     Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
     without vLLM installed."""
     from forgerl.cpu_share import CpuShare
-    from forgerl.engines.local import LocalEngine, engine_dtype
+    from forgerl.engines.local import LocalEngine
+    from forgerl.models import engine_dtype  # lazy: transformers off the CLI's --help path
 
     ec, cluster = config.engine, None
     if config.cluster.backend == "ray":

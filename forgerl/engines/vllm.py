@@ -11,6 +11,8 @@ synchronous `vllm.v1.engine.llm_engine.LLMEngine` (VLLM_ENABLE_V1_MULTIPROCESSIN
 engine core in this process) and loops: drain the inbox (add requests, abort closed streams,
 apply weight updates), then `step()`, vLLM's own continuous batching of every running request.
 Each step's new tokens go to the request's asyncio queue through `loop.call_soon_threadsafe`.
+The inbox, thread and close() are the `ThreadWorker` shell (forgerl/engines/worker.py), shared
+with the local engine.
 
 Settings as for the remote server (tests/engines/test_remote_vllm.py): eager mode, `logprobs_mode
 = "processed_logprobs"` so a token's logprob is that of the distribution actually sampled,
@@ -37,11 +39,8 @@ the start).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future
@@ -57,8 +56,10 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.remote import checkpoint_shapes, shape_mismatches
-from forgerl.trainer.weight_sync import unique_tensors
+from forgerl.engines.worker import ThreadWorker, WeightUpdate, push
+from forgerl.models import model_dir
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+from forgerl.weights import unique_tensors
 
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length"}  # else "abort"
 
@@ -76,11 +77,10 @@ class _Request:
 
     def push(self, item: TokenEvent | str | Exception) -> None:
         """Queue `item` for the consumer (from the engine thread); a closed loop drops it."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        push(self.loop, self.events, item)
 
 
-class VllmEngine:
+class VllmEngine(ThreadWorker):
     """A `RolloutEngine` over vLLM in this process.
 
     model_dir: a Hugging Face model folder with safetensors weights (e.g. `smollm2_dir()`).
@@ -97,6 +97,8 @@ class VllmEngine:
     Raises what vLLM raises when the engine cannot start (e.g. ValueError: not enough memory).
     """
 
+    _closed_message = "VllmEngine is closed"
+
     def __init__(self, model_dir: str | Path, max_model_len: int, *, dtype: str = "float32",
                  kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0) -> None:
         start = time.perf_counter()
@@ -110,12 +112,10 @@ class VllmEngine:
                           generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
                           max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
                           skip_tokenizer_init=True, disable_log_stats=True)
-        self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Request] = {}  # engine thread only
-        self._next_id, self._closed = itertools.count(), False
+        self._next_id = itertools.count()
         ready: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(args, ready), daemon=True)
-        self._thread.start()
+        self._start_worker("forgerl-vllm-engine", args, ready)
         ready.result()
         self.vocab_size: int = self.llm_engine.model_config.get_vocab_size()
         self.start_seconds = time.perf_counter() - start
@@ -126,8 +126,6 @@ class VllmEngine:
         """The engine a `forgerl.config.Config` with `[engine] type = "vllm"` describes: its
         [model] path and max_model_len, the section's dtype, kv_cache_gb and max_num_seqs, and
         the run's seed (the controller's in-process engine and every Ray engine actor)."""
-        from forgerl.models import model_dir
-
         ec = config.engine
         return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
                    kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
@@ -145,7 +143,7 @@ class VllmEngine:
         vLLM refuses; RuntimeError after close(); what vLLM raises for a request it refuses or
         a failed step (a failed step fails every running request, never the engine)."""
         if self._closed:
-            raise RuntimeError("VllmEngine is closed")
+            raise RuntimeError(self._closed_message)
         bad_id = not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size
         if bad_id or params.top_p != 1.0:  # a bad id would fail the whole batch's forward
             raise ValueError(f"prompt_ids must be non-empty, in the vocabulary [0, "
@@ -181,19 +179,7 @@ class VllmEngine:
         tensors = {k: t.detach().cpu() for k, t in unique_tensors(state_dict).items()}
         if bad := shape_mismatches(tensors, self._shapes):
             raise ValueError(f"state_dict does not match the model's checkpoint: {bad[:5]}")
-        if self._closed:
-            raise RuntimeError("VllmEngine is closed")
-        done: Future = Future()
-        self._inbox.put((tensors, version, done))
-        await asyncio.wrap_future(done)
-
-    async def close(self) -> None:
-        """Stop the engine thread and shut vLLM down; in-flight requests finish with "abort".
-        Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await self._submit_update(tensors, version)
 
     # ---- engine thread ------------------------------------------------------------------------
 
@@ -208,55 +194,51 @@ class VllmEngine:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaced it
         ready.set_result(None)
         try:
-            while self._drain(engine, block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    try:
-                        self._deliver(engine.step())
-                    except Exception as exc:  # fail the running requests, never the thread
-                        for req in self._live.values():
-                            req.push(exc)
-                        engine.abort_request(list(self._live))
-                        self._live.clear()
+            self._serve(engine.has_unfinished_requests, self._step)
         finally:
             self._closed = True
-            while not self._inbox.empty():  # raced with close(): nothing will serve these
-                if isinstance(item := self._inbox.get(), _Request):
+            for item in self._leftovers():  # raced with close(): nothing will serve these
+                if isinstance(item, _Request):
                     self._live[item.id] = item
-                elif isinstance(item, tuple):
-                    item[2].set_exception(RuntimeError("VllmEngine is closed"))
+                elif isinstance(item, WeightUpdate):
+                    item.settle(RuntimeError(self._closed_message), error=True)
             for req in self._live.values():
                 req.push("abort")
             engine.engine_core.shutdown()
 
-    def _drain(self, engine: LLMEngine, block: bool) -> bool:
-        """Add requests, abort closed streams and apply updates from the inbox; False on close."""
-        while True:
+    def _step(self) -> None:
+        """One vLLM step; a failed step fails the running requests, never the thread."""
+        engine = self.llm_engine
+        try:
+            self._deliver(engine.step())
+        except Exception as exc:
+            for req in self._live.values():
+                req.push(exc)
+            engine.abort_request(list(self._live))
+            self._live.clear()
+
+    def _take(self, item: _Request | str | WeightUpdate) -> None:
+        """Add a request, abort a closed stream (its id) or apply a weight update (engine
+        thread)."""
+        engine = self.llm_engine
+        if isinstance(item, _Request):
             try:
-                item = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if item is None:
-                return False
-            if isinstance(item, _Request):
-                try:
-                    engine.add_request(item.id, {"prompt_token_ids": item.prompt_ids}, item.params)
-                    self._live[item.id] = item
-                except Exception as exc:
-                    item.push(exc)
-            elif isinstance(item, str):
-                if self._live.pop(item, None) is not None:
-                    engine.abort_request([item])
-            else:  # a weight update: in place, then preempt the running requests (vLLM
-                tensors, version, done = item  # re-prefills them) and drop the prefix cache
-                try:
-                    engine.collective_rpc("reload_weights", args=(iter(tensors.items()),))
-                    engine.reset_prefix_cache(reset_running_requests=True)
-                except Exception as exc:
-                    done.set_exception(RuntimeError(f"vLLM failed to load v{version}: {exc!r}"))
-                    continue
-                self.weight_version = version
-                done.set_result(None)
+                engine.add_request(item.id, {"prompt_token_ids": item.prompt_ids}, item.params)
+                self._live[item.id] = item
+            except Exception as exc:
+                item.push(exc)
+        elif isinstance(item, str):
+            if self._live.pop(item, None) is not None:
+                engine.abort_request([item])
+        else:  # a weight update: in place, then preempt the running requests (vLLM
+            try:  # re-prefills them) and drop the prefix cache
+                engine.collective_rpc("reload_weights", args=(iter(item.weights.items()),))
+                engine.reset_prefix_cache(reset_running_requests=True)
+            except Exception as exc:
+                item.settle(RuntimeError(f"vLLM failed to load v{item.version}: {exc!r}"), True)
+                return
+            self.weight_version = item.version
+            item.settle(None)
 
     def _deliver(self, outputs: list) -> None:
         """Stream each step output's new tokens (logprob looked up by the sampled id), then the

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from forgerl.engines.base import RolloutEngine, TokenEvent
-from forgerl.trainer.weight_sync import DeltaEngine, DeltaMismatch, WeightDelta
 from forgerl.types import GenerateOutput, SamplingParams
+from forgerl.weights import DeltaEngine, DeltaMismatch, WeightDelta
 
 log = logging.getLogger("forgerl")
 BLOCK = 16  # tokens per PrefixIndex block

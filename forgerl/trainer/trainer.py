@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from forgerl.cpu_share import CpuShare
-from forgerl.engines.local import engine_dtype
+from forgerl.models import engine_dtype
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import attn_implementation
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss

@@ -44,17 +44,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forgerl.engines.local import (
-    ENGINE_SDPA,
-    LocalEngine,
-    PrefixCache,
-    _GrowingLayer,
-    common_prefix,
-    engine_sdpa,
-    pack_linears,
-    sample_tokens,
-    sampling_logprobs,
-)
+from forgerl.engines.local import LocalEngine
+from forgerl.engines.local.kernels import ENGINE_SDPA, engine_sdpa, pack_linears
+from forgerl.engines.local.kv_batch import _GrowingLayer
+from forgerl.engines.local.prefix_cache import PrefixCache, common_prefix
+from forgerl.engines.local.sampler import sample_tokens, sampling_logprobs
 from forgerl.types import GenerateOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -583,7 +577,8 @@ def test_engine_prefix_cache_stays_within_bound(tiny_model):
 def test_group_prefill_waves(tiny_model):
     """Newcomers sharing a long prefix: the first goes in this wave, its siblings wait for the
     next one (and then hit the cache); unrelated rows and cache-off engines use one wave."""
-    from forgerl.engines.local import WAVE_MIN_SHARED, _Request
+    from forgerl.engines.local.batcher import WAVE_MIN_SHARED
+    from forgerl.engines.local.kv_batch import _Request
 
     def req(ids: list[int]) -> _Request:
         return _Request(ids, GREEDY, None, None, None)  # type: ignore[arg-type]
@@ -637,7 +632,7 @@ def test_failed_prefill_fails_the_newcomers_only(tiny_model):
 def test_failed_merge_fails_both_batches_and_the_engine_serves_on(tiny_model, monkeypatch):
     """A merge that raises (e.g. out of memory for the padded KV caches) fails the running row
     and the newcomer, and the worker thread lives on."""
-    from forgerl.engines import local
+    from forgerl.engines.local import kv_batch as local
 
     def broken_merge(self, other):
         raise MemoryError("merge boom")

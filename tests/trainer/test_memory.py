@@ -234,7 +234,7 @@ def test_bf16_autocast_keeps_fp32_state_and_close_gradients():
 
 
 def test_engine_dtype_auto_follows_the_hardware(monkeypatch):
-    from forgerl.engines.local import engine_dtype
+    from forgerl.models import engine_dtype
 
     cpu = torch.device("cpu")
     assert engine_dtype("float32", cpu) == torch.float32

@@ -24,10 +24,11 @@ import torch
 
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.router import Router
-from forgerl.trainer.weight_sync import (
+from forgerl.trainer.weight_sync import WeightSync
+from forgerl.types import SamplingParams
+from forgerl.weights import (
     DeltaMismatch,
     WeightDelta,
-    WeightSync,
     apply_delta,
     checksum,
     make_delta,
@@ -36,7 +37,6 @@ from forgerl.trainer.weight_sync import (
     unpack,
     weight_group,
 )
-from forgerl.types import SamplingParams
 
 
 def _optimizer_steps(model, lr: float):
