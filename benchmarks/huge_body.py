@@ -30,7 +30,7 @@ import httpx
 
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.gateway.core import Gateway
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.models import build_byte_tokenizer
 
 

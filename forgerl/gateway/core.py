@@ -56,15 +56,15 @@ from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool, ToolCall
 from forgerl.gateway.errors import GatewayError, context_exceeded, unsupported
 from forgerl.gateway.group_commit import GroupCommit
-from forgerl.gateway.renderer import Renderer, token_text
-from forgerl.gateway.replies import (
+from forgerl.gateway.renderers.renderer import Renderer, token_text
+from forgerl.gateway.renderers.replies import (
+    HeldReply,
     IncrementalDecoder,
     ReplyStream,
     cut_at_stop,
     finish_reply,
 )
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore, Turn
-from forgerl.gateway.tool_parsers import HeldReply
 from forgerl.types import UNDELIVERED, Completion, GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:

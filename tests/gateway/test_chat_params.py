@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, render, reply
 from .test_tito import WEATHER, merge_tokenizer, tool_call_text

@@ -49,7 +49,7 @@ from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.core import Choice, Delta, Result, Started, refuse_surely_too_long
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
 from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
-from forgerl.gateway.renderer import Renderer, token_text
+from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.sessions import PromptPlan, Session
 
 Prompt = str | list[int] | list[str] | list[list[int]]

@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
 from forgerl.gateway.errors import loads_json_text
-from forgerl.gateway.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
+from forgerl.gateway.renderers.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
 
 START, END = "<|im_start|>", "<|im_end|>"
 

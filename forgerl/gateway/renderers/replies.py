@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forgerl.gateway.conversation import Message, ToolCall
-from forgerl.gateway.tool_parsers import ParsedReply, parse_tool_calls
+from forgerl.gateway.renderers.tool_parsers import ParsedReply, ToolParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -252,3 +252,37 @@ class ReplyStream:
                 return
         out.append(piece)
         self.content += piece
+
+
+class HeldReply:
+    """The stream state of a reply whose tool calls have no closing string (llama3_json,
+    mistral): `text` (a `ReplyStream` parsing no tools) applies stop and close strings as the
+    text grows; the content and calls come out once, when the reply ends, parsed exactly as the
+    non-streamed reply. Same interface as `ReplyStream` (feed, finish, stopped, content, calls).
+    """
+
+    def __init__(self, text: ReplyStream, parser: ToolParser, declared: set[str] | None):
+        self.text, self.parser, self.declared = text, parser, declared
+        self.content, self.calls, self._held, self._done = "", [], "", False
+
+    @property
+    def stopped(self) -> bool:
+        return self.text.stopped
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        """Add decoded text; nothing comes out until the reply ends (or a stop string)."""
+        self._held += "".join(str(p) for p in self.text.feed(delta))
+        return self._release() if self.text.stopped else []
+
+    def finish(self) -> list[str | ToolCall]:
+        """The generation ended: the parsed content (one piece) and calls."""
+        self._held += "".join(str(p) for p in self.text.finish())
+        return self._release()
+
+    def _release(self) -> list[str | ToolCall]:
+        if self._done:
+            return []
+        self._done = True
+        parsed = self.parser.parse(self._held, self.declared)
+        self.content, self.calls = parsed.content or "", list(parsed.tool_calls)
+        return [*([self.content] if self.content else []), *self.calls]
