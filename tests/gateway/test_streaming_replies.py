@@ -13,7 +13,12 @@ import random
 import pytest
 
 from forgerl.gateway.renderers.renderer import CALL_CLOSE, CALL_OPEN, ChatMLRenderer
-from forgerl.gateway.renderers.replies import IncrementalDecoder, ReplyStream, cut_at_stop, finish_reply
+from forgerl.gateway.renderers.replies import (
+    IncrementalDecoder,
+    ReplyStream,
+    cut_at_stop,
+    finish_reply,
+)
 
 TEXTS = [
     "plain text, nothing else",
