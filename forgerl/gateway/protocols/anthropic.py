@@ -42,10 +42,12 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Delta, Gateway, Result, Started
+from forgerl.gateway.core import Gateway
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream
+from forgerl.gateway.record import Result
 from forgerl.gateway.sessions import Session
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
 

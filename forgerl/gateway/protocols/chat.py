@@ -28,15 +28,13 @@ web_search_options, functions / function_call (use tools), non-text content part
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.gateway.conversation import (
@@ -48,10 +46,10 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-
-log = logging.getLogger(__name__)
+from forgerl.gateway.record import Choice, Result, TokenLogprob
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
@@ -320,67 +318,6 @@ def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
                for c in result.choices]
     return {"id": cid, "object": "chat.completion", "created": int(result.started_at),
             "model": model, "choices": choices, "usage": usage_json(result)}
-
-
-class EventStream(Response):
-    """An SSE response over an async iterator of event strings, for any protocol.
-
-    Headers go out with the first event (a GatewayError before it is a plain JSON error answer,
-    through the app's handlers); a GatewayError or other failure after it becomes
-    `error_event(e)` and the stream ends. The client's disconnect (watched for the whole call,
-    the wait for the first event included) cancels the iteration; the iterator is closed when
-    the response ends, whatever the reason, so `Gateway.stream` aborts its engine streams at
-    once instead of at garbage collection.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], error_event: Callable[[GatewayError], str]):
-        self.status_code, self.background = 200, None
-        self.init_headers()  # no body: no Content-Length
-        self.events, self.error_event = events, error_event
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with contextlib.aclosing(self.events) as events:
-            pump = asyncio.ensure_future(self._pump(events, send))
-            watch = asyncio.ensure_future(disconnected(receive))
-            try:
-                await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watch.cancel()
-                if not pump.done():
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await pump
-            if not pump.cancelled():
-                pump.result()  # a GatewayError before the first event: the app answers it
-
-    async def _pump(self, events: AsyncIterator[str], send: Any) -> None:
-        first = await anext(events, None)
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        try:
-            if first is not None:
-                await send({"type": "http.response.body", "body": first.encode(),
-                            "more_body": True})
-            async for event in events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
-        except GatewayError as e:
-            await send({"type": "http.response.body", "body": self.error_event(e).encode(),
-                        "more_body": True})
-        except Exception as e:
-            log.exception("stream failed")
-            error = GatewayError(500, f"internal error ({type(e).__name__}); the gateway log "
-                                 "has the details", "internal_error", type="server_error")
-            await send({"type": "http.response.body", "body": self.error_event(error).encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def disconnected(receive: Any) -> None:
-    """Return once the HTTP client has gone (the ASGI server reports `http.disconnect`)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -46,11 +46,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from forgerl.gateway.conversation import Conversation, Sampling
-from forgerl.gateway.core import Choice, Delta, Result, Started, refuse_surely_too_long
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
+from forgerl.gateway.prepare import refuse_surely_too_long
+from forgerl.gateway.protocols.chat import error_event, usage_json
+from forgerl.gateway.record import Choice, Result
 from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.sessions import PromptPlan, Session
+from forgerl.gateway.sse import EventStream
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -121,7 +124,7 @@ def prompt_ids(prompt: Prompt, renderer: Renderer, max_model_len: int) -> list[i
 
     Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, an id
     outside the tokenizer's vocabulary [0, len(tokenizer)), or `context_length_exceeded` for a
-    text that must exceed `max_model_len` tokens (`core.refuse_surely_too_long`).
+    text that must exceed `max_model_len` tokens (`prepare.refuse_surely_too_long`).
     """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:

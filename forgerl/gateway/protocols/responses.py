@@ -45,10 +45,12 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, token_json
+from forgerl.gateway.protocols.chat import token_json
+from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sessions import Session, message_key
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
