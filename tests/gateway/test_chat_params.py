@@ -308,7 +308,7 @@ def test_a_tool_schema_is_checked_once_per_distinct_schema():
     """An agent declares the same tools every turn: the metaschema check (~0.4 ms) runs once
     per distinct schema, whatever the key order, and a cached verdict is the fresh one."""
     from forgerl.gateway.conversation import Tool
-    from forgerl.gateway.core import schema_problem, tool_problem
+    from forgerl.gateway.prepare import schema_problem, tool_problem
 
     schema_problem.cache_clear()
     good = {"type": "object", "properties": {"q": {"type": "string"}}}

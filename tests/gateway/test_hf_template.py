@@ -362,7 +362,7 @@ def test_the_floor_counts_think_text_only_where_the_template_renders_it():
     tokenized for 20.6 s while the gateway stalled), not where the template drops it as
     reasoning (Qwen3 splits content at the last `</think>`)."""
     from forgerl.gateway.conversation import Conversation, Message
-    from forgerl.gateway.core import surely_rendered
+    from forgerl.gateway.prepare import surely_rendered
     from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     tok = family_tokenizer("qwen")
