@@ -5,25 +5,10 @@ Data flow: POST /v1/chat/completions body --`parse`--> (`ChatRequest`, `Conversa
 `chat.completion` object; with `stream: true`, `Gateway.stream` --`respond_stream`-->
 `chat.completion.chunk` SSE events, each sent as soon as the engine sampled its tokens.
 
-Every request field of the official API is honoured or refused with a 400 naming it; a field the
-official API does not know is a 400 too ("Unrecognized request argument supplied", as OpenAI
-answers). Honoured: messages (text content; tool calls; tool results; `reasoning_content`),
-tools, tool_choice ("none": tools neither rendered nor parsed; "auto"; "required" and a named
-function: the reply is prefilled with the opening of a tool call, and since the engine cannot
-constrain the rest, a call that does not parse comes back as text, counted in
-`tool_parse_errors`), parallel_tool_calls (false: the reply ends after its first call),
-temperature, top_p (< 1 refused for training sessions, C04), max_tokens /
-max_completion_tokens, stop, seed, n (each choice its own recorded completion), logprobs (the
-recorded behaviour logprobs), top_logprobs 0, response_format "text", stream,
-stream_options.include_usage. Accepted without effect on sampling: user, metadata, store (every
-call is recorded anyway), service_tier, safety_identifier, prompt_cache_key,
-prompt_cache_retention, stream_options.include_obfuscation, a message's `name` (ChatML has no
-slot for it), a tool's `strict` (its schema is rendered; adherence is not enforced: a call that
-does not parse stays text).
-Neutral values accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias
-empty, modalities ["text"]. Refused: top_logprobs > 0, response_format json_object /
-json_schema (no constrained decoding), reasoning_effort, verbosity, audio, prediction,
-web_search_options, functions / function_call (use tools), non-text content parts.
+Every request field of the official API is honoured, ignored or refused with a 400 naming it,
+as its row in `fields.CHAT` says; a field the official API does not know is a 400 too
+("Unrecognized request argument supplied", as OpenAI answers). Non-text content parts are
+refused here, where messages are translated.
 """
 
 from __future__ import annotations
@@ -48,6 +33,7 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
+from forgerl.gateway.fields import CHAT, enforce
 from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sse import EventStream
 
@@ -127,7 +113,7 @@ class StreamOptions(Loose):
 
 
 class ChatRequest(BaseModel):
-    """POST /v1/chat/completions body; see the module docstring for what each field does.
+    """POST /v1/chat/completions body; `fields.CHAT` says what the gateway does with each field.
 
     The session's temperature / max_tokens override the request's; `max_completion_tokens`
     wins over `max_tokens`; max tokens are clamped to the context left after the prompt.
@@ -172,17 +158,6 @@ class ChatRequest(BaseModel):
     function_call: str | dict[str, Any] | None = None
 
 
-REFUSED = {
-    "reasoning_effort": "the served policy has no reasoning-effort control",
-    "verbosity": "the served policy has no verbosity control",
-    "audio": "the policy reads and writes text only",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "the gateway has no web search",
-    "functions": "deprecated; declare them as `tools`",
-    "function_call": "deprecated; use `tool_choice`",
-}
-
-
 # ---- request -> Conversation ----------------------------------------------------------------
 
 
@@ -214,29 +189,10 @@ def _message(m: ChatMessage, i: int) -> Message:
                    m.reasoning_content if m.reasoning_content is not None else m.reasoning)
 
 
-def _refuse_unsupported(req: ChatRequest) -> None:
-    for name, why in REFUSED.items():
-        if getattr(req, name) is not None:
-            raise unsupported(name, why)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, "only 0 is supported: the recorded logprobs are of the "
-                              "unpenalised distribution")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "only an empty bias is supported")
-    if req.modalities not in (None, ["text"]):
-        raise unsupported("modalities", 'only ["text"] is supported')
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"{req.response_format.type!r} needs constrained "
-                          'decoding, which the rollout engine lacks; only "text" is supported')
-    if req.top_logprobs is not None and not req.logprobs:
-        raise unsupported("top_logprobs", "needs logprobs: true")
-
-
 def to_conversation(req: ChatRequest) -> Conversation:
     """The internal form of a validated chat request. Raises GatewayError 400 for a refused
     field (module docstring) or a non-text content part."""
-    _refuse_unsupported(req)
+    enforce(CHAT, req)
     choice: ToolChoice = "auto"
     if isinstance(req.tool_choice, NamedToolChoice):
         choice = ForcedTool(req.tool_choice.function.name)
