@@ -32,8 +32,8 @@ def listen(host: str, port: int) -> socket.socket:
     asyncio sets TCP_NODELAY on an accepted connection only when its socket's proto is
     IPPROTO_TCP, and an accepted socket inherits the listener's; `socket.create_server` makes
     proto 0. Without TCP_NODELAY, a response written in two sends (uvicorn writes headers and
-    body separately) waits for the client's delayed ACK: about 40 ms per call on a keep-alive
-    connection (Nagle + delayed ACK). Raises OSError when the address is taken.
+    body separately) waits for the client's delayed ACK on a keep-alive connection (Nagle +
+    delayed ACK). Raises OSError when the address is taken.
     """
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
