@@ -128,16 +128,18 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
         req, conversation = anthropic.parse(await request.body())
         if req.stream:
             return anthropic.respond_stream(req, conversation,
-                                            gateway.stream(session, conversation), gateway)
+                                            gateway.stream(session, conversation),
+                                            gateway.renderer.decode)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
-        return anthropic.respond(req, conversation, result, gateway)
+        return anthropic.respond(req, conversation, result, gateway.renderer.decode)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         """Anthropic token counting: the next call's prompt length; nothing recorded."""
         session = authenticate_key(gateway, request.headers)
-        return anthropic.count_tokens(gateway, session, await request.body())
+        conversation = anthropic.parse_prompt(await request.body())
+        return {"input_tokens": gateway.prompt_tokens(session, conversation)}
 
     @app.post("/v1/responses")
     async def responses_create(request: Request) -> Any:

@@ -210,6 +210,14 @@ class Gateway:
         """The reply text prefilled for a forced tool call (prepare.prefill_text), else ""."""
         return prefill_text(conv, self.renderer)
 
+    def prompt_tokens(self, session: Session, conv: Conversation) -> int:
+        """The length of the prompt ids the next call of `conv` would send (recorded ids
+        reused, prefill included); nothing recorded. Raises GatewayError as `check`."""
+        tools = self.check(conv)
+        plan = session.plan(conv.messages, tools, self.renderer)
+        prefill = self.renderer.encode(self.prefill(conv))
+        return len(plan.prompt_ids) + len(prefill)
+
     def prepare(self, session: Session, conv: Conversation,
                 plan: PromptPlan | None = None) -> Call:
         """Check, render (TITO) and parametrise one call; raises GatewayError (see `check`,

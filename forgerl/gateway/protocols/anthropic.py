@@ -36,12 +36,10 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Gateway
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
 from forgerl.gateway.fields import MESSAGES, enforce
 from forgerl.gateway.record import Result
-from forgerl.gateway.sessions import Session
 from forgerl.gateway.sse import EventStream
 
 # ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
@@ -260,14 +258,10 @@ def parse(raw: bytes) -> tuple[MessagesRequest, Conversation]:
     return req, to_conversation(req)
 
 
-def count_tokens(gateway: Gateway, session: Session, raw: bytes) -> dict[str, int]:
-    """POST /v1/messages/count_tokens: the length of the prompt ids the next call would send
-    (recorded ids reused, prefill included); nothing recorded. Raises GatewayError 400 / 404."""
-    conv = to_conversation(parse_body(raw, PromptRequest))
-    tools = gateway.check(conv)
-    plan = session.plan(conv.messages, tools, gateway.renderer)
-    prefill = gateway.renderer.encode(gateway.prefill(conv))
-    return {"input_tokens": len(plan.prompt_ids) + len(prefill)}
+def parse_prompt(raw: bytes) -> Conversation:
+    """Validate a POST /v1/messages/count_tokens body and translate it (no sampling fields);
+    raises GatewayError 400. Its count is `Gateway.prompt_tokens` of the result."""
+    return to_conversation(parse_body(raw, PromptRequest))
 
 
 # ---- Result -> response ---------------------------------------------------------------------
@@ -360,17 +354,17 @@ async def message_events(mid: str, req: MessagesRequest, conv: Conversation,
             yield _sse("message_stop")
 
 
-def respond(req: MessagesRequest, conv: Conversation, result: Result, gateway: Gateway
-            ) -> JSONResponse:
+def respond(req: MessagesRequest, conv: Conversation, result: Result,
+            decode: Callable[[list[int]], str]) -> JSONResponse:
     """The `message` object answering a non-streamed call."""
     head = _head(f"msg_{uuid.uuid4().hex}", req.model, result.prompt_tokens)
     return JSONResponse({**head, "content": content_blocks(result.choices[0].reply),
-                         **ending(result, conv.sampling.stop, gateway.renderer.decode)})
+                         **ending(result, conv.sampling.stop, decode)})
 
 
 def respond_stream(req: MessagesRequest, conv: Conversation,
-                   events: AsyncIterator[Started | Delta | Result], gateway: Gateway
-                   ) -> EventStream:
+                   events: AsyncIterator[Started | Delta | Result],
+                   decode: Callable[[list[int]], str]) -> EventStream:
     """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples."""
     return EventStream(message_events(f"msg_{uuid.uuid4().hex}", req, conv, events,
-                                      gateway.renderer.decode), error_event)
+                                      decode), error_event)
