@@ -257,7 +257,7 @@ def respond(call: CompletionCall, result: Result, renderer: Renderer) -> JSONRes
 
 def respond_stream(call: CompletionCall, events: AsyncIterator[Started | Delta | Result],
                    renderer: Renderer) -> EventStream:
-    """The SSE answer of a `stream: true` call, sent as the engine samples (chat.EventStream:
+    """The SSE answer of a `stream: true` call, sent as the engine samples (sse.EventStream:
     a client that disconnects aborts the call and nothing of it is recorded)."""
     return EventStream(completion_chunks(call, f"cmpl-{uuid.uuid4().hex}", events, renderer),
                        error_event)

@@ -1,18 +1,20 @@
 """Sampled ids -> the reply a client sees: end at stop strings, parse tool calls (pure).
 
-Data flow: `Gateway.complete` (core.py) gets a choice's sampled ids from the engine and calls
-`cut_at_stop` and then `finish_reply` here; the kept ids are recorded, the reply is handed to the
-protocol. The engines stop only on token ids, so a stop string is applied after decoding: the
-sampled ids are kept up to and including the token that completes the earliest stop string, and
-the ids decoded past it are dropped from the record. That is what an engine that stops on the
-string records (the stopping rule depends only on the prefix, so the kept ids have the same
-distribution), and it keeps turn k+1's prompt an extension of what the agent saw at turn k.
-Every kept id stays in the loss, including those of the stop string itself.
+Data flow: the gateway core (record.py, `build_choices`) gets a choice's sampled ids from the
+engine and calls `cut_at_stop` and then `finish_reply` here; the kept ids are recorded, the
+reply is handed to the protocol. The engines stop only on token ids, so a stop string is applied
+after decoding: the sampled ids are kept up to and including the token that completes the
+earliest stop string, and the ids decoded past it are dropped from the record. That is what an
+engine that stops on the string records (the stopping rule depends only on the prefix, so the
+kept ids have the same distribution), and it keeps turn k+1's prompt an extension of what the
+agent saw at turn k. Every kept id stays in the loss, including those of the stop string itself.
 
 Streaming (`Gateway.stream`): `IncrementalDecoder` turns each sampled id into the text it makes
 decodable, and `ReplyStream` applies the same stop, close and tool-call rules to that text as it
 grows, so the client gets each delta once it is certain and the engine is stopped as soon as a
 stop string completes; the record is then cut by `cut_at_stop`, exactly as without streaming.
+`HeldReply` holds back a reply whose tool-call format has no closing string (llama3_json,
+mistral) and parses it once, when it ends.
 """
 
 from __future__ import annotations

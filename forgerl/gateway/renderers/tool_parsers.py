@@ -15,7 +15,7 @@ keeps only that call and reports the rest). An unclosed `<tool_call>` (a reply t
 max_tokens, C09) also stays as text; the gateway keeps that turn's finish_reason "length".
 Streaming: a hermes call is recognised as soon as its block closes; llama3_json and mistral calls
 have no closing string, so a stream with tools holds their reply back and parses it once, when
-it ends (`HeldReply`), giving the same content and calls as the non-streamed reply.
+it ends (`replies.HeldReply`), giving the same content and calls as the non-streamed reply.
 """
 
 from __future__ import annotations
