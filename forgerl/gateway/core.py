@@ -51,22 +51,10 @@ from dataclasses import dataclass, field
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine
 from forgerl.gateway.conversation import Conversation, Tool
-from forgerl.gateway.dispatch import (
-    Delta,
-    Started,
-    choice_events,
-    generate,
-    merged,
-    reply_stream,
-)
+from forgerl.gateway.dispatch import Delta, Started, choice_events, generate, merged, reply_stream
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
-from forgerl.gateway.prepare import (
-    Call,
-    build_call,
-    check_conversation,
-    prefill_text,
-)
+from forgerl.gateway.prepare import Call, build_call, check_conversation, prefill_text
 from forgerl.gateway.record import Result, build_choices, record
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
@@ -198,7 +186,6 @@ class Gateway:
         finally:
             session.in_flight -= 1
             session.last_active = time.monotonic()
-
 
     def check(self, conv: Conversation) -> tuple[Tool, ...]:
         """The tools to render for `conv`, after the checks that need no rendering
