@@ -234,7 +234,7 @@ def _tools(req: PromptRequest) -> tuple[Tool, ...]:
 
 def to_conversation(req: PromptRequest) -> Conversation:
     """The internal form of a validated request. Raises GatewayError 400 for a refused field or
-    block (module docstring)."""
+    block (`fields.MESSAGES`; module docstring)."""
     enforce(MESSAGES, req)
     choice: ToolChoice = "auto"
     tc = req.tool_choice

@@ -191,7 +191,7 @@ def _message(m: ChatMessage, i: int) -> Message:
 
 def to_conversation(req: ChatRequest) -> Conversation:
     """The internal form of a validated chat request. Raises GatewayError 400 for a refused
-    field (module docstring) or a non-text content part."""
+    field (`fields.CHAT`) or a non-text content part."""
     enforce(CHAT, req)
     choice: ToolChoice = "auto"
     if isinstance(req.tool_choice, NamedToolChoice):
