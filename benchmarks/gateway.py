@@ -125,7 +125,7 @@ async def serve_gateway(pool_dir: str, paced: bool = False) -> None:
     `paced`: the engine samples a token every 5 ms and logs when (the latency workload)."""
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.gateway.app import Gateway
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
     from forgerl.models import build_byte_tokenizer
 
     renderer = ChatMLRenderer(build_byte_tokenizer())

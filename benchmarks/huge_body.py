@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 
 from forgerl.datapool.sqlite import SQLitePool
-from forgerl.gateway.core import Gateway
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.app import Gateway
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.models import build_byte_tokenizer
 
 

@@ -6,7 +6,7 @@ prefill tokens/s (a 512-token prompt, cache off) and the decode step time at bat
 instances (2-64), each a continuous-batching engine like LocalEngine (max_batch_size 16, FIFO
 queue beyond it, a step = one decode token per running row + the prefill of the rows admitted
 at it, LRU prefix cache of 8192 tokens in BLOCK-token blocks: the config default). Routing is
-`forgerl.gateway.router.RouterState`, the router's own code, on the simulation's clock: it
+`forgerl.gateway.routing.RouterState`, the router's own code, on the simulation's clock: it
 estimates cached prefixes and measures token rates exactly as `Router` does.
 
 Traffic: groups of G = 8 agent sessions arrive as a Poisson process sized to 60 % of the fleet's
@@ -47,12 +47,12 @@ import httpx
 import torch
 
 from forgerl.engines.local import LocalEngine
-from forgerl.gateway.router import (
+from forgerl.gateway.router import Router
+from forgerl.gateway.routing import (
     BLOCK,
     POLICIES,
     Flight,
     PrefixIndex,
-    Router,
     RouterState,
     block_hashes,
 )

@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.app import Gateway
-from forgerl.gateway.templates import build_renderer
+from forgerl.gateway.renderers.templates import build_renderer
 from forgerl.models import build_byte_tokenizer, build_tiny_model, load_pretrained
 from forgerl.trainer.trainer import Trainer
 

@@ -760,7 +760,7 @@ async def _build_services(config: Config, agent: Agent | None, training: bool, l
     from forgerl.cpu_share import single_threaded_caller
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.gateway.app import Gateway
-    from forgerl.gateway.templates import build_renderer
+    from forgerl.gateway.renderers.templates import build_renderer
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
     from forgerl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from forgerl.types import Trajectory
 
 if TYPE_CHECKING:
-    from forgerl.gateway.tool_parsers import ParsedReply
+    from forgerl.gateway.renderers.tool_parsers import ParsedReply
 
 
 def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str],

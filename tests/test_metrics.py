@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from forgerl.gateway.tool_parsers import parse_tool_calls
+from forgerl.gateway.renderers.tool_parsers import parse_tool_calls
 from forgerl.metrics import agent_summary, rollout_stats
 from forgerl.types import Completion, Trajectory
 

@@ -87,7 +87,7 @@ ToolChoice = Literal["auto", "none", "required"] | ForcedTool
 @dataclass(frozen=True)
 class Sampling:
     """What the client asked for; None / empty = not set (the session, then the gateway
-    defaults apply: see `Gateway.sampling_params`).
+    defaults apply: see `prepare.sampling_params`).
 
     max_tokens: completion tokens per choice. stop: strings that end a choice (the returned
     text ends before the first one; the sampled ids up to the token completing it are kept).

@@ -1,11 +1,11 @@
 """Group commit: the model calls that finish together are made durable in one transaction.
 
-Data flow: `Gateway.record` hands each answered call (its completions and their process events)
-to `GroupCommit.record` and awaits it; the call is answered only once its rows are committed
-(synchronous=FULL: one fsync). Calls that arrive while a commit is running wait for the next
-one, which takes them all (`SQLitePool.record_calls`: one transaction, a savepoint per call), so
-under load one fsync serves many calls, and the fsync runs in a worker thread instead of
-blocking the event loop. A lone call still commits at once (no added wait).
+Data flow: `record.record` (record.py) hands each answered call (its completions and their
+process events) to `GroupCommit.record` and awaits it; the call is answered only once its rows
+are committed (synchronous=FULL: one fsync). Calls that arrive while a commit is running wait
+for the next one, which takes them all (`SQLitePool.record_calls`: one transaction, a savepoint
+per call), so under load one fsync serves many calls, and the fsync runs in a worker thread
+instead of blocking the event loop. A lone call still commits at once (no added wait).
 
 `on_commit` runs on the event loop right after the call's rows are durable, even when the
 awaiting request was cancelled meanwhile (a client disconnect): the session's turn tree is then
@@ -41,7 +41,7 @@ class GroupCommit:
     pool: DataPool
     in_thread: bool = True
     """Run each commit in a worker thread: the loop serves other requests during the fsync and
-    sees a client that leaves meanwhile (its turns are marked undelivered, `Gateway.record`).
+    sees a client that leaves meanwhile (its turns are marked undelivered, `record.record`).
     False: on the event loop (no thread hop)."""
     commits: int = 0
     calls: int = 0

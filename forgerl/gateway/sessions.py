@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forgerl.gateway.conversation import Message, Tool
-from forgerl.gateway.renderer import Renderer, call_arguments
+from forgerl.gateway.renderers.renderer import Renderer, call_arguments
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.protocols import chat
-from forgerl.gateway.renderer import Renderer
+from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.trainer.samples import TrainingSample
 
 

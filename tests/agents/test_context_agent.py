@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from forgerl.agents.context import CM_NAMES, DROPPED
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from tests.gateway.conftest import ScriptedEngine, reply, serve  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "context_agent" / "agent.py"

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.local import LocalEngine
-from forgerl.gateway.router import (
+from forgerl.gateway.router import Router
+from forgerl.gateway.routing import (
     BLOCK,
     InstanceLoad,
     PrefixIndex,
-    Router,
     RouterState,
     affinity,
     block_hashes,

@@ -20,7 +20,7 @@ from forgerl.datapool.sqlite import SQLitePool
 from forgerl.engines.base import TokenEvent
 from forgerl.gateway.app import Gateway, GatewayServer
 from forgerl.gateway.protocols import chat
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.types import GenerateOutput, SamplingParams
 
 CHATML = (

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from forgerl.gateway.protocols import anthropic as wire
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, render, reply
 from .test_tito import WEATHER, tool_call_text

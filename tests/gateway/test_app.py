@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 from .test_tito import WEATHER, tool_call_text

@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, render, reply
 from .test_tito import WEATHER, merge_tokenizer, tool_call_text
@@ -308,7 +308,7 @@ def test_a_tool_schema_is_checked_once_per_distinct_schema():
     """An agent declares the same tools every turn: the metaschema check (~0.4 ms) runs once
     per distinct schema, whatever the key order, and a cached verdict is the fresh one."""
     from forgerl.gateway.conversation import Tool
-    from forgerl.gateway.core import schema_problem, tool_problem
+    from forgerl.gateway.prepare import schema_problem, tool_problem
 
     schema_problem.cache_clear()
     good = {"type": "object", "properties": {"q": {"type": "string"}}}

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, reply
 

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .test_local_engine import Recording
 

@@ -15,7 +15,7 @@ import json
 import openai
 
 from forgerl.agents.context import CM_TOOLS, DROPPED, ManagedContext, run_tool_loop
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.prefix_tree import build_tree_batch
 from forgerl.trainer.samples import trajectory_to_samples_with_stats

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from forgerl.gateway.protocols import chat
-from forgerl.gateway.renderer import ChatMLRenderer, tool_call_json, tools_section
+from forgerl.gateway.renderers.renderer import ChatMLRenderer, tool_call_json, tools_section
 
 from .conftest import ScriptedEngine, render, reply
 from .test_renderer import SMOLLM2

@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, reply
 

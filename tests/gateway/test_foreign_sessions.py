@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 

@@ -16,7 +16,7 @@ import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.gateway.app import BODIES, Gateway, create_app
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 

@@ -41,7 +41,7 @@ def react_agent(srv, key: str, **kw):
 
 
 def test_react_agent_tool_loop(serve, tokenizer):
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     script = [reply(renderer, tool_call_text("get_weather", {"city": "Paris"})),

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*`ReadOnly` qualifier:UserWarni
 
 def scripted(serve, tokenizer, texts: list[str]):
     """(served gateway, trajectory id, api key, scripted items) answering `texts`."""
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     script = [reply(renderer, t) for t in texts]

@@ -52,7 +52,7 @@ def wire(sent: list[dict], got: list[dict]) -> httpx.Client:
 
 def gateway(serve, tokenizer, texts: list[str], **client_kwargs):
     """(served gateway, trajectory id, OpenAIServerModel, scripted items) for `texts`."""
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     script = [reply(renderer, t) for t in texts]

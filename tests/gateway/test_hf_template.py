@@ -21,8 +21,8 @@ import pytest
 
 from forgerl.config import ConfigError, load_config
 from forgerl.gateway.protocols import chat
-from forgerl.gateway.renderer import ChatMLRenderer
-from forgerl.gateway.templates import HFTemplateRenderer, build_renderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.templates import HFTemplateRenderer, build_renderer
 from forgerl.models import build_byte_tokenizer
 from tests.gateway.conftest import CHATML, Scripted, ScriptedEngine
 
@@ -362,8 +362,8 @@ def test_the_floor_counts_think_text_only_where_the_template_renders_it():
     tokenized for 20.6 s while the gateway stalled), not where the template drops it as
     reasoning (Qwen3 splits content at the last `</think>`)."""
     from forgerl.gateway.conversation import Conversation, Message
-    from forgerl.gateway.core import surely_rendered
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.prepare import surely_rendered
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     tok = family_tokenizer("qwen")
     keeps = HFTemplateRenderer(tok)

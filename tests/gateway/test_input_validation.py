@@ -19,7 +19,7 @@ import torch
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.app import Gateway
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 
 

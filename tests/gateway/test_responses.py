@@ -32,7 +32,7 @@ CALL = tool_call_text("get_weather", {"city": "Paris"})
 
 def served(serve, tokenizer, texts: list[str]):
     """(served gateway, trajectory id, openai client) with an engine answering `texts`."""
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)

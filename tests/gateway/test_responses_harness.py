@@ -25,7 +25,7 @@ def test_openai_agents_tool_loop(serve, tokenizer):
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     srv = serve(ScriptedEngine([reply(renderer, CALL), reply(renderer, "It is sunny in Paris.")]),

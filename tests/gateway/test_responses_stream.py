@@ -27,7 +27,7 @@ import time
 import openai
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 from .test_responses import CALL, FLAT, tool_turn

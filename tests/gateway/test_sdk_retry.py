@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.samples import drop_retry_orphans, trajectory_to_samples
 from forgerl.trainer.trainer import Trainer

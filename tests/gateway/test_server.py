@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI
 
 from forgerl.gateway.app import GatewayServer
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 

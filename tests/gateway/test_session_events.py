@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.types import Event
 
 from .conftest import ScriptedEngine, reply

@@ -11,7 +11,7 @@ form (conversation.py).
 from __future__ import annotations
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.gateway.sessions import SessionStore, Turn, message_key
 
 U1 = Message("user", "a")

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import Scripted, ScriptedEngine, reply
 

@@ -12,8 +12,13 @@ import random
 
 import pytest
 
-from forgerl.gateway.renderer import CALL_CLOSE, CALL_OPEN, ChatMLRenderer
-from forgerl.gateway.replies import IncrementalDecoder, ReplyStream, cut_at_stop, finish_reply
+from forgerl.gateway.renderers.renderer import CALL_CLOSE, CALL_OPEN, ChatMLRenderer
+from forgerl.gateway.renderers.replies import (
+    IncrementalDecoder,
+    ReplyStream,
+    cut_at_stop,
+    finish_reply,
+)
 
 TEXTS = [
     "plain text, nothing else",

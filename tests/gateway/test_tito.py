@@ -77,7 +77,7 @@ def test_c01_sampled_ids_are_reused_not_reencoded(serve):
 def scripted_session(serve, tokenizer, texts: list[str]):
     """A served gateway whose engine answers `texts` in order, and one open session on it:
     (renderer, served gateway, trajectory id, openai client for the session)."""
-    from forgerl.gateway.renderer import ChatMLRenderer
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
     renderer = ChatMLRenderer(tokenizer)
     srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)

@@ -12,12 +12,11 @@ import json
 
 import pytest
 
-from forgerl.gateway.replies import ReplyStream
-from forgerl.gateway.tool_parsers import (
+from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
+from forgerl.gateway.renderers.tool_parsers import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
-    HeldReply,
     detect_parser,
     parse_llama3_json,
     parse_mistral,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from forgerl.config import ConfigError, load_config
-from forgerl.gateway.renderer import ChatMLRenderer
+from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.models import build_tiny_model
 from forgerl.trainer.losses import nll_loss
 from forgerl.trainer.trainer import Trainer

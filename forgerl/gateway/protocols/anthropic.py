@@ -6,20 +6,14 @@ Data flow: POST /v1/messages body --`parse`--> (`MessagesRequest`, `Conversation
 _delta (`text_delta`, `input_json_delta`) / _stop, message_delta, message_stop).
 POST /v1/messages/count_tokens answers the next call's `input_tokens` and records nothing.
 
-Honoured: system (string or text blocks, joined by "\n"); content as a string or blocks text
-(in a row joined by "\n"; an assistant's split by tool_use blocks, as its stream splits them, by
-nothing),
-tool_use, tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML
-having no error slot), thinking (the internal `reasoning`; its signature kept as sent,
-unchecked); tools with input_schema; tool_choice auto / any / tool (both prefill a tool call) /
-none, disable_parallel_tool_use; max_tokens; stop_sequences (stop_reason "stop_sequence" with
-the matched string); temperature; top_p (< 1 refused for training sessions, C04); thinking
-disabled / adaptive. Accepted without effect: metadata, service_tier, speed, inference_geo,
-user_profile_id, workspace_id, cache_control, citations, the anthropic-version / -beta headers.
-Refused with a 400 naming the field: top_k, thinking enabled, output_config format / effort,
-container, diagnostics, mcp_servers, context_management, server tools (type other than
-"custom"), other blocks (image, document, redacted_thinking, ...), a final assistant message
-(prefill), unknown top-level fields. Errors are Anthropic-shaped (GatewayError.anthropic_response).
+What the gateway does with each request field (honoured, ignored, refused with a 400 naming it)
+is `fields.MESSAGES`; unknown top-level fields are a 400. Content blocks: text (in a row joined by
+"\n"; an assistant's split by tool_use blocks, as its stream splits them, by nothing), tool_use,
+tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML having no error
+slot), thinking (the internal `reasoning`; its signature kept as sent, unchecked); other blocks
+(image, document, redacted_thinking, ...), server tools (type other than "custom") and a final
+assistant message (prefill) are refused here. Errors are Anthropic-shaped
+(GatewayError.anthropic_response).
 """
 
 from __future__ import annotations
@@ -42,10 +36,11 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Delta, Gateway, Result, Started
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream
-from forgerl.gateway.sessions import Session
+from forgerl.gateway.fields import MESSAGES, enforce
+from forgerl.gateway.record import Result
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
 
@@ -135,7 +130,7 @@ class PromptRequest(BaseModel):  # POST /v1/messages/count_tokens: what renders 
 
 
 class MessagesRequest(PromptRequest):
-    """POST /v1/messages body (module docstring). The session's temperature / max_tokens
+    """POST /v1/messages body (`fields.MESSAGES`). The session's temperature / max_tokens
     override the request's; max_tokens is clamped to the context left after the prompt."""
 
     max_tokens: int = Field(ge=1)
@@ -151,15 +146,6 @@ class MessagesRequest(PromptRequest):
     workspace_id: str | None = None
     container: Any = None
     diagnostics: dict[str, Any] | None = None
-
-
-REFUSED = {
-    "mcp_servers": "the gateway connects to no MCP servers; declare the tools instead",
-    "context_management": "the gateway does not edit the context (it would break token reuse)",
-    "container": "the gateway runs no containers",
-    "diagnostics": "the gateway reports no prompt-cache diagnostics",
-    "top_k": "the recorded logprobs are over the full vocabulary",
-}
 
 
 # ---- request -> Conversation ----------------------------------------------------------------
@@ -246,24 +232,10 @@ def _tools(req: PromptRequest) -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def _refuse_unsupported(req: PromptRequest) -> None:
-    for name, why in REFUSED.items():
-        if getattr(req, name, None) is not None:
-            raise unsupported(name, why)
-    if req.thinking is not None and req.thinking.type not in ("disabled", "adaptive"):
-        raise unsupported("thinking.type", f"{req.thinking.type!r}: the served policy has no "
-                          'thinking budget control (use "disabled" or "adaptive")')
-    for key, value in (req.output_config or {}).items():
-        if value is not None:
-            raise unsupported(f"output_config.{key}", "structured output needs constrained "
-                              "decoding, which the rollout engine lacks" if key == "format" else
-                              "the served policy has no such control")
-
-
 def to_conversation(req: PromptRequest) -> Conversation:
     """The internal form of a validated request. Raises GatewayError 400 for a refused field or
-    block (module docstring)."""
-    _refuse_unsupported(req)
+    block (`fields.MESSAGES`; module docstring)."""
+    enforce(MESSAGES, req)
     choice: ToolChoice = "auto"
     tc = req.tool_choice
     if tc is not None and tc.type == "tool":
@@ -286,14 +258,10 @@ def parse(raw: bytes) -> tuple[MessagesRequest, Conversation]:
     return req, to_conversation(req)
 
 
-def count_tokens(gateway: Gateway, session: Session, raw: bytes) -> dict[str, int]:
-    """POST /v1/messages/count_tokens: the length of the prompt ids the next call would send
-    (recorded ids reused, prefill included); nothing recorded. Raises GatewayError 400 / 404."""
-    conv = to_conversation(parse_body(raw, PromptRequest))
-    tools = gateway.check(conv)
-    plan = session.plan(conv.messages, tools, gateway.renderer)
-    prefill = gateway.renderer.encode(gateway.prefill(conv))
-    return {"input_tokens": len(plan.prompt_ids) + len(prefill)}
+def parse_prompt(raw: bytes) -> Conversation:
+    """Validate a POST /v1/messages/count_tokens body and translate it (no sampling fields);
+    raises GatewayError 400. Its count is `Gateway.prompt_tokens` of the result."""
+    return to_conversation(parse_body(raw, PromptRequest))
 
 
 # ---- Result -> response ---------------------------------------------------------------------
@@ -386,17 +354,17 @@ async def message_events(mid: str, req: MessagesRequest, conv: Conversation,
             yield _sse("message_stop")
 
 
-def respond(req: MessagesRequest, conv: Conversation, result: Result, gateway: Gateway
-            ) -> JSONResponse:
+def respond(req: MessagesRequest, conv: Conversation, result: Result,
+            decode: Callable[[list[int]], str]) -> JSONResponse:
     """The `message` object answering a non-streamed call."""
     head = _head(f"msg_{uuid.uuid4().hex}", req.model, result.prompt_tokens)
     return JSONResponse({**head, "content": content_blocks(result.choices[0].reply),
-                         **ending(result, conv.sampling.stop, gateway.renderer.decode)})
+                         **ending(result, conv.sampling.stop, decode)})
 
 
 def respond_stream(req: MessagesRequest, conv: Conversation,
-                   events: AsyncIterator[Started | Delta | Result], gateway: Gateway
-                   ) -> EventStream:
+                   events: AsyncIterator[Started | Delta | Result],
+                   decode: Callable[[list[int]], str]) -> EventStream:
     """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples."""
     return EventStream(message_events(f"msg_{uuid.uuid4().hex}", req, conv, events,
-                                      gateway.renderer.decode), error_event)
+                                      decode), error_event)

@@ -5,38 +5,21 @@ Data flow: POST /v1/chat/completions body --`parse`--> (`ChatRequest`, `Conversa
 `chat.completion` object; with `stream: true`, `Gateway.stream` --`respond_stream`-->
 `chat.completion.chunk` SSE events, each sent as soon as the engine sampled its tokens.
 
-Every request field of the official API is honoured or refused with a 400 naming it; a field the
-official API does not know is a 400 too ("Unrecognized request argument supplied", as OpenAI
-answers). Honoured: messages (text content; tool calls; tool results; `reasoning_content`),
-tools, tool_choice ("none": tools neither rendered nor parsed; "auto"; "required" and a named
-function: the reply is prefilled with the opening of a tool call, and since the engine cannot
-constrain the rest, a call that does not parse comes back as text, counted in
-`tool_parse_errors`), parallel_tool_calls (false: the reply ends after its first call),
-temperature, top_p (< 1 refused for training sessions, C04), max_tokens /
-max_completion_tokens, stop, seed, n (each choice its own recorded completion), logprobs (the
-recorded behaviour logprobs), top_logprobs 0, response_format "text", stream,
-stream_options.include_usage. Accepted without effect on sampling: user, metadata, store (every
-call is recorded anyway), service_tier, safety_identifier, prompt_cache_key,
-prompt_cache_retention, stream_options.include_obfuscation, a message's `name` (ChatML has no
-slot for it), a tool's `strict` (its schema is rendered; adherence is not enforced: a call that
-does not parse stays text).
-Neutral values accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias
-empty, modalities ["text"]. Refused: top_logprobs > 0, response_format json_object /
-json_schema (no constrained decoding), reasoning_effort, verbosity, audio, prediction,
-web_search_options, functions / function_call (use tools), non-text content parts.
+Every request field of the official API is honoured, ignored or refused with a 400 naming it,
+as its row in `fields.CHAT` says; a field the official API does not know is a 400 too
+("Unrecognized request argument supplied", as OpenAI answers). Non-text content parts are
+refused here, where messages are translated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.gateway.conversation import (
@@ -48,10 +31,11 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-
-log = logging.getLogger(__name__)
+from forgerl.gateway.fields import CHAT, enforce
+from forgerl.gateway.record import Choice, Result, TokenLogprob
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
@@ -129,7 +113,7 @@ class StreamOptions(Loose):
 
 
 class ChatRequest(BaseModel):
-    """POST /v1/chat/completions body; see the module docstring for what each field does.
+    """POST /v1/chat/completions body; `fields.CHAT` says what the gateway does with each field.
 
     The session's temperature / max_tokens override the request's; `max_completion_tokens`
     wins over `max_tokens`; max tokens are clamped to the context left after the prompt.
@@ -174,17 +158,6 @@ class ChatRequest(BaseModel):
     function_call: str | dict[str, Any] | None = None
 
 
-REFUSED = {
-    "reasoning_effort": "the served policy has no reasoning-effort control",
-    "verbosity": "the served policy has no verbosity control",
-    "audio": "the policy reads and writes text only",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "the gateway has no web search",
-    "functions": "deprecated; declare them as `tools`",
-    "function_call": "deprecated; use `tool_choice`",
-}
-
-
 # ---- request -> Conversation ----------------------------------------------------------------
 
 
@@ -216,29 +189,10 @@ def _message(m: ChatMessage, i: int) -> Message:
                    m.reasoning_content if m.reasoning_content is not None else m.reasoning)
 
 
-def _refuse_unsupported(req: ChatRequest) -> None:
-    for name, why in REFUSED.items():
-        if getattr(req, name) is not None:
-            raise unsupported(name, why)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, "only 0 is supported: the recorded logprobs are of the "
-                              "unpenalised distribution")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "only an empty bias is supported")
-    if req.modalities not in (None, ["text"]):
-        raise unsupported("modalities", 'only ["text"] is supported')
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"{req.response_format.type!r} needs constrained "
-                          'decoding, which the rollout engine lacks; only "text" is supported')
-    if req.top_logprobs is not None and not req.logprobs:
-        raise unsupported("top_logprobs", "needs logprobs: true")
-
-
 def to_conversation(req: ChatRequest) -> Conversation:
     """The internal form of a validated chat request. Raises GatewayError 400 for a refused
-    field (module docstring) or a non-text content part."""
-    _refuse_unsupported(req)
+    field (`fields.CHAT`) or a non-text content part."""
+    enforce(CHAT, req)
     choice: ToolChoice = "auto"
     if isinstance(req.tool_choice, NamedToolChoice):
         choice = ForcedTool(req.tool_choice.function.name)
@@ -320,67 +274,6 @@ def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
                for c in result.choices]
     return {"id": cid, "object": "chat.completion", "created": int(result.started_at),
             "model": model, "choices": choices, "usage": usage_json(result)}
-
-
-class EventStream(Response):
-    """An SSE response over an async iterator of event strings, for any protocol.
-
-    Headers go out with the first event (a GatewayError before it is a plain JSON error answer,
-    through the app's handlers); a GatewayError or other failure after it becomes
-    `error_event(e)` and the stream ends. The client's disconnect (watched for the whole call,
-    the wait for the first event included) cancels the iteration; the iterator is closed when
-    the response ends, whatever the reason, so `Gateway.stream` aborts its engine streams at
-    once instead of at garbage collection.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], error_event: Callable[[GatewayError], str]):
-        self.status_code, self.background = 200, None
-        self.init_headers()  # no body: no Content-Length
-        self.events, self.error_event = events, error_event
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with contextlib.aclosing(self.events) as events:
-            pump = asyncio.ensure_future(self._pump(events, send))
-            watch = asyncio.ensure_future(disconnected(receive))
-            try:
-                await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watch.cancel()
-                if not pump.done():
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await pump
-            if not pump.cancelled():
-                pump.result()  # a GatewayError before the first event: the app answers it
-
-    async def _pump(self, events: AsyncIterator[str], send: Any) -> None:
-        first = await anext(events, None)
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        try:
-            if first is not None:
-                await send({"type": "http.response.body", "body": first.encode(),
-                            "more_body": True})
-            async for event in events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
-        except GatewayError as e:
-            await send({"type": "http.response.body", "body": self.error_event(e).encode(),
-                        "more_body": True})
-        except Exception as e:
-            log.exception("stream failed")
-            error = GatewayError(500, f"internal error ({type(e).__name__}); the gateway log "
-                                 "has the details", "internal_error", type="server_error")
-            await send({"type": "http.response.body", "body": self.error_event(error).encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def disconnected(receive: Any) -> None:
-    """Return once the HTTP client has gone (the ASGI server reports `http.disconnect`)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -18,19 +18,10 @@ prompt starts a new branch, counted in `prefix_misses`. A text prompt is encoded
 re-encoding sampled text may give other ids (CASES.md C01), so a text client extends only when
 the encoding happens to reproduce them; token-native clients send ids.
 
-Honoured: prompt (a string or a list of token ids; a batch of one of either), max_tokens
-(the session's, else the request's, else the gateway's default, clamped to the context; the
-official default is 16), temperature, top_p (< 1 refused for training sessions, C04), stop,
-seed, n (each choice its own recorded completion and branch, seed + i), logprobs 0 (the
-recorded behaviour logprob of every kept sampled id, end-of-turn id included, with `tokens`,
-`text_offset` and the sampled token as its only `top_logprobs` entry), echo (the prompt text
-before the completion; not with logprobs), best_of equal to n, stream,
-stream_options.include_usage, and vLLM's `return_token_ids` (each choice also carries
-`prompt_token_ids` and the recorded `token_ids`). Accepted without effect: user. Neutral values
-accepted, others refused: frequency_penalty / presence_penalty 0, logit_bias empty. Refused with
-a 400 naming the field: several prompts in one request, an empty prompt, ids outside the
-vocabulary, prompts of max_model_len tokens or more, logprobs > 0 (the engines return only the
-sampled token's logprob), echo with logprobs (no prompt logprobs), suffix, unknown fields.
+What the gateway does with each request field (honoured, ignored, neutral values only,
+refused with a 400 naming it) is `fields.COMPLETIONS`; unknown fields are a 400. Several prompts in
+one request, an empty prompt, ids outside the vocabulary and prompts of max_model_len tokens or
+more are refused here (`prompt_ids`).
 """
 
 from __future__ import annotations
@@ -46,11 +37,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from forgerl.gateway.conversation import Conversation, Sampling
-from forgerl.gateway.core import Choice, Delta, Result, Started, refuse_surely_too_long
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, error_event, usage_json
-from forgerl.gateway.renderer import Renderer, token_text
+from forgerl.gateway.fields import COMPLETIONS, enforce
+from forgerl.gateway.prepare import refuse_surely_too_long
+from forgerl.gateway.protocols.chat import error_event, usage_json
+from forgerl.gateway.record import Choice, Result
+from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.sessions import PromptPlan, Session
+from forgerl.gateway.sse import EventStream
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -64,7 +59,7 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """POST /v1/completions body; see the module docstring for what each field does."""
+    """POST /v1/completions body; `fields.COMPLETIONS` says what the gateway does with each."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -121,7 +116,7 @@ def prompt_ids(prompt: Prompt, renderer: Renderer, max_model_len: int) -> list[i
 
     Raises GatewayError 400 naming `prompt` for several prompts, an empty prompt, an id
     outside the tokenizer's vocabulary [0, len(tokenizer)), or `context_length_exceeded` for a
-    text that must exceed `max_model_len` tokens (`core.refuse_surely_too_long`).
+    text that must exceed `max_model_len` tokens (`prepare.refuse_surely_too_long`).
     """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:
@@ -152,29 +147,12 @@ def plan(session: Session, ids: list[int]) -> PromptPlan:
     return PromptPlan(list(ids), parent, parent is not None)
 
 
-def _refuse_unsupported(req: CompletionRequest) -> None:
-    if req.suffix is not None:
-        raise unsupported("suffix", "insertion (fill-in-the-middle) is not supported")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, "only 0 is supported: the recorded logprobs are of the "
-                              "unpenalised distribution")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "only an empty bias is supported")
-    if req.best_of not in (None, req.n or 1):
-        raise unsupported("best_of", f"best_of ({req.best_of}) must equal n ({req.n or 1}): "
-                          "the gateway returns every sampled choice, it does not rank them")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which the "
-                          "rollout engine does not compute")
-
-
 def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> CompletionCall:
     """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
     docstring; `max_len`: the engine's max_model_len, see `prompt_ids`). The core raises the
     rest: model, logprobs > 0, top_p, context length."""
     req = parse_body(raw, CompletionRequest)
-    _refuse_unsupported(req)
+    enforce(COMPLETIONS, req)
     ids = prompt_ids(req.prompt, renderer, max_len)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     conv = Conversation(
@@ -279,7 +257,7 @@ def respond(call: CompletionCall, result: Result, renderer: Renderer) -> JSONRes
 
 def respond_stream(call: CompletionCall, events: AsyncIterator[Started | Delta | Result],
                    renderer: Renderer) -> EventStream:
-    """The SSE answer of a `stream: true` call, sent as the engine samples (chat.EventStream:
+    """The SSE answer of a `stream: true` call, sent as the engine samples (sse.EventStream:
     a client that disconnects aborts the call and nothing of it is recorded)."""
     return EventStream(completion_chunks(call, f"cmpl-{uuid.uuid4().hex}", events, renderer),
                        error_event)

@@ -14,14 +14,11 @@ an id nothing can continue (the call is recorded anyway).
 Items: `message` (text parts), `function_call`, `function_call_output` (an unknown call_id is a
 400 naming it), `reasoning` (content, else summary text; `encrypted_content` is unreadable here).
 Consecutive assistant-side items are one assistant message, so a re-sent reply matches its
-recorded turn and its ids are reused (TITO). Honoured: instructions, function tools (flat;
-`strict` not enforced), tool_choice (none / auto / required / named), parallel_tool_calls,
-max_output_tokens, temperature, top_p (< 1 refused for training sessions, C04), top_logprobs 0,
-include "message.output_text.logprobs", stream, text.format "text", truncation "disabled".
-Accepted without effect: other `include` values, metadata, user, `IGNORED`, background false.
-Refused (400 naming the field): hosted tools, other tool_choice types, non-text parts, other
-item types, reasoning settings, text.format json_*, verbosity, truncation "auto", background
-true, `REFUSED`; unknown fields are a 400 "Unrecognized request argument".
+recorded turn and its ids are reused (TITO). What the gateway does with each request field
+(honoured, ignored, refused with a 400 naming it) is `fields.RESPONSES`, which also lists the
+accepted fields outside the schema; any other unknown field is a 400 "Unrecognized request
+argument". Hosted tools, other tool_choice types, non-text parts and other item types are
+refused here, where the input is translated.
 """
 
 from __future__ import annotations
@@ -45,10 +42,13 @@ from forgerl.gateway.conversation import (
     ToolCall,
     ToolChoice,
 )
-from forgerl.gateway.core import Choice, Delta, Result, Started, TokenLogprob
+from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.protocols.chat import EventStream, token_json
+from forgerl.gateway.fields import RESPONSES, enforce
+from forgerl.gateway.protocols.chat import token_json
+from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sessions import Session, message_key
+from forgerl.gateway.sse import EventStream
 
 # ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
 
@@ -97,9 +97,9 @@ class TextOptions(Loose):
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses body; see the module docstring for what each field does."""
+    """POST /v1/responses body; `fields.RESPONSES` says what the gateway does with each field."""
 
-    model_config = ConfigDict(extra="allow")  # extras: REFUSED, IGNORED, else unknown (`parse`)
+    model_config = ConfigDict(extra="allow")  # extras: rows of fields.RESPONSES, else unknown
 
     model: str
     input: str | list[Item]
@@ -121,41 +121,6 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-
-
-REFUSED = {
-    "conversation": "the Conversations API is not served; chain calls with previous_response_id",
-    "prompt": "stored prompt templates are not served",
-    "max_tool_calls": "not supported (parallel_tool_calls: false limits a reply to one call)",
-    "context_management": "the gateway never compacts a context (token-in-token-out)",
-    "moderation": "the gateway has no moderation",
-    "access_programs": "not supported",
-    "image": "the policy reads text only",
-    "background_options": "background responses are not supported",
-}
-IGNORED = {"safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-           "prompt_cache_options", "service_tier", "stream_options"}
-
-
-def _refuse_unsupported(req: ResponsesRequest) -> None:
-    for name, value in (req.model_extra or {}).items():
-        if name not in REFUSED and name not in IGNORED:
-            raise GatewayError(400, f"Unrecognized request argument supplied: {name}",
-                               "unknown_parameter", name)
-        if name in REFUSED and value is not None:
-            raise unsupported(name, REFUSED[name])
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise unsupported("reasoning", "the served policy has no reasoning controls")
-    text = req.text or TextOptions()
-    if (fmt := (text.format or TextFormat()).type) != "text":
-        raise unsupported("text.format", f"{fmt!r} needs constrained decoding, which the rollout "
-                          'engine lacks; only "text" is supported')
-    if text.verbosity is not None:
-        raise unsupported("text.verbosity", "the served policy has no verbosity control")
-    if req.truncation == "auto":
-        raise unsupported("truncation", '"auto" would drop context items; only "disabled"')
-    if req.background:
-        raise unsupported("background", "background responses are not supported")
 
 
 # ---- stored responses = turns of the session ------------------------------------------------
@@ -290,7 +255,7 @@ def _tool_choice(req: ResponsesRequest) -> ToolChoice:
 def to_conversation(req: ResponsesRequest, session: Session) -> Conversation:
     """The internal form of a validated Responses request on `session`. Raises GatewayError 400
     for a refused field, an unknown previous_response_id or call_id, a missing item field."""
-    _refuse_unsupported(req)
+    enforce(RESPONSES, req)
     stored = previous_context(session, req.previous_response_id) if req.previous_response_id \
         else []
     known = {c.id for m in stored for c in m.tool_calls}

@@ -1,18 +1,20 @@
 """Sampled ids -> the reply a client sees: end at stop strings, parse tool calls (pure).
 
-Data flow: `Gateway.complete` (core.py) gets a choice's sampled ids from the engine and calls
-`cut_at_stop` and then `finish_reply` here; the kept ids are recorded, the reply is handed to the
-protocol. The engines stop only on token ids, so a stop string is applied after decoding: the
-sampled ids are kept up to and including the token that completes the earliest stop string, and
-the ids decoded past it are dropped from the record. That is what an engine that stops on the
-string records (the stopping rule depends only on the prefix, so the kept ids have the same
-distribution), and it keeps turn k+1's prompt an extension of what the agent saw at turn k.
-Every kept id stays in the loss, including those of the stop string itself.
+Data flow: the gateway core (record.py, `build_choices`) gets a choice's sampled ids from the
+engine and calls `cut_at_stop` and then `finish_reply` here; the kept ids are recorded, the
+reply is handed to the protocol. The engines stop only on token ids, so a stop string is applied
+after decoding: the sampled ids are kept up to and including the token that completes the
+earliest stop string, and the ids decoded past it are dropped from the record. That is what an
+engine that stops on the string records (the stopping rule depends only on the prefix, so the
+kept ids have the same distribution), and it keeps turn k+1's prompt an extension of what the
+agent saw at turn k. Every kept id stays in the loss, including those of the stop string itself.
 
 Streaming (`Gateway.stream`): `IncrementalDecoder` turns each sampled id into the text it makes
 decodable, and `ReplyStream` applies the same stop, close and tool-call rules to that text as it
 grows, so the client gets each delta once it is certain and the engine is stopped as soon as a
 stop string completes; the record is then cut by `cut_at_stop`, exactly as without streaming.
+`HeldReply` holds back a reply whose tool-call format has no closing string (llama3_json,
+mistral) and parses it once, when it ends.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forgerl.gateway.conversation import Message, ToolCall
-from forgerl.gateway.tool_parsers import ParsedReply, parse_tool_calls
+from forgerl.gateway.renderers.tool_parsers import ParsedReply, ToolParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -252,3 +254,37 @@ class ReplyStream:
                 return
         out.append(piece)
         self.content += piece
+
+
+class HeldReply:
+    """The stream state of a reply whose tool calls have no closing string (llama3_json,
+    mistral): `text` (a `ReplyStream` parsing no tools) applies stop and close strings as the
+    text grows; the content and calls come out once, when the reply ends, parsed exactly as the
+    non-streamed reply. Same interface as `ReplyStream` (feed, finish, stopped, content, calls).
+    """
+
+    def __init__(self, text: ReplyStream, parser: ToolParser, declared: set[str] | None):
+        self.text, self.parser, self.declared = text, parser, declared
+        self.content, self.calls, self._held, self._done = "", [], "", False
+
+    @property
+    def stopped(self) -> bool:
+        return self.text.stopped
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        """Add decoded text; nothing comes out until the reply ends (or a stop string)."""
+        self._held += "".join(str(p) for p in self.text.feed(delta))
+        return self._release() if self.text.stopped else []
+
+    def finish(self) -> list[str | ToolCall]:
+        """The generation ended: the parsed content (one piece) and calls."""
+        self._held += "".join(str(p) for p in self.text.finish())
+        return self._release()
+
+    def _release(self) -> list[str | ToolCall]:
+        if self._done:
+            return []
+        self._done = True
+        parsed = self.parser.parse(self._held, self.declared)
+        self.content, self.calls = parsed.content or "", list(parsed.tool_calls)
+        return [*([self.content] if self.content else []), *self.calls]

@@ -26,9 +26,9 @@ from transformers import PreTrainedTokenizerBase
 from forgerl.config import ConfigError
 from forgerl.gateway.conversation import Message, Tool
 from forgerl.gateway.errors import GatewayError, unsupported
-from forgerl.gateway.renderer import END, START, ChatMLRenderer, Renderer, call_arguments
-from forgerl.gateway.renderer import tool_signature as _signature
-from forgerl.gateway.tool_parsers import PARSERS, ToolParser, detect_parser
+from forgerl.gateway.renderers.renderer import END, START, ChatMLRenderer, Renderer, call_arguments
+from forgerl.gateway.renderers.renderer import tool_signature as _signature
+from forgerl.gateway.renderers.tool_parsers import PARSERS, ToolParser, detect_parser
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
 """Tokens that end a reply wherever a tokenizer has them (besides eos and the template's own)."""

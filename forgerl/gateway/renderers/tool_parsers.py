@@ -15,7 +15,7 @@ keeps only that call and reports the rest). An unclosed `<tool_call>` (a reply t
 max_tokens, C09) also stays as text; the gateway keeps that turn's finish_reason "length".
 Streaming: a hermes call is recognised as soon as its block closes; llama3_json and mistral calls
 have no closing string, so a stream with tools holds their reply back and parses it once, when
-it ends (`HeldReply`), giving the same content and calls as the non-streamed reply.
+it ends (`replies.HeldReply`), giving the same content and calls as the non-streamed reply.
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from forgerl.gateway.conversation import ToolCall
-
-if TYPE_CHECKING:
-    from forgerl.gateway.replies import ReplyStream
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG, MISTRAL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
@@ -205,37 +202,3 @@ def detect_parser(template: str) -> ToolParser:
     if CALL_OPEN in template:
         return HERMES
     return LLAMA3_JSON if PYTHON_TAG in template or '"parameters"' in template else HERMES
-
-
-class HeldReply:
-    """The stream state of a reply whose tool calls have no closing string (llama3_json,
-    mistral): `text` (a `ReplyStream` parsing no tools) applies stop and close strings as the
-    text grows; the content and calls come out once, when the reply ends, parsed exactly as the
-    non-streamed reply. Same interface as `ReplyStream` (feed, finish, stopped, content, calls).
-    """
-
-    def __init__(self, text: ReplyStream, parser: ToolParser, declared: set[str] | None):
-        self.text, self.parser, self.declared = text, parser, declared
-        self.content, self.calls, self._held, self._done = "", [], "", False
-
-    @property
-    def stopped(self) -> bool:
-        return self.text.stopped
-
-    def feed(self, delta: str) -> list[str | ToolCall]:
-        """Add decoded text; nothing comes out until the reply ends (or a stop string)."""
-        self._held += "".join(str(p) for p in self.text.feed(delta))
-        return self._release() if self.text.stopped else []
-
-    def finish(self) -> list[str | ToolCall]:
-        """The generation ended: the parsed content (one piece) and calls."""
-        self._held += "".join(str(p) for p in self.text.finish())
-        return self._release()
-
-    def _release(self) -> list[str | ToolCall]:
-        if self._done:
-            return []
-        self._done = True
-        parsed = self.parser.parse(self._held, self.declared)
-        self.content, self.calls = parsed.content or "", list(parsed.tool_calls)
-        return [*([self.content] if self.content else []), *self.calls]

@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
 from forgerl.gateway.errors import loads_json_text
-from forgerl.gateway.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
+from forgerl.gateway.renderers.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
 
 START, END = "<|im_start|>", "<|im_end|>"
 
@@ -143,8 +143,7 @@ class Renderer:
     def min_tokens(self, texts: Iterable[str]) -> int:
         """A lower bound on the tokens of a rendering that holds each of `texts`, without
         tokenizing: sum(len(text.strip())) / (2 * max_token_chars). Templates may strip a
-        message; the factor 2 covers normalizers that fold characters (NFKC). Tokenizing costs
-        ~0.4 s per MB of text and several GiB of memory per 10 MB."""
+        message; the factor 2 covers normalizers that fold characters (NFKC)."""
         return sum(len(t.strip()) for t in texts) // (2 * self.max_token_chars)
 
     def decode(self, ids: list[int]) -> str:

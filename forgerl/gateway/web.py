@@ -1,0 +1,112 @@
+"""The HTTP plumbing under the routes: error shapes, disconnects, internal errors, OpenAPI bodies.
+
+Data flow: app.py builds the FastAPI app with these: `error_response` answers a `GatewayError`
+OpenAI-shaped (Anthropic-shaped on /v1/messages routes), `InternalErrors` turns an unexpected
+exception into a 500 on a connection that stays open, `unless_disconnected` cancels a plain model
+call whose client left (nothing is recorded then), `declare_bodies` puts each POST route's body
+model into the OpenAPI document (handlers parse raw bodies themselves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from forgerl.gateway.errors import GatewayError
+from forgerl.gateway.sse import disconnected
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+def error_response(request: Request, e: GatewayError) -> JSONResponse:
+    """Anthropic-shaped on the Messages routes (/v1/messages...), OpenAI-shaped elsewhere."""
+    return e.anthropic_response() if request.url.path.startswith("/v1/messages") else e.response()
+
+
+
+async def unless_disconnected(
+    request: Request, call: Coroutine[Any, Any, R], counters: dict[str, int]
+) -> R:
+    """Await `call` (a chat completion); cancel it when the client disconnects first.
+
+    The cancellation reaches the engine's `generate`, which frees its batch slot (LocalEngine
+    drops a row whose future is cancelled at its next decode step), and nothing is recorded:
+    `Gateway.complete` records only after generate returns. Raises GatewayError 499
+    `client_disconnected` (no one reads it) and counts `client_disconnects`.
+    """
+    work = asyncio.ensure_future(call)
+    watcher = asyncio.ensure_future(disconnected(request.receive))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (server shutdown)
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()  # answered (and recorded) before the client left
+    work.cancel()
+    counters["client_disconnects"] += 1
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise GatewayError(499, "client disconnected; the request was cancelled",
+                       "client_disconnected")
+
+
+def declare_bodies(app: FastAPI, bodies: Mapping[str, type[BaseModel]]) -> None:
+    """Declare every POST route's request body (`bodies`: the JSON body model of each route)
+    in `app.openapi()`."""
+    refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                    ref_template="#/components/schemas/{model}")
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = build()
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            for path, model in bodies.items():
+                content = {"application/json": {"schema": refs[(model, "validation")]}}
+                spec["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                              "content": content}
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception in a handler is logged with its traceback and
+    answered as a 500 `internal_error` (OpenAI- or Anthropic-shaped, `error_response`) on a
+    connection that stays open. Starlette's handler for Exception re-raises after answering,
+    and uvicorn then resets the client's keep-alive connection. An exception after the response
+    began (a stream) is re-raised: only the server can end that response."""
+
+    def __init__(self, app: Callable[..., Coroutine[Any, Any, None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        began = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal began
+            began = began or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if began or scope["type"] != "http":
+                raise
+            log.exception("unexpected gateway error")
+            response = error_response(Request(scope), GatewayError(
+                500, f"internal error ({type(e).__name__}); the gateway log has the details",
+                "internal_error", type="server_error"))
+            await response(scope, receive, send)
