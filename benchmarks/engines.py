@@ -21,7 +21,8 @@ Engines, each warmed up with one request first:
   torch.cat every step (transformers' DynamicLayer, the engine's cache before 2026-12-01), the
   baseline of its in-place `_GrowingLayer`;
 - local packed (`--local-only`): a LocalEngine with `packed_weights` (fp32 linears on
-  oneDNN-packed weights, `engines/local.pack_linears`), its ratio against the fp32 local engine;
+  oneDNN-packed weights, `engines/local/kernels.pack_linears`), its ratio against the fp32
+  local engine;
 - local bf16 (`--local-only`): a LocalEngine with bf16 weights and KV (`[engine] dtype`; fast
   on CPUs with AMX-BF16 or AVX512-BF16, slow without), its ratio against the fp32 local engine;
 - hf generate: transformers `model.generate` on the left-padded batch of the prompts,

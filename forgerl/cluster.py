@@ -272,7 +272,7 @@ class RayEngine:
                 del _PUTS[key]
 
     async def apply_delta(self, delta: Any, version: int) -> None:
-        """`LocalEngine.apply_delta` on the actor (raises weight_sync.DeltaMismatch there).
+        """`LocalEngine.apply_delta` on the actor (raises weights.DeltaMismatch there).
         A restarted actor then refuses deltas, and WeightSync falls back to a full sync."""
         self.stats = await self._call(self.actor.apply_delta, delta, version)
         self.weight_version = version

@@ -93,7 +93,7 @@ class Trainer:
         activation_checkpointing: "off"; "full" recomputes every decoder layer in the backward
             (only layer inputs are kept); "selective" every `checkpoint_every_layers`-th layer
             (transformers' `activation_checkpointing_enable`, non-reentrant).
-        autocast: "off", "bfloat16" or "auto" (`engines.local.engine_dtype`): the policy
+        autocast: "off", "bfloat16" or "auto" (`models.engine_dtype`): the policy
             forwards run under `torch.autocast` in that dtype; parameters, gradients and AdamW
             stay in the model's dtype, the returned logprobs are float32.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". Tree rows use

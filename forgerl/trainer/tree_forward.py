@@ -31,7 +31,7 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0
 
     Returns (K,) fp32 on the model's device: prediction k's
     log_softmax(logits[pred_pos[k]] / temperature[k])[target_ids[k]], the distribution the
-    engine sampled target k from (`engines.local.sampling_logprobs`). The logits are the
+    engine sampled target k from (`engines.local.sampler.sampling_logprobs`). The logits are the
     model's own forward's (`logits_to_keep` = the distinct pred_pos), so any logit transform
     of the family (Cohere `logit_scale`, Granite `logits_scaling`, Gemma2 soft-capping) is
     applied exactly as when sampling; `check_tree_support` refuses models for which
