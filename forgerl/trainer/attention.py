@@ -118,7 +118,7 @@ def tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """transformers attention function over the blocks of `tree_blocks`: per query block, SDPA
     on the gathered keys it may attend to. query (1, H, N, D), key and value (1, H_kv, N, D)
     (grouped-query heads shared, not repeated); returns ((1, N, H, D), None). Exactly the dense
-    tree-masked attention up to float rounding (tests/trainer/test_tree_sdpa.py). Any other
+    tree-masked attention up to float rounding (tests/trainer/test_attention.py). Any other
     mask (None: causal) goes to transformers' sdpa; a placeholder that lost its blocks (a
     family that sliced or copied the mask) raises ValueError: it masks nothing. One row only
     (batch 1); `dropout` as the layer passes it (0 in eval mode); a soft-cap, attention sinks

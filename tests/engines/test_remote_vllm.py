@@ -45,6 +45,7 @@ from forgerl.engines.base import TokenEvent
 from forgerl.engines.remote import RemoteEngine, vllm_server
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
+from tests.factories import hf_greedy
 from tests.test_controller import make_agent, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,18 +233,6 @@ def server():
 @pytest.fixture(scope="module")
 def hf():
     return load_pretrained("smollm2")
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n argmax steps over a KV cache (no stop at EOS: the engine stops on stop ids only)."""
-    ids, past, step = list(prompt), None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            out = model(step, cache=past, use_cache=True)
-            past = out.cache
-            ids.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[ids[-1]]])
-    return ids[len(prompt) :]
 
 
 def teacher_forced(model, prompt: list[int], completion: list[int], t: float) -> list[float]:

@@ -47,6 +47,7 @@ from forgerl.engines.base import TokenEvent
 from forgerl.models import load_pretrained, smollm2_dir
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.engines.test_remote_vllm import max_diff, one_trained_step, teacher_forced
+from tests.factories import hf_greedy
 from tests.test_controller import make_agent, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,19 +117,6 @@ def chat(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n argmax steps over a KV cache (`past_key_values`: .venv-vllm has transformers 5.19, the
-    argument is `cache` from 5.24 on); no stop at EOS, as the engine."""
-    ids, past, step = list(prompt), None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            out = model(step, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            ids.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[ids[-1]]])
-    return ids[len(prompt):]
 
 
 def unfinished(engine) -> int:

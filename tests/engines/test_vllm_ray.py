@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from forgerl.controller import start_services
 from forgerl.models import smollm2_dir
 from tests.engines.test_remote_vllm import one_trained_step
+from tests.factories import hf_greedy
 from tests.test_controller import make_agent, tiny_config
 from tests.test_ray_cluster import pytest_in_netns
 
@@ -47,17 +48,6 @@ def test_vllm_engine_actors():
     print("\n".join(line for line in proc.stdout.splitlines() if "vllm ray measured" in line))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "PASSED tests/engines/test_vllm_ray.py::test_inner_" in proc.stdout, proc.stdout[-3000:]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n argmax steps without a cache (`.venv-vllm` has transformers 5.19); no stop at EOS."""
-    import torch
-
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.skipif(not INSIDE or importlib.util.find_spec("vllm") is None,

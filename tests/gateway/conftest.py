@@ -152,6 +152,11 @@ class Served:
 
 
 @pytest.fixture
+def renderer(tokenizer) -> ChatMLRenderer:
+    return ChatMLRenderer(tokenizer)
+
+
+@pytest.fixture
 def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     """Factory: serve(engine, tokenizer, renderer=None, **gateway_kwargs) -> Served (a
     ChatMLRenderer of `tokenizer` unless `renderer` is given); stopped at teardown."""
@@ -179,3 +184,15 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
         pool.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+def served(serve, tokenizer, script: list[str | Scripted | Exception],
+           connect: Callable[[Served, str], object] = Served.client, **engine_kw):
+    """(served gateway, trajectory id, client) of a new session on a ScriptedEngine(script,
+    **engine_kw) answering in order: a text as `reply(ChatMLRenderer(tokenizer), text)`, any
+    other item as it is. `connect(served, api_key)` builds the client (default: openai's)."""
+    renderer = ChatMLRenderer(tokenizer)
+    items = [reply(renderer, x) if isinstance(x, str) else x for x in script]
+    srv = serve(ScriptedEngine(items, **engine_kw), tokenizer)
+    tid, key = srv.session()
+    return srv, tid, connect(srv, key)

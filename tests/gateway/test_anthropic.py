@@ -32,9 +32,8 @@ import httpx
 import pytest
 
 from forgerl.gateway.protocols import anthropic as wire
-from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
-from .conftest import Scripted, ScriptedEngine, render, reply
+from .conftest import Scripted, ScriptedEngine, render, reply, served
 from .test_tito import WEATHER, tool_call_text
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -43,27 +42,15 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = tool_call_text("get_weather", {"city": "Paris"})
 
 
-@pytest.fixture
-def renderer(tokenizer) -> ChatMLRenderer:
-    return ChatMLRenderer(tokenizer)
-
-
 def client(srv, key: str | None, **kw) -> anthropic.Anthropic:
     # ANTHROPIC_BASE_URL is the gateway root, without /v1 (the SDK appends /v1/messages)
     return anthropic.Anthropic(base_url=srv.base_url.removesuffix("/v1"), api_key=key,
                                max_retries=0, timeout=60, **kw)
 
 
-def served(serve, tokenizer, renderer, texts):
-    """(served gateway, trajectory id, anthropic client) answering `texts` in order."""
-    srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)
-    tid, key = srv.session()
-    return srv, tid, client(srv, key)
-
-
 @pytest.mark.parametrize("system", ["Be brief.", [{"type": "text", "text": "Be brief."}]])
 def test_create_records_engine_ids(serve, tokenizer, renderer, system):
-    srv, tid, c = served(serve, tokenizer, renderer, ["Hello there"])
+    srv, tid, c = served(serve, tokenizer, ["Hello there"], client)
     r = c.messages.create(model="tiny", max_tokens=50, system=system, messages=USER,
                           metadata={"user_id": "u1"}, extra_body={"temperature": 0.5})
     assert r.type == "message" and r.role == "assistant" and r.model == "tiny"
@@ -80,7 +67,7 @@ def test_create_records_engine_ids(serve, tokenizer, renderer, system):
 
 
 def test_stop_reasons_max_tokens_and_stop_sequence(serve, tokenizer, renderer):
-    srv, tid, c = served(serve, tokenizer, renderer, ["abcdefgh", "abc STOP def"])
+    srv, tid, c = served(serve, tokenizer, ["abcdefgh", "abc STOP def"], client)
     r = c.messages.create(model="tiny", max_tokens=3, messages=USER)
     assert r.content[0].text == "abc" and r.stop_reason == "max_tokens"
     r = c.messages.create(model="tiny", max_tokens=50, messages=USER,
@@ -111,7 +98,7 @@ def tool_loop(c, stream: bool = False):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_loop_extends_previous_turn(serve, tokenizer, renderer, stream):
-    srv, tid, c = served(serve, tokenizer, renderer, [CALL, "It is sunny."])
+    srv, tid, c = served(serve, tokenizer, [CALL, "It is sunny."], client)
     r1, r2 = tool_loop(c, stream)
     assert r1.stop_reason == "tool_use" and len(r1.content) == 1
     use = r1.content[0]
@@ -137,7 +124,7 @@ def test_tool_loop_extends_previous_turn(serve, tokenizer, renderer, stream):
     ({"type": "none"}, None),
 ])
 def test_tool_choice(serve, tokenizer, renderer, choice, prefix):
-    srv, _, c = served(serve, tokenizer, renderer, ["ok"])
+    srv, _, c = served(serve, tokenizer, ["ok"], client)
     c.messages.create(model="tiny", max_tokens=20, messages=USER, tools=[TOOL],
                       tool_choice=choice)
     prompt = srv.engine.calls[0][0]
@@ -178,7 +165,7 @@ def test_stream_final_message_equals_create(serve, tokenizer, renderer, text):
 
 
 def test_x_api_key_and_bearer_auth(serve, tokenizer, renderer):
-    srv, tid, _ = served(serve, tokenizer, renderer, ["one", "two"])
+    srv, tid, _ = served(serve, tokenizer, ["one", "two"], client)
     key = srv.gateway.sessions.find(tid).api_key
     url = srv.base_url + "/messages"
     body = {"model": "tiny", "max_tokens": 10, "messages": USER}
@@ -217,7 +204,7 @@ def test_x_api_key_and_bearer_auth(serve, tokenizer, renderer):
 ])
 def test_errors_are_anthropic_shaped_and_record_nothing(serve, tokenizer, renderer, extra,
                                                         status, kind, names):
-    srv, tid, c = served(serve, tokenizer, renderer, ["unused"])
+    srv, tid, c = served(serve, tokenizer, ["unused"], client)
     body = {"model": "tiny", "max_tokens": 10, "messages": USER, **extra}
     r = httpx.post(srv.base_url + "/messages", json={k: v for k, v in body.items()
                                                      if v is not None},
@@ -236,7 +223,7 @@ def test_errors_are_anthropic_shaped_and_record_nothing(serve, tokenizer, render
 
 
 def test_count_tokens_is_next_prompt_and_records_nothing(serve, tokenizer, renderer):
-    srv, tid, c = served(serve, tokenizer, renderer, [CALL, "It is sunny."])
+    srv, tid, c = served(serve, tokenizer, [CALL, "It is sunny."], client)
     count = c.messages.count_tokens(model="tiny", messages=USER, tools=[TOOL], system="S")
     assert count.input_tokens == len(render(renderer, [{"role": "system", "content": "S"},
                                                        *USER], [WEATHER]))
@@ -336,7 +323,7 @@ def test_stream_sends_text_while_the_engine_decodes_then_tool_use(serve, tokeniz
 def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, renderer):
     """CASES.md C15 on the Messages API: an `input_schema` that is not a JSON Schema is an
     Anthropic-shaped 400 naming the tool, and records nothing."""
-    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, c = served(serve, tokenizer, ["a"], client)
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model="tiny", max_tokens=8, messages=USER, tools=[
             {"name": "get_weather", "input_schema": {"type": "object", "required": "city"}}])
@@ -350,7 +337,7 @@ def test_an_invalid_input_schema_is_a_400_naming_the_tool(serve, tokenizer, rend
 def test_an_empty_message_is_a_400(serve, tokenizer, renderer, content):
     """As Anthropic answers: every message needs non-empty content, and a text block non-empty
     text (an empty user turn was rendered and sampled after)."""
-    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, c = served(serve, tokenizer, ["a"], client)
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model="tiny", max_tokens=8,
                           messages=[*USER, {"role": "assistant", "content": "b"},
@@ -365,7 +352,7 @@ def test_an_empty_message_is_a_400(serve, tokenizer, renderer, content):
 def test_forcing_a_tool_without_tools_names_it_in_anthropic_words(serve, tokenizer, renderer,
                                                                   choice):
     """The refusal says what is wrong without the gateway's internal name ("required")."""
-    srv, tid, c = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, c = served(serve, tokenizer, ["a"], client)
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model="tiny", max_tokens=8, messages=USER, tool_choice=choice)
     assert e.value.body["error"]["message"] == (
@@ -379,7 +366,7 @@ def test_text_around_a_tool_call_sent_back_extends_the_recorded_turn(serve, toke
     """"Hi <call> bye": plain gives one text block before the tool_use, the stream gives the
     blocks in generation order (text, tool_use, text). Either sent back with its tool_result
     extends turn 1 token for token: an assistant message's text blocks join with nothing."""
-    srv, tid, c = served(serve, tokenizer, renderer, [f"Hi {CALL} bye", "ok"])
+    srv, tid, c = served(serve, tokenizer, [f"Hi {CALL} bye", "ok"], client)
     kw = {"model": "tiny", "max_tokens": 400, "tools": [TOOL]}
     if stream:
         with c.messages.stream(messages=USER, **kw) as s:

@@ -31,11 +31,6 @@ LOOKUP = {
 USER = [{"role": "user", "content": "look up 7 and 8"}]
 
 
-@pytest.fixture
-def renderer(tokenizer) -> ChatMLRenderer:
-    return ChatMLRenderer(tokenizer)
-
-
 def two_calls(second: str) -> str:
     return tool_call_text("lookup", {"id": 7}) + "\n" + second
 

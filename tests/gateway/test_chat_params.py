@@ -27,24 +27,10 @@ import httpx
 import openai
 import pytest
 
-from forgerl.gateway.renderers.renderer import ChatMLRenderer
-
-from .conftest import Scripted, ScriptedEngine, render, reply
+from .conftest import Scripted, ScriptedEngine, render, reply, served
 from .test_tito import WEATHER, merge_tokenizer, tool_call_text
 
 USER = [{"role": "user", "content": "go"}]
-
-
-@pytest.fixture
-def renderer(tokenizer) -> ChatMLRenderer:
-    return ChatMLRenderer(tokenizer)
-
-
-def served(serve, tokenizer, renderer, texts):
-    """(served gateway, trajectory id, client) answering `texts` in order."""
-    srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)
-    tid, key = srv.session()
-    return srv, tid, srv.client(key)
 
 
 REACT = "Thought: add\nCode: 1+1\nObservation: 3 (made up)\nFinal"
@@ -52,7 +38,7 @@ REACT = "Thought: add\nCode: 1+1\nObservation: 3 (made up)\nFinal"
 
 @pytest.mark.parametrize("stop", ["Observation:", ["Calling tools:", "Observation:"]])
 def test_stop_ends_text_keeps_sampled_ids_and_next_turn_extends(serve, tokenizer, renderer, stop):
-    srv, tid, client = served(serve, tokenizer, renderer, [REACT, "Final: 2"])
+    srv, tid, client = served(serve, tokenizer, [REACT, "Final: 2"])
     r = client.chat.completions.create(model="tiny", messages=USER, stop=stop)
     head = "Thought: add\nCode: 1+1\n"
     assert r.choices[0].message.content == head and r.choices[0].finish_reason == "stop"
@@ -72,7 +58,7 @@ def test_stop_ends_text_keeps_sampled_ids_and_next_turn_extends(serve, tokenizer
 
 
 def test_earliest_stop_wins_and_stream_matches_plain(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, ["xabcd", "xabcd", "no stop"])
+    srv, tid, client = served(serve, tokenizer, ["xabcd", "xabcd", "no stop"])
     plain = client.chat.completions.create(model="tiny", messages=USER, stop=["abc", "b"])
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, stop=["abc", "b"],
                                                  stream=True))
@@ -97,7 +83,7 @@ def test_stop_inside_a_merged_token_keeps_the_token(serve):
 
 
 def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, ["héllo", "héllo"])
+    srv, tid, client = served(serve, tokenizer, ["héllo", "héllo"])
     r = client.chat.completions.create(model="tiny", messages=USER, logprobs=True,
                                        top_logprobs=0)
     (rec,) = srv.pool.get_trajectory(tid).completions
@@ -140,7 +126,7 @@ def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer
      "messages.0.content.1.type"),
 ])
 def test_unsupported_values_are_400s_naming_the_field(serve, tokenizer, renderer, kwargs, param):
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", **{"messages": USER, **kwargs})
     assert e.value.param == param, e.value.body
@@ -150,7 +136,7 @@ def test_unsupported_values_are_400s_naming_the_field(serve, tokenizer, renderer
 
 
 def test_neutral_and_metadata_fields_are_accepted(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "developer", "content": "Be brief."}, *USER],
         frequency_penalty=0, presence_penalty=0.0, logit_bias={}, user="u1", store=True,
@@ -167,7 +153,7 @@ CALL = tool_call_text("get_weather", {"city": "Rome"})
 
 
 def test_tool_choice_none_renders_and_parses_no_tools(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, [CALL])
+    srv, tid, client = served(serve, tokenizer, [CALL])
     r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
                                        tool_choice="none")
     assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
@@ -181,7 +167,7 @@ def test_tool_choice_none_renders_and_parses_no_tools(serve, tokenizer, renderer
 def test_forced_tool_choice_prefills_a_call(serve, tokenizer, renderer, choice):
     prefix = renderer.tool_call_prefix(None if choice == "required" else "get_weather")
     assert CALL.startswith(prefix)
-    srv, tid, client = served(serve, tokenizer, renderer, [CALL[len(prefix):], "Sunny."])
+    srv, tid, client = served(serve, tokenizer, [CALL[len(prefix):], "Sunny."])
     r = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
                                        tool_choice=choice)
     (call,) = r.choices[0].message.tool_calls
@@ -203,7 +189,7 @@ def test_forced_tool_choice_prefills_a_call(serve, tokenizer, renderer, choice):
 
 def test_parallel_tool_calls_false_ends_after_the_first_call(serve, tokenizer, renderer):
     second = tool_call_text("get_weather", {"city": "Oslo"})
-    srv, tid, client = served(serve, tokenizer, renderer, [f"{CALL}\n{second}"] * 2)
+    srv, tid, client = served(serve, tokenizer, [f"{CALL}\n{second}"] * 2)
     one = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
                                          parallel_tool_calls=False)
     both = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
@@ -217,7 +203,7 @@ def test_parallel_tool_calls_false_ends_after_the_first_call(serve, tokenizer, r
 
 
 def test_n_choices_are_recorded_branches(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, ["one", "two", "six", "done"])
+    srv, tid, client = served(serve, tokenizer, ["one", "two", "six", "done"])
     r = client.chat.completions.create(model="tiny", messages=USER, n=3, seed=10)
     assert [(c.index, c.message.content) for c in r.choices] == [(0, "one"), (1, "two"),
                                                                   (2, "six")]
@@ -236,7 +222,7 @@ def test_n_choices_are_recorded_branches(serve, tokenizer, renderer):
 
 
 def test_n_choices_stream_by_index(serve, tokenizer, renderer):
-    srv, tid, client = served(serve, tokenizer, renderer, ["ab", "cd"])
+    srv, tid, client = served(serve, tokenizer, ["ab", "cd"])
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, n=2, stream=True,
                                                  stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
@@ -261,7 +247,7 @@ def test_n_choices_stream_by_index(serve, tokenizer, renderer):
 def test_an_invalid_tool_is_a_400_naming_it(serve, tokenizer, renderer, tools, name, problem):
     """CASES.md C15: a tool whose schema is not a JSON Schema, without a name or declared twice
     is a 400 naming the tool (never rendered, never a 500), and records nothing."""
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, tools=tools)
     assert (e.value.code, e.value.param) == ("invalid_tool", "tools.0")
@@ -277,7 +263,7 @@ def test_an_invalid_tool_is_a_400_naming_it(serve, tokenizer, renderer, tools, n
 def test_a_message_without_content_is_a_400_naming_it(serve, tokenizer, renderer, message):
     """A non-assistant message without content is refused as OpenAI refuses it (it was rendered
     as an empty turn); an assistant message may omit content, and "" is content."""
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[*USER, message])
     assert (e.value.code, e.value.param) == ("missing_required_parameter", "messages.1.content")
@@ -296,7 +282,7 @@ def test_a_message_missing_a_required_field_is_a_400_naming_it(serve, tokenizer,
                                                                message, param):
     """A tool result without the id of its call and a text part without its text are refused
     as OpenAI refuses them (they were rendered as if the field were empty)."""
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[*USER, message])
     assert (e.value.code, e.value.param) == ("missing_required_parameter", param)
@@ -328,7 +314,7 @@ def test_a_lone_surrogate_becomes_a_replacement_character(serve, tokenizer, rend
     escape (JSON.stringify writes one; Python's openai client cannot send it): it is rendered
     as U+FFFD, as a UTF-8 decoder treats a broken sequence, instead of refusing the call as
     invalid JSON. A complete pair stays the emoji; a body that is not JSON is still a 400."""
-    srv, tid, client = served(serve, tokenizer, renderer, ["a", "b"])
+    srv, tid, client = served(serve, tokenizer, ["a", "b"])
 
     def post(raw: bytes) -> httpx.Response:
         return httpx.post(f"{srv.base_url}/chat/completions", content=raw,
@@ -357,7 +343,7 @@ def test_a_lone_surrogate_becomes_a_replacement_character(serve, tokenizer, rend
 def test_a_value_of_the_wrong_json_type_is_a_400(serve, tokenizer, renderer, path, body, param):
     """Bodies are validated strictly, as the APIs document their types: "8" or true is not
     an integer, "yes" is not a boolean (they were coerced: max_tokens true sampled 1 token)."""
-    srv, tid, client = served(serve, tokenizer, renderer, ["a"])
+    srv, tid, client = served(serve, tokenizer, ["a"])
     r = httpx.post(f"{srv.base_url}{path}", json={"model": "tiny", **body},
                    headers={"Authorization": f"Bearer {client.api_key}"})
     assert r.status_code == 400, r.text

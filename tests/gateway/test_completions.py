@@ -29,21 +29,9 @@ import pytest
 
 from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
-from .conftest import Scripted, ScriptedEngine, reply
+from .conftest import Scripted, reply, served
 
 START, END = 1, 2
-
-
-@pytest.fixture
-def renderer(tokenizer) -> ChatMLRenderer:
-    return ChatMLRenderer(tokenizer)
-
-
-def served(serve, tokenizer, script, **kw):
-    """(served gateway, trajectory id, openai client) answering `script` in order."""
-    srv = serve(ScriptedEngine(script, **kw), tokenizer)
-    tid, key = srv.session()
-    return srv, tid, srv.client(key)
 
 
 def chatml_ids(renderer: ChatMLRenderer, user: str) -> list[int]:

@@ -19,18 +19,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
-
-from forgerl.gateway.renderers.renderer import ChatMLRenderer
 
 from .conftest import ScriptedEngine, reply
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-
-
-@pytest.fixture
-def renderer(tokenizer) -> ChatMLRenderer:
-    return ChatMLRenderer(tokenizer)
 
 
 def _with_call(arguments: str, content: str = "") -> list[dict]:

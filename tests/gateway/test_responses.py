@@ -22,22 +22,12 @@ from forgerl.gateway.conversation import Message, ToolCall
 from forgerl.gateway.protocols import responses
 from forgerl.gateway.sessions import Session, Turn
 
-from .conftest import ScriptedEngine, render, reply
+from .conftest import render, served
 from .test_tito import WEATHER, tool_call_text
 
 FLAT = {"type": "function", "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 CALL = tool_call_text("get_weather", {"city": "Paris"})
-
-
-def served(serve, tokenizer, texts: list[str]):
-    """(served gateway, trajectory id, openai client) with an engine answering `texts`."""
-    from forgerl.gateway.renderers.renderer import ChatMLRenderer
-
-    renderer = ChatMLRenderer(tokenizer)
-    srv = serve(ScriptedEngine([reply(renderer, t) for t in texts]), tokenizer)
-    tid, key = srv.session()
-    return srv, tid, srv.client(key)
 
 
 def tool_turn(srv, call_id: str, output: str) -> list[int]:

@@ -19,7 +19,8 @@ from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.samples import drop_retry_orphans, trajectory_to_samples
 from forgerl.trainer.trainer import Trainer
-from forgerl.types import UNDELIVERED, Completion, Event, Group, SamplingParams, Trajectory
+from forgerl.types import UNDELIVERED, Event, Group
+from tests.factories import completion, trajectory
 
 from .conftest import ScriptedEngine, reply
 
@@ -30,20 +31,11 @@ P2 = P1 + C1B + INSERT  # extends C1', not C1
 C2 = [20, 99]
 
 
-def _turn(prompt, completion, started_at):
-    return Completion(prompt, completion, [-0.5] * len(completion), [0] * len(completion), 0,
-                      "stop", sampling=SamplingParams(temperature=1.0), started_at=started_at)
-
-
-def _traj(tid, turns, reward, process=None, events=()):
-    return Trajectory(tid, 0, 0, turns, reward=reward, turn_rewards=process, status="finished",
-                      events=list(events))
-
-
 def test_the_undelivered_answer_is_dropped_with_its_process_reward_and_events():
-    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0), _turn(P2, C2, 3.0)], 1.0,
-                 process=[-0.3, 0.1, 0.2],
-                 events=[Event(0, UNDELIVERED), Event(0, "invalid_tool_call"), Event(2, "x")])
+    turns = [completion(P1, C1, started_at=1.0), completion(P1, C1B, started_at=2.0),
+             completion(P2, C2, started_at=3.0)]
+    traj = trajectory("s", turns, 1.0, process=[-0.3, 0.1, 0.2],
+                      events=[Event(0, UNDELIVERED), Event(0, "invalid_tool_call"), Event(2, "x")])
     kept, dropped = drop_retry_orphans(traj)
     assert dropped == 1
     assert [t.completion_ids for t in kept.completions] == [C1B, C2]
@@ -51,7 +43,7 @@ def test_the_undelivered_answer_is_dropped_with_its_process_reward_and_events():
     assert len(traj.completions) == 3  # the recorded trajectory is left as it was
     # Group with a one-turn rollout of reward 0: outcome baseline 0.5, turn-0 process
     # reward-to-go 0.1 + 0.2 against 0, baseline 0.15; turn 1 alone (baseline 0.2): by hand.
-    other = _traj("o", [_turn(P1, [30, 99], 4.0)], 0.0)
+    other = trajectory("o", [completion(P1, [30, 99], started_at=4.0)], 0.0)
     advs = trajectory_advantages([kept, other])
     assert advs == [[0.5 + 0.15, 0.5 + 0.0], [-0.5 - 0.15]]
     (sample,) = trajectory_to_samples(kept, advs[0])
@@ -63,14 +55,15 @@ def test_an_identical_retry_is_trained_once_and_a_first_turn_retry_alone_is_fine
     """The retried request carried its seed, so C1' == C1 and C2 extends both: C1 is still the
     orphan, one sample C1' -> C2. A session ending right after C1' trains C1' alone."""
     c2_prompt = P1 + C1 + INSERT
-    traj = _traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1, 2.0), _turn(c2_prompt, C2, 3.0)], 1.0,
-                 events=[Event(0, UNDELIVERED)])
+    turns = [completion(P1, C1, started_at=1.0), completion(P1, C1, started_at=2.0),
+             completion(c2_prompt, C2, started_at=3.0)]
+    traj = trajectory("s", turns, 1.0, events=[Event(0, UNDELIVERED)])
     kept, dropped = drop_retry_orphans(traj)
     assert dropped == 1 and [t.started_at for t in kept.completions] == [2.0, 3.0]
     (sample,) = trajectory_to_samples(kept, [0.5, 0.5])
     assert sample.input_ids == c2_prompt + C2
-    kept, dropped = drop_retry_orphans(_traj("s", [_turn(P1, C1, 1.0), _turn(P1, C1B, 2.0)], 1.0,
-                                             events=[Event(0, UNDELIVERED)]))
+    turns = [completion(P1, C1, started_at=1.0), completion(P1, C1B, started_at=2.0)]
+    kept, dropped = drop_retry_orphans(trajectory("s", turns, 1.0, events=[Event(0, UNDELIVERED)]))
     assert dropped == 1 and [t.completion_ids for t in kept.completions] == [C1B]
     assert len(trajectory_to_samples(kept, [1.0])) == 1
 
@@ -78,13 +71,18 @@ def test_an_identical_retry_is_trained_once_and_a_first_turn_retry_alone_is_fine
 def test_answers_the_agent_received_are_all_kept():
     """Siblings of one n = 2 call, four calls with one prompt (some identical, at once or one
     after another), a turn continued from and the same prompt asked again later: no orphan."""
-    siblings = _traj("n", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.0)], 1.0)
+    siblings = trajectory(
+        "n", [completion(P1, C1, started_at=1.0), completion(P1, C1B, started_at=1.0)], 1.0)
     assert drop_retry_orphans(siblings) == (siblings, 0)
-    asked = _traj("v", [_turn(P1, C1, 1.0), _turn(P1, C1B, 1.01), _turn(P1, C1, 1.02),
-                        _turn(P1, C1B, 5.0)], 1.0)
+    asked = trajectory("v", [completion(P1, C1, started_at=1.0),
+                             completion(P1, C1B, started_at=1.01),
+                             completion(P1, C1, started_at=1.02),
+                             completion(P1, C1B, started_at=5.0)], 1.0)
     assert drop_retry_orphans(asked) == (asked, 0)
     assert len(trajectory_to_samples(asked, [0.5] * 4)) == 4
-    continued = _traj("c", [_turn(P1, C1B, 1.0), _turn(P2, C2, 2.0), _turn(P1, C1, 3.0)], 1.0)
+    continued = trajectory("c", [completion(P1, C1B, started_at=1.0),
+                                 completion(P2, C2, started_at=2.0),
+                                 completion(P1, C1, started_at=3.0)], 1.0)
     assert drop_retry_orphans(continued) == (continued, 0)
 
 
@@ -119,7 +117,8 @@ def test_a_timeout_during_the_commit_marks_the_turn_and_the_trainer_drops_it(ser
     traj = srv.pool.get_trajectory(tid)
     assert [c.completion_ids for c in traj.completions] == [first.ids, retried.ids, second.ids]
     assert traj.events == [Event(0, UNDELIVERED)]
-    other = _traj("o", [_turn(traj.completions[0].prompt_ids, first.ids, 9.0)], 0.0)
+    turn = completion(traj.completions[0].prompt_ids, first.ids, started_at=9.0)
+    other = trajectory("o", [turn], 0.0)
     batch = Trainer(tiny_model, device="cpu").prepare([Group(0, [traj, other])])
     assert batch.metrics["retry_orphans"] == 1.0
     assert batch.metrics["num_samples"] == 2.0
@@ -185,7 +184,8 @@ def test_answers_sampled_at_once_through_the_gateway_are_all_trained(serve, toke
     traj = srv.pool.get_trajectory(tid)
     assert sorted(c.completion_ids for c in traj.completions) == sorted(a.ids for a in answers)
     assert traj.events == []
-    other = _traj("o", [_turn(traj.completions[0].prompt_ids, answers[2].ids, 9.0)], 0.0)
+    turn = completion(traj.completions[0].prompt_ids, answers[2].ids, started_at=9.0)
+    other = trajectory("o", [turn], 0.0)
     batch = Trainer(tiny_model, device="cpu").prepare([Group(0, [traj, other])])
     assert batch.metrics["retry_orphans"] == 0.0
     assert batch.metrics["num_samples"] == 6.0

@@ -24,6 +24,7 @@ from forgerl.rewards.composite import (
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.trainer import Trainer
 from forgerl.types import Completion, Event, Group, SamplingParams, Trajectory
+from tests.factories import completion, trajectory
 
 WEIGHTS = RewardWeights(outcome=1.0, completion_time=0.5, process={"invalid_tool_call": -0.1})
 EXPECTED = {
@@ -33,23 +34,19 @@ EXPECTED = {
 }
 
 
-def _turn(k: int) -> Completion:
-    prompt = [1, 2, 3] + [4, 5] * k  # each turn extends the last: 3 + 2k prompt ids
-    return Completion(prompt, [4, 5], [-0.5, -0.6], [0, 0], 0, "stop",
-                      sampling=SamplingParams(temperature=1.0))
-
-
-def _traj(tid, turns, score, seconds, events=()):
-    return Trajectory(tid, 0, "ABC".index(tid), [_turn(k) for k in range(turns)], reward=score,
-                      status="finished", started_at=100.0, ended_at=100.0 + seconds,
-                      events=list(events))
+def _turns(n: int) -> list[Completion]:
+    """n turns, each extending the last: turn k has 3 + 2k prompt ids."""
+    return [completion([1, 2, 3] + [4, 5] * k, [4, 5], [-0.5, -0.6]) for k in range(n)]
 
 
 def _group() -> list[Trajectory]:
+    """A, B, C as in the module docstring: rollouts 0, 1, 2 that took 10 s, 20 s and 5 s."""
     return [
-        _traj("A", 3, 1.0, 10.0, [Event(0, "invalid_tool_call")]),
-        _traj("B", 2, 1.0, 20.0),
-        _traj("C", 3, 0.0, 5.0, [Event(1, "invalid_tool_call"), Event(1, "invalid_tool_call")]),
+        trajectory("A", _turns(3), 1.0, rollout=0, started_at=100.0, ended_at=110.0,
+                   events=[Event(0, "invalid_tool_call")]),
+        trajectory("B", _turns(2), 1.0, rollout=1, started_at=100.0, ended_at=120.0),
+        trajectory("C", _turns(3), 0.0, rollout=2, started_at=100.0, ended_at=105.0,
+                   events=[Event(1, "invalid_tool_call"), Event(1, "invalid_tool_call")]),
     ]
 
 
@@ -63,7 +60,8 @@ def test_completion_time_reward_by_hand():
 
 
 def test_process_rewards_add_agent_turn_rewards_and_weighted_events():
-    t = _traj("A", 3, 1.0, 1.0, [Event(0, "invalid_tool_call"), Event(2, "unknown_kind", 4.0)])
+    t = trajectory("A", _turns(3), 1.0, started_at=100.0, ended_at=101.0,
+                   events=[Event(0, "invalid_tool_call"), Event(2, "unknown_kind", 4.0)])
     t.turn_rewards = [0.3, 0.0, 0.1]
     assert process_turn_rewards(t, WEIGHTS.process) == pytest.approx([0.2, 0.0, 0.1])
     t.events.append(Event(5, "invalid_tool_call"))
@@ -117,7 +115,7 @@ def test_a_truncated_turn_is_trained_masked_or_penalised(tiny_model):
     (on its own turn, reward-to-go from there), and the finished episode keeps its score."""
     from forgerl.trainer.samples import trajectory_to_samples_with_stats
 
-    t = _traj("A", 2, 1.0, 1.0)
+    t = trajectory("A", _turns(2), 1.0, started_at=100.0, ended_at=101.0)
     t.completions[0] = Completion([1, 2, 3], [4, 5], [-0.5, -0.6], [0, 0], 0, "length",
                                   sampling=SamplingParams(temperature=1.0))
     assert process_turn_rewards(t, {"truncated": -0.5}) == [-0.5, 0.0]
@@ -128,7 +126,7 @@ def test_a_truncated_turn_is_trained_masked_or_penalised(tiny_model):
     assert masked.loss_mask == [0, 0, 0, 0, 0, 1, 1]
     assert (stats.truncated_turns, stats.truncated_masked) == (1, 0)
     assert (mstats.truncated_turns, mstats.truncated_masked) == (1, 1)
-    other = _traj("B", 2, 0.0, 1.0)
+    other = trajectory("B", _turns(2), 0.0, rollout=1, started_at=100.0, ended_at=101.0)
     m = Trainer(tiny_model, device="cpu", mask_truncated=True).prepare([Group(0, [t, other])])
     assert (m.metrics["truncated_turns"], m.metrics["truncated_turns_masked"]) == (1.0, 1.0)
     assert m.metrics["reward_outcome_mean"] == 0.5

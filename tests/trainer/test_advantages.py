@@ -18,7 +18,8 @@ from forgerl.trainer.advantages import (
     reward_to_go,
     trajectory_advantages,
 )
-from forgerl.types import Completion, Group, Trajectory
+from forgerl.types import Group
+from tests.factories import completion, trajectory
 
 C08_REWARDS = np.array([0.35] * 7 + [0.0], dtype=np.float32).tolist()
 
@@ -61,18 +62,14 @@ def test_reward_to_go_suffix_sums():
     assert reward_to_go([]) == []
 
 
-def _traj(i: int, turns: int, reward: float | None, process=None, status="finished"):
-    c = Completion([1], [2], [-0.1], [0], 0, "stop")
-    return Trajectory(
-        f"t{i}", 0, i, [c] * turns, reward=reward, turn_rewards=process, status=status
-    )
+TURN = completion([1], [2], [-0.1])  # every turn: one id, logprob -0.1
 
 
 def test_composite_rewards_outcome_centred_on_group_process_per_position():
     # outcomes 1.0, 0.0 -> ±0.5 at every turn; process reward-to-go: A [0.2, 0, 0], B [0.0]:
     # turn 0 baseline 0.1 (both), turns 1-2 baseline 0.0 (A alone)
-    a = _traj(0, 3, 1.0, process=[0.2, 0.0, 0.0])
-    b = _traj(1, 1, 0.0)
+    a = trajectory("t0", [TURN] * 3, 1.0, process=[0.2, 0.0, 0.0])
+    b = trajectory("t1", [TURN], 0.0, rollout=1)
     advs = trajectory_advantages([a, b])
     assert advs[0] == pytest.approx([0.6, 0.5, 0.5])
     assert advs[1] == pytest.approx([-0.6])
@@ -84,14 +81,18 @@ def test_composite_rewards_outcome_centred_on_group_process_per_position():
 def test_identical_trajectories_with_turn_rewards_get_exact_zeros():
     """Issue 9: four identical trajectories with per-turn rewards [1, 1, 1] got [0, -1, -2]
     (reward-to-go against the mean total return); a per-position baseline gives 0."""
-    group = [_traj(i, 3, 0.0, process=[1.0, 1.0, 1.0]) for i in range(4)]
+    group = [trajectory(f"t{i}", [TURN] * 3, 0.0, rollout=i, process=[1.0, 1.0, 1.0])
+             for i in range(4)]
     assert trajectory_advantages(group) == [[0.0, 0.0, 0.0]] * 4
-    tenths = [_traj(i, 3, 0.1, process=[0.1, 0.1, 0.1]) for i in range(3)]  # 0.1*3/3 != 0.1
+    tenths = [trajectory(f"t{i}", [TURN] * 3, 0.1, rollout=i, process=[0.1, 0.1, 0.1])
+              for i in range(3)]  # 0.1*3/3 != 0.1
     assert trajectory_advantages(tenths, normalize_std=True) == [[0.0, 0.0, 0.0]] * 3
 
 
 def test_equal_outcome_group_gives_exact_zeros():
-    advs = trajectory_advantages([_traj(0, 2, 0.1), _traj(1, 3, 0.1), _traj(2, 1, 0.1)])
+    advs = trajectory_advantages([trajectory("t0", [TURN] * 2, 0.1),
+                                  trajectory("t1", [TURN] * 3, 0.1, rollout=1),
+                                  trajectory("t2", [TURN], 0.1, rollout=2)])
     assert advs == [[0.0, 0.0], [0.0, 0.0, 0.0], [0.0]]
 
 
@@ -105,7 +106,9 @@ def group_trajectory_advantages(g, failed_reward=0.0):
 def test_a_finished_trajectory_without_model_calls_counts_in_the_baseline():
     """Issue 9: an agent that answered without calling the model (no completions) dropped its
     reward from the baseline (0 instead of 0.25 here). Rewards 1, 0, 0, 0: baseline 0.25."""
-    g = Group(0, [_traj(0, 0, 1.0), _traj(1, 1, 0.0), _traj(2, 2, 0.0), _traj(3, 1, 0.0)])
+    g = Group(0, [trajectory("t0", [], 1.0), trajectory("t1", [TURN], 0.0, rollout=1),
+                  trajectory("t2", [TURN] * 2, 0.0, rollout=2),
+                  trajectory("t3", [TURN], 0.0, rollout=3)])
     members = group_trajectory_advantages(g)
     assert [a for _, a in members] == [[], [-0.25], [-0.25, -0.25], [-0.25]]
 
@@ -113,8 +116,9 @@ def test_a_finished_trajectory_without_model_calls_counts_in_the_baseline():
 def test_failed_rollouts_count_with_a_penalty_or_are_dropped():
     """A failed (crashed, timed-out) rollout counts with the penalty outcome in the baseline and
     the loss, or is dropped from both; an aborted attempt (re-run) never counts."""
-    g = Group(0, [_traj(0, 1, 1.0), _traj(1, 1, 0.0), _traj(2, 1, None, status="failed"),
-                  _traj(3, 1, None, status="aborted")])
+    g = Group(0, [trajectory("t0", [TURN], 1.0), trajectory("t1", [TURN], 0.0, rollout=1),
+                  trajectory("t2", [TURN], None, rollout=2, status="failed"),
+                  trajectory("t3", [TURN], None, rollout=3, status="aborted")])
     penalty = group_trajectory_advantages(g, failed_reward=0.0)  # the default
     assert [t.id for t, _ in penalty] == ["t0", "t1", "t2"]
     assert [a[0] for _, a in penalty] == pytest.approx([2 / 3, -1 / 3, -1 / 3])  # baseline 1/3

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from forgerl.trainer.samples import trajectory_to_samples, trajectory_to_samples_with_stats
-from forgerl.types import Completion, SamplingParams, Trajectory
+from tests.factories import completion, trajectory
 
 IM_START, IM_END, NL, ASSISTANT, USER, TOOL = 151644, 151645, 198, 77091, 872, 14
 
@@ -25,34 +25,12 @@ P2 = P1 + C1 + INSERT
 C2 = [20, IM_END]
 
 
-def _turn(prompt, completion, logprobs, versions, exact=True, temperature=1.0):
-    return Completion(
-        prompt,
-        completion,
-        logprobs,
-        versions,
-        versions[0] if versions else 0,
-        "stop",
-        sampling=SamplingParams(temperature=temperature),
-        token_exact=exact,
-    )
-
-
-def _traj(*turns):
-    return Trajectory(
-        "traj-a",
-        task_index=5,
-        rollout_index=1,
-        completions=list(turns),
-        reward=1.0,
-        status="finished",
-    )
-
-
 def test_extending_turns_merge_into_one_sample():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
-    t2 = _turn(P2, C2, [-0.2, -0.3], [4, 5])  # version changed mid-completion (partial rollout)
-    samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2), [0.7, 0.5])
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
+    # version changed mid-completion (partial rollout)
+    t2 = completion(P2, C2, [-0.2, -0.3], [4, 5])
+    traj = trajectory("traj-a", [t1, t2], 1.0, task=5, rollout=1)
+    samples, stats = trajectory_to_samples_with_stats(traj, [0.7, 0.5])
     assert (stats.extensions, stats.branches) == (1, 0)
     assert len(samples) == 1
     s = samples[0]
@@ -71,12 +49,13 @@ def test_extending_turns_merge_into_one_sample():
 
 
 def test_rewritten_context_branches_into_a_new_sample():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
-    t2 = _turn(P2, C2, [-0.2, -0.3], [4, 4])
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
+    t2 = completion(P2, C2, [-0.2, -0.3], [4, 4])
     # turn 3: the agent summarised its context; shares P1[:3] but drops the first answer
     p3 = [IM_START, USER, NL, 101, IM_END, NL, IM_START, ASSISTANT, NL]
-    t3 = _turn(p3, [30, IM_END], [-0.9, -0.05], [4, 4])
-    samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2, t3), [0.7, 0.5, 0.25])
+    t3 = completion(p3, [30, IM_END], [-0.9, -0.05], [4, 4])
+    traj = trajectory("traj-a", [t1, t2, t3], 1.0, task=5, rollout=1)
+    samples, stats = trajectory_to_samples_with_stats(traj, [0.7, 0.5, 0.25])
     assert (stats.extensions, stats.branches) == (1, 1)
     assert [s.input_ids for s in samples] == [P1 + C1 + INSERT + C2, [*p3, 30, IM_END]]
     b = samples[1]
@@ -87,21 +66,23 @@ def test_rewritten_context_branches_into_a_new_sample():
 
 
 def test_prompt_equal_to_previous_prefix_but_shorter_is_a_branch():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [0, 0, 0])
-    t2 = _turn(P1 + C1[:2], [7], [-0.4], [0])  # ends before the previous completion's end
-    samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2), [1.0, 1.0])
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [0, 0, 0])
+    t2 = completion(P1 + C1[:2], [7], [-0.4], [0])  # ends before the previous completion's end
+    traj = trajectory("traj-a", [t1, t2], 1.0, task=5, rollout=1)
+    samples, stats = trajectory_to_samples_with_stats(traj, [1.0, 1.0])
     assert (stats.extensions, stats.branches) == (0, 1)
     assert samples[1].input_ids == [*P1, 10, 11, 7]
     assert samples[1].loss_mask == [0] * 11 + [1]
 
 
 def test_non_token_exact_turn_contributes_only_mask_zero():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
     # turn 2 came back as text and was re-encoded: ids kept for context, never trained
-    t2 = _turn(P2, [12, IM_END], [0.0, 0.0], [4, 4], exact=False)
+    t2 = completion(P2, [12, IM_END], [0.0, 0.0], [4, 4], token_exact=False)
     p3 = [*P2, 12, IM_END, *INSERT]
-    t3 = _turn(p3, [40, IM_END], [-1.0, -0.2], [4, 4])
-    samples = trajectory_to_samples(_traj(t1, t2, t3), [0.3, 0.2, 0.1])
+    t3 = completion(p3, [40, IM_END], [-1.0, -0.2], [4, 4])
+    traj = trajectory("traj-a", [t1, t2, t3], 1.0, task=5, rollout=1)
+    samples = trajectory_to_samples(traj, [0.3, 0.2, 0.1])
     assert len(samples) == 1
     s = samples[0]
     assert s.input_ids == [*p3, 40, IM_END]
@@ -115,7 +96,9 @@ def test_non_token_exact_turn_contributes_only_mask_zero():
 
 
 def test_first_position_is_never_trained():
-    s = trajectory_to_samples(_traj(_turn([], [5, 6], [-0.1, -0.2], [0, 0])), [1.0])[0]
+    turn = completion([], [5, 6], [-0.1, -0.2], [0, 0])
+    traj = trajectory("traj-a", [turn], 1.0, task=5, rollout=1)
+    s = trajectory_to_samples(traj, [1.0])[0]
     assert s.loss_mask == [0, 1]
     assert s.behavior_logprobs == [0.0, -0.2]
     assert s.advantages == [0.0, 1.0]
@@ -123,17 +106,19 @@ def test_first_position_is_never_trained():
 
 
 def test_advantage_count_must_match_turns():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3])
+    traj = trajectory("traj-a", [t1], 1.0, task=5, rollout=1)
     with pytest.raises(ValueError, match="1 turns"):
-        trajectory_to_samples(_traj(t1), [0.1, 0.2])
+        trajectory_to_samples(traj, [0.1, 0.2])
 
 
 def test_tokens_carry_their_turns_temperature_and_greedy_turns_are_context():
-    t1 = _turn(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3], temperature=0.5)
-    t2 = _turn(P2, C2, [-0.4, -0.3], [4, 4], temperature=1.3)
+    t1 = completion(P1, C1, [-0.5, -0.7, -0.1], [3, 3, 3], temperature=0.5)
+    t2 = completion(P2, C2, [-0.4, -0.3], [4, 4], temperature=1.3)
     p3 = [*P2, *C2, *INSERT]
-    t3 = _turn(p3, [40, IM_END], [-0.01, -0.02], [4, 4], temperature=0.0)  # greedy
-    samples, stats = trajectory_to_samples_with_stats(_traj(t1, t2, t3), [0.3, 0.2, 0.1])
+    t3 = completion(p3, [40, IM_END], [-0.01, -0.02], [4, 4], temperature=0.0)  # greedy
+    traj = trajectory("traj-a", [t1, t2, t3], 1.0, task=5, rollout=1)
+    samples, stats = trajectory_to_samples_with_stats(traj, [0.3, 0.2, 0.1])
     (s,) = samples
     n1 = len(P1)
     assert s.input_ids == [*p3, 40, IM_END]

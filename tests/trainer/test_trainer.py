@@ -23,7 +23,8 @@ from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_
 from forgerl.trainer.losses import cispo_loss
 from forgerl.trainer.samples import trajectory_to_samples
 from forgerl.trainer.trainer import NonFiniteStep, Trainer
-from forgerl.types import Completion, Group, SamplingParams, Trajectory
+from forgerl.types import Group
+from tests.factories import completion, trajectory
 
 IM_START, IM_END, NL = 1, 2, 13
 P = [IM_START, 80, 90, 100, IM_END, NL, IM_START, 70]  # group 0's task prompt
@@ -47,25 +48,11 @@ def _model_logprobs(model, prompt, completion):
     return [lp[n - 1 + i, tok].item() for i, tok in enumerate(completion)]
 
 
-def _turn(model, prompt, completion, version, shift):
-    """A completion whose behavior logprobs are the model's own plus `shift` per token."""
-    lps = [
-        lp + shift[i % len(shift)]
-        for i, lp in enumerate(_model_logprobs(model, prompt, completion))
-    ]
-    return Completion(
-        prompt,
-        completion,
-        lps,
-        [version] * len(completion),
-        version,
-        "stop",
-        sampling=SamplingParams(temperature=TEMPERATURE),
-    )
-
-
-def _traj(tid, task, turns, reward, status="finished", process=None):
-    return Trajectory(tid, task, 0, turns, reward=reward, turn_rewards=process, status=status)
+def _turn(model, prompt, ids, version, shift):
+    """A completion sampled at `version` and TEMPERATURE whose behavior logprobs are the model's
+    own plus `shift` per token."""
+    lps = [lp + shift[i % len(shift)] for i, lp in enumerate(_model_logprobs(model, prompt, ids))]
+    return completion(prompt, ids, lps, [version] * len(ids), temperature=TEMPERATURE)
 
 
 def make_groups(model, shift=(0.0,)):
@@ -76,28 +63,29 @@ def make_groups(model, shift=(0.0,)):
     g0 = Group(
         0,
         [
-            _traj("a", 0, [a1, a2], 1.0),
-            _traj("b", 0, [_turn(model, P, [50, IM_END], 0, shift)], 0.0),
-            _traj(
+            trajectory("a", [a1, a2], 1.0),
+            trajectory("b", [_turn(model, P, [50, IM_END], 0, shift)], 0.0),
+            trajectory(
                 "c",
-                0,
                 [
                     _turn(model, P, [40, 52, 53, IM_END], 1, shift),
                     _turn(model, c2_prompt, [66, IM_END], 1, shift),
                 ],
                 0.5,
             ),
-            _traj("d", 0, [_turn(model, P, [99, 98], 0, shift)], None, status="failed"),
+            trajectory("d", [_turn(model, P, [99, 98], 0, shift)], None, status="failed"),
         ],
     )
     g1 = Group(
         1,
         [
-            _traj("e", 1, [_turn(model, Q, [30, 31, IM_END], 1, shift)], 1.0, process=[0.2]),
-            _traj("f", 1, [_turn(model, Q, [30, IM_END], 0, shift)], 0.0),
+            trajectory("e", [_turn(model, Q, [30, 31, IM_END], 1, shift)], 1.0, task=1,
+                       process=[0.2]),
+            trajectory("f", [_turn(model, Q, [30, IM_END], 0, shift)], 0.0, task=1),
         ],
     )
-    g2 = Group(2, [_traj(x, 2, [_turn(model, Q, [33, IM_END], 0, shift)], 1.0) for x in "gh"])
+    g2 = Group(
+        2, [trajectory(x, [_turn(model, Q, [33, IM_END], 0, shift)], 1.0, task=2) for x in "gh"])
     return [g0, g1, g2]
 
 
