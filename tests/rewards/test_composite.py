@@ -16,14 +16,10 @@ from __future__ import annotations
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
-from forgerl.rewards.composite import (
-    RewardWeights,
-    completion_time_rewards,
-    process_turn_rewards,
-)
+from forgerl.rewards.composite import completion_time_rewards, process_turn_rewards
 from forgerl.trainer.advantages import trajectory_advantages
 from forgerl.trainer.trainer import Trainer
-from forgerl.types import Completion, Event, Group, SamplingParams, Trajectory
+from forgerl.types import Completion, Event, Group, RewardWeights, SamplingParams, Trajectory
 from tests.factories import completion, trajectory
 
 WEIGHTS = RewardWeights(outcome=1.0, completion_time=0.5, process={"invalid_tool_call": -0.1})
