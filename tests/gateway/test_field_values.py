@@ -127,7 +127,7 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
             assert err["code"] == "context_length_exceeded"
             assert "prompt has at least" in err["message"]  # the floor: nothing was tokenized
         # ChatML renders an earlier reply's text before </think> too: counted (a template that
-        # drops it is test_hf_template's), so a 1 MB one is refused untokenized as well
+        # drops it is test_templates'), so a 1 MB one is refused untokenized as well
         err = error("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": f"<think>{big}</think>4"},
