@@ -70,7 +70,7 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, resume_step: int = 0) -> None:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # lazy: only a run that logs needs it
 
         self.path = run_dir / "metrics.jsonl"
         self.records = [r for r in _read_records(self.path) if r.get("step", 0) <= resume_step]

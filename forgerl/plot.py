@@ -15,10 +15,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     Raises FileNotFoundError when the run has no metrics, ValueError when it has none of the
     first two keys.
     """
-    import matplotlib
+    import matplotlib  # lazy: optional extra (plot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display here
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)

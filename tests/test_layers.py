@@ -60,6 +60,20 @@ def _functions(tree: ast.AST) -> dict[int, str]:
     return owner
 
 
+def _commented(lines: list[str], lineno: int) -> bool:
+    """A comment on import line `lineno` (1-based), on an import line of the run of import lines
+    it ends, or on the comment line right above that run."""
+    i = lineno - 1
+    while i >= 0:
+        text = lines[i].strip()
+        if "#" in text:
+            return True
+        if i < lineno - 1 and not text.startswith(("import ", "from ")):
+            return False
+        i -= 1
+    return False
+
+
 def read_imports() -> tuple[set[str], list[Import]]:
     """All forgerl modules, and every import among them (targets outside forgerl kept as named)."""
     paths = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
@@ -82,8 +96,7 @@ def read_imports() -> tuple[set[str], list[Import]]:
                 targets = [a.name for a in node.names]
             else:
                 continue
-            text = lines[node.lineno - 1] + (lines[node.lineno - 2] if node.lineno > 1 else "")
-            function, reason = owner.get(id(node)), "#" in text
+            function, reason = owner.get(id(node)), _commented(lines, node.lineno)
             for target in targets:
                 if target.startswith("forgerl"):
                     while target not in paths:
@@ -149,7 +162,8 @@ def test_every_module_has_a_layer() -> None:
 
 def test_no_import_cycles() -> None:
     modules, imports = read_imports()
-    assert cycles(modules, imports) == []
+    found = cycles(modules, imports)
+    assert found == [], "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_imports_go_down_or_stay_in_their_package() -> None:
@@ -162,14 +176,14 @@ def test_imports_go_down_or_stay_in_their_package() -> None:
         and layer(i.target) >= layer(i.source)
         and not (i.source == "forgerl.config" and i.in_function == "build")
     ]
-    assert wrong == []
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_imports_inside_functions_say_why() -> None:
     _, imports = read_imports()
     silent = [f"{i.source}:{i.line} ({i.in_function})" for i in imports
               if i.in_function is not None and not i.reason]
-    assert silent == []
+    assert silent == [], "\n".join(silent)
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import() -> None:
@@ -178,4 +192,6 @@ def test_the_checker_sees_a_cycle_and_an_upward_import() -> None:
     found = cycles({a, b}, [Import(a, b, 1, None, False), Import(b, a, 1, None, False)])
     assert found == [[b, a]]
     assert layer(b) > layer(a)
+    lines = ["def f():", "    # lazy: an extra", "    import a", "    import b", "def g():", "    import c"]
+    assert _commented(lines, 4) and not _commented(lines, 6)
     assert layer("forgerl.config") == 0 and layer("forgerl") == len(LAYERS) - 1

@@ -64,7 +64,7 @@ def _user_file(path: str) -> ModuleType:
 
 @functools.cache
 def _scorer(dataset: str) -> Callable[[str | None, dict], float]:
-    import reasoning_gym
+    import reasoning_gym  # lazy: optional extra (examples), 1-3.5 s to import
 
     return reasoning_gym.get_score_answer_fn(dataset)
 

@@ -66,7 +66,7 @@ def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
 
 
 def _flex_block_mask(parent: torch.Tensor, device: torch.device) -> object:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # lazy: CUDA path only
 
     exit_ = subtree_exit(parent).to(device)
     n = parent.numel()
