@@ -192,6 +192,7 @@ def test_the_checker_sees_a_cycle_and_an_upward_import() -> None:
     found = cycles({a, b}, [Import(a, b, 1, None, False), Import(b, a, 1, None, False)])
     assert found == [[b, a]]
     assert layer(b) > layer(a)
-    lines = ["def f():", "    # lazy: an extra", "    import a", "    import b", "def g():", "    import c"]
+    lines = ["def f():", "    # lazy: an extra", "    import a", "    import b",
+             "def g():", "    import c"]
     assert _commented(lines, 4) and not _commented(lines, 6)
     assert layer("forgerl.config") == 0 and layer("forgerl") == len(LAYERS) - 1

@@ -43,7 +43,7 @@ def save_checkpoint(
     Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
     0.54 GB + 1.08 GB).
     """
-    import torch  # lazy: `checkpoint_step` alone stays light (the CLI reads it)
+    import torch  # lazy: torch only here, so `checkpoint_step` alone stays light
 
     if keep < 1:
         raise ValueError(f"keep ({keep}) must be >= 1")
@@ -89,7 +89,7 @@ def load_checkpoint(
     from the files must be tied weights (e.g. an lm_head tied to the embeddings), else
     ValueError. Raises FileNotFoundError when the folder is not a checkpoint.
     """
-    # lazy: `checkpoint_step` alone stays light (the CLI reads it)
+    # lazy: torch only here, so `checkpoint_step` alone stays light
     import safetensors.torch
     import torch
 
