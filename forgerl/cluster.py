@@ -43,8 +43,6 @@ class _Engine:
     weights' torch dtype name (default: LocalEngine's)."""
 
     def __init__(self, config_dump: dict, dtype: str | None = None) -> None:
-        from forgerl.controller import load_policy
-
         config = Config.model_validate(config_dump)
         ec = config.engine
         if ec.type == "vllm":
@@ -54,7 +52,7 @@ class _Engine:
             return
         from forgerl.engines.local import LocalEngine, engine_dtype
 
-        self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
+        self.engine = LocalEngine(config.model.build()[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
                                   dtype=engine_dtype(dtype or ec.dtype))
 
@@ -314,13 +312,12 @@ class _TrainerRank:
 
     def __init__(self, rank: int, init: str, config_dump: dict, timeout_s: float,
                  state: tuple[int, dict, dict]) -> None:
-        from forgerl.controller import build_trainer, load_policy
         from forgerl.trainer.data_parallel import join_trainer_group
 
         config = Config.model_validate(config_dump)
         join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
-        self.trainer = build_trainer(config, load_policy(config.model.path)[0])
+        self.trainer = config.trainer.build(config.model.build()[0], config.reward.weights())
         self.trainer.step = state[0]
         self.trainer.model.load_state_dict(state[1])
         self.trainer.optimizer.load_state_dict(state[2])

@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from forgerl.config import ConfigError
+
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -197,3 +199,19 @@ def load_pretrained(
     except Exception as exc:
         raise RuntimeError(f"could not load the model folder {folder}: {exc!r}") from exc
     return model.eval(), tokenizer
+
+
+# What SmolLM2's own chat template inserts when a conversation has no system message.
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def load_policy(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
+    """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig): "tiny",
+    "smollm2" or a local HF folder. Raises ConfigError naming model.path for anything else."""
+    if path == "tiny":
+        return build_tiny_model(), build_byte_tokenizer(), None
+    if path != "smollm2" and not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny' or a local HF model "
+                          "folder (one with a config.json)")
+    model, tokenizer = load_pretrained(path)
+    return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None

@@ -1,7 +1,7 @@
 """Rollouts: admitting tasks, running each task's group of agent episodes against the gateway,
 scoring them and telling the scheduler, plus the held-out evaluation.
 
-    scheduler.admit ─► rollout_group (G × rollout: agent ─HTTP─► gateway ─► engine; score)
+    scheduler.admit ─► rollout_group (G rollouts: agent ─HTTP─► gateway ─► engine; score)
                            └─► pool.finish_group ─► scheduler.on_group_finished ─► next_batch
 
 `Rollouts` holds these steps of `Services` (forgerl/controller/services.py), which owns the

@@ -120,9 +120,9 @@ def step_records(num_records: int, step: int, batch_size: int, seed: int) -> lis
 
 async def warm_start(s: Services) -> None:
     """The [warmstart] phase: supervised steps on the demonstrations (after
-    `check_warmstart_first` on the run's records) until trainer.step = warmstart.steps (resumes mid-phase), each synced to the engine and
-    logged with phase "warmstart"; then a held-out evaluation, trainer.lr and cleared AdamW
-    moments for RL, and a checkpoint."""
+    `check_warmstart_first` on the run's records) until trainer.step = warmstart.steps
+    (resumes mid-phase), each synced to the engine and logged with phase "warmstart"; then a
+    held-out evaluation, trainer.lr and cleared AdamW moments for RL, and a checkpoint."""
     ws, trainer, demos = s.config.warmstart, s.trainer, s.demos
     check_warmstart_first(s.logger.records, ws.steps)
     for group in trainer.optimizer.param_groups:

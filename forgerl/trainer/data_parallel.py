@@ -284,13 +284,12 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
     """Body of worker `rank`: replica from the config (and checkpoint), then one train_step per
     groups message until None; an error is sent to rank 0 and ends the worker."""
     from forgerl.config import Config
-    from forgerl.controller import build_trainer, load_policy
     from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
     config = Config.model_validate(config_dump)
     join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)
-    trainer = build_trainer(config, load_policy(config.model.path)[0])
+    trainer = config.trainer.build(config.model.build()[0], config.reward.weights())
     if (ckpt := latest_checkpoint(run_dir)) is not None:
         trainer.step = load_checkpoint(ckpt, trainer.model, trainer.optimizer)[0]
     while (message := conn.recv()) is not None:
