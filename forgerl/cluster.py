@@ -24,16 +24,29 @@ RuntimeError naming it (data_parallel.DataParallelTrainer), never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
+import os
 import socket
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from forgerl.config import Config
 from forgerl.engines.base import TokenEvent
+from forgerl.engines.local import LocalEngine, engine_dtype
+from forgerl.trainer.data_parallel import join_trainer_group
+from forgerl.trainer.weight_sync import (
+    DeltaMismatch,
+    pack,
+    packed_nbytes,
+    unique_tensors,
+    unpack,
+    weight_group,
+)
 from forgerl.types import GenerateOutput, SamplingParams
 
 
@@ -46,12 +59,10 @@ class _Engine:
         config = Config.model_validate(config_dump)
         ec = config.engine
         if ec.type == "vllm":
-            from forgerl.engines.vllm import VllmEngine
+            from forgerl.engines.vllm import VllmEngine  # lazy: optional extra (vllm)
 
             self.engine: Any = VllmEngine.from_config(config)
             return
-        from forgerl.engines.local import LocalEngine, engine_dtype
-
         self.engine = LocalEngine(config.model.build()[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
                                   dtype=engine_dtype(dtype or ec.dtype))
@@ -68,8 +79,6 @@ class _Engine:
 
     async def apply_delta(self, delta: Any, version: int) -> dict[str, Any]:
         if not hasattr(self.engine, "apply_delta"):  # vLLM: the sync falls back to full
-            from forgerl.trainer.weight_sync import DeltaMismatch
-
             raise DeltaMismatch("this engine loads full weights only")
         await self.engine.apply_delta(delta, version)
         return dict(self.engine.stats)
@@ -77,10 +86,6 @@ class _Engine:
     async def join(self, address: tuple[str, int], rank: int, world: int, epoch: int,
                    backend: str, timeout_s: float) -> None:
         """Become `rank` of the weight-broadcast group hosted at `address` (_Broadcast)."""
-        import asyncio
-
-        from forgerl.trainer.weight_sync import weight_group
-
         store = torch.distributed.TCPStore(*address, world, False, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=timeout_s))
         self.group = await asyncio.to_thread(weight_group, store, rank, world, epoch, backend,
@@ -88,22 +93,14 @@ class _Engine:
 
     async def receive(self, specs: list, version: int) -> dict[str, Any]:
         """Take one packed full sync from the group's broadcast, then `update_weights`."""
-        import asyncio
-
-        from forgerl.trainer.weight_sync import packed_nbytes, unpack
-
         buffer = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=self.engine.device)
         await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
         return await self.update_weights(unpack(buffer, specs), version)
 
     def info(self) -> tuple[str, int, str]:
         """(dtype name, pid, Ray node id)."""
-        import os
-
-        import ray
-
         dtype = str(self.engine.weight_dtype).removeprefix("torch.")
-        return dtype, os.getpid(), ray.get_runtime_context().get_node_id()
+        return dtype, os.getpid(), _ray().get_runtime_context().get_node_id()
 
 
 _PUTS: dict[int, list] = {}  # id(state dict) → [ObjectRef, engines still reading it]
@@ -134,8 +131,6 @@ class _Broadcast:
         """(engine's stats, the weights it now holds) once the broadcast reached every engine;
         raises what the actor raises, or RuntimeError (a member died, or not every engine was
         updated within timeout_s)."""
-        import asyncio
-
         entry = self.waiting.setdefault(id(state_dict), [])
         entry.append((engine, asyncio.get_running_loop().create_future()))
         if len(entry) == len(self.engines):
@@ -152,10 +147,6 @@ class _Broadcast:
                     entry: list) -> None:
         """Pack, broadcast (forming the group first when a member was lost; once more after a
         failed broadcast), then each engine's own result to its future."""
-        import asyncio
-
-        from forgerl.trainer.weight_sync import pack, unpack
-
         results: list = []
         try:
             buffer, specs = pack(state_dict, self.engines[0].weight_dtype)
@@ -188,10 +179,6 @@ class _Broadcast:
 
     async def _form(self) -> None:
         """A new group of the driver and every engine actor (epoch + 1)."""
-        import asyncio
-
-        from forgerl.trainer.weight_sync import weight_group
-
         host, world = _ray().util.get_node_ip_address(), len(self.engines) + 1
         if self.store is None:
             self.store = torch.distributed.TCPStore(
@@ -265,8 +252,6 @@ class RayEngine:
             return
         ray, key = _ray(), id(state_dict)
         if key not in _PUTS:
-            from forgerl.trainer.weight_sync import unique_tensors
-
             # tied names once: copies out of the object store no longer share storage
             _PUTS[key] = [ray.put(unique_tensors(state_dict)), 0]
         entry = _PUTS[key]
@@ -312,8 +297,6 @@ class _TrainerRank:
 
     def __init__(self, rank: int, init: str, config_dump: dict, timeout_s: float,
                  state: tuple[int, dict, dict]) -> None:
-        from forgerl.trainer.data_parallel import join_trainer_group
-
         config = Config.model_validate(config_dump)
         join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
@@ -326,8 +309,6 @@ class _TrainerRank:
         self.trainer.serve(message)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -339,7 +320,7 @@ class RayCluster:
 
     def __init__(self, config: Config, timeout_s: float = 120.0) -> None:
         ray = _ray()
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group  # lazy: optional extra (ray)
 
         cc, self.config = config.cluster, config
         self.started = not ray.is_initialized()
@@ -356,6 +337,7 @@ class RayCluster:
                                f"cluster within {timeout_s:.0f} s: {ray.cluster_resources()}")
 
     def _options(self, index: int, resources: dict) -> dict:
+        # lazy: optional extra (ray)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -383,7 +365,7 @@ class RayCluster:
     def close(self) -> None:
         """Remove the placement group (its actors go with it); shut Ray down if we started it."""
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # lazy: optional extra
 
         remove_placement_group(self.group)
         if self.started:
@@ -395,8 +377,6 @@ class RayTrainerWorkers:
     process ids. The rendezvous is tcp://driver-address:free-port."""
 
     def __init__(self, cluster: RayCluster, trainer: Any, timeout_s: float) -> None:
-        from forgerl.trainer.data_parallel import join_trainer_group
-
         ray, config = _ray(), cluster.config
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -439,8 +419,6 @@ class RayTrainerWorkers:
 
     def close(self) -> None:
         """Kill the workers and leave the process group."""
-        import torch.distributed as dist
-
         for a in self.actors:
             _ray().kill(a)
         if dist.is_initialized():
@@ -449,7 +427,7 @@ class RayTrainerWorkers:
 
 def _ray() -> Any:
     try:
-        import ray
+        import ray  # lazy: optional extra (ray)
     except ImportError:
         raise RuntimeError("cluster.backend = \"ray\" needs Ray: pip install 'forgerl[ray]'") \
             from None

@@ -9,6 +9,7 @@ This module imports no torch, so `forgerl --help` and config errors are instant.
 from __future__ import annotations
 
 import tomllib
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -291,9 +292,7 @@ class DomainConfig(_Section):
 class _LossSection(_Section):
     def build(self) -> Any:
         """The loss function `forgerl.trainer.losses.<type>_loss` with this section's values."""
-        from functools import partial
-
-        from forgerl.trainer import losses
+        from forgerl.trainer import losses  # lazy: implementation (torch)
 
         fn = getattr(losses, f"{self.type}_loss")  # `type` is a Literal of this class
         return partial(fn, **self.model_dump(exclude={"type"}))

@@ -32,17 +32,16 @@ import multiprocessing as mp
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from forgerl.config import Config
+from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from forgerl.trainer.losses import LossFn
-from forgerl.trainer.trainer import PreparedBatch, Trainer
+from forgerl.trainer.trainer import PreparedBatch, Trainer, resolve_device
 from forgerl.types import Group
-
-if TYPE_CHECKING:
-    from forgerl.config import Config
 
 
 def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -> None:
@@ -50,8 +49,6 @@ def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -
     `init` (a file:// or tcp:// rendezvous) as `rank`: NCCL with GPU `rank` mod the visible
     GPUs when `trainer.device` resolves to CUDA, else gloo. Collectives and the rendezvous wait
     at most `timeout_s` seconds."""
-    from forgerl.trainer.trainer import resolve_device
-
     cuda = resolve_device(config.trainer.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -111,6 +108,7 @@ class DataParallelTrainer(Trainer):
 
     def _local(self, message: list[Group] | str) -> Any:
         """This rank's part of `message`: the step, or its share of gathering the state."""
+        # lazy: seconds to import; single-worker runs import this module too
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -145,6 +143,7 @@ class DataParallelTrainer(Trainer):
 
     def _shard(self) -> None:
         """FSDP2 over the default process group, keeping the AdamW state loaded so far."""
+        # lazy: seconds to import; single-worker runs import this module too
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -283,9 +282,6 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
                  conn: Connection) -> None:
     """Body of worker `rank`: replica from the config (and checkpoint), then one train_step per
     groups message until None; an error is sent to rank 0 and ends the worker."""
-    from forgerl.config import Config
-    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-
     config = Config.model_validate(config_dump)
     join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)
