@@ -300,7 +300,7 @@ class _TrainerRank:
         config = Config.model_validate(config_dump)
         join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
-        self.trainer = config.trainer.build(config.model.build()[0], config.reward.weights())
+        self.trainer = config.trainer.build(config.model.build()[0], config.reward.build())
         self.trainer.step = state[0]
         self.trainer.model.load_state_dict(state[1])
         self.trainer.optimizer.load_state_dict(state[2])

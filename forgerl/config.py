@@ -22,8 +22,6 @@ from pydantic import (
     model_validator,
 )
 
-from forgerl.rewards.composite import RewardWeights
-
 
 class ConfigError(ValueError):
     """A bad config file or override; the message is one line naming the field."""
@@ -394,8 +392,9 @@ class TrainerConfig(_Section):
     element changes each step, and in-process bytes are a memory copy (`trainer.weight_sync`)."""
 
 
-    def build(self, model: Any, rewards: RewardWeights) -> Any:
-        """This section's trainer for `model` (put in train mode) with the run's reward weights:
+    def build(self, model: Any, rewards: Any) -> Any:
+        """This section's trainer for `model` (put in train mode) with the run's reward weights
+        (`RewardConfig.build`):
         a `DataParallelTrainer` (rank 0 of `workers`) when workers > 1, else a `Trainer`."""
         from forgerl.trainer.data_parallel import DataParallelTrainer  # lazy: implementation
         from forgerl.trainer.trainer import Trainer  # lazy: implementation (torch)
@@ -427,8 +426,10 @@ class RewardConfig(_Section):
     `{ invalid_tool_call = -0.1 }` (the gateway's built-in kinds: invalid_tool_call,
     undeclared_tool; agents add their own with POST /v1/sessions/{id}/events)."""
 
-    def weights(self) -> RewardWeights:
-        """These settings as the trainer's `RewardWeights`."""
+    def build(self) -> Any:
+        """These settings as the trainer's `forgerl.rewards.composite.RewardWeights`."""
+        from forgerl.rewards.composite import RewardWeights  # lazy: implementation
+
         return RewardWeights(self.outcome, self.completion_time, dict(self.process))
 
 

@@ -170,7 +170,7 @@ async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
 def build_trainer(config: Config, model: Any) -> Any:
     """The run's trainer for `model`: `TrainerConfig.build` with the [reward] weights (a
     `DataParallelTrainer`, rank 0, when trainer.workers > 1)."""
-    return config.trainer.build(model, config.reward.weights())
+    return config.trainer.build(model, config.reward.build())
 
 
 def _shares_cpu(config: Config) -> bool:

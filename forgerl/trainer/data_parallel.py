@@ -285,7 +285,7 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
     config = Config.model_validate(config_dump)
     join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)
-    trainer = config.trainer.build(config.model.build()[0], config.reward.weights())
+    trainer = config.trainer.build(config.model.build()[0], config.reward.build())
     if (ckpt := latest_checkpoint(run_dir)) is not None:
         trainer.step = load_checkpoint(ckpt, trainer.model, trainer.optimizer)[0]
     while (message := conn.recv()) is not None:
