@@ -63,8 +63,7 @@ class LocalEngineConfig(_Section):
     float32."""
     packed_weights: bool = False
     """CPU float32 only: decode with oneDNN-packed copies of the linear weights
-    (engines/local.pack_linears): SmolLM2 decode 1.2-1.5x faster alone on a 2-core AVX2 EPYC,
-    for 0.54 GB more memory; no gain measured in the chain_sum job's seconds per step."""
+    (engines/local.pack_linears), which cost memory for the packed copies."""
     instances: int = Field(1, ge=1, le=64)
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
@@ -241,7 +240,7 @@ class AgentConfig(_Section):
     preload: list[str] | None = None
     """Modules a Python script agent (`command = ["python", "agent.py", ...]`) imports, loaded
     once in a fork server that forks each rollout's process instead of starting an interpreter
-    (forgerl/agents/forkserver.py; e.g. ["openai"]: 0.47 s of CPU per rollout). Unset: the
+    (forgerl/agents/forkserver.py; e.g. ["openai"]). Unset: the
     installed packages the script imports at its top level (`script_imports`). []: exec."""
 
 
@@ -357,8 +356,7 @@ class TrainerConfig(_Section):
     autocast: Literal["off", "bfloat16", "auto"] = "off"
     """Mixed precision: the trainer's forwards run under torch.autocast in bfloat16 (weights,
     gradients and AdamW stay float32; logprobs and the loss in float32). "auto" = bfloat16 where
-    its matmuls are fast (as `[engine] dtype`), else off. SmolLM2 on an AMX CPU: 1.75x faster
-    forward+backward, logprobs within 0.04 nats (mean) of float32's."""
+    its matmuls are fast (as `[engine] dtype`), else off."""
     activation_checkpointing: Literal["off", "full", "selective"] = "off"
     """Recompute decoder layers in the backward instead of keeping their activations: "full"
     (every layer; README "Trainer memory" measures its saving and its cost in step time),
