@@ -25,19 +25,6 @@ from forgerl.controller.services import Services
 from forgerl.controller.startup import build_trainer, start_services
 from forgerl.controller.tasks import make_task_sets
 
-__all__ = [
-    "Services",
-    "build_trainer",
-    "check_agent_command",
-    "config_changes",
-    "cuda_peak_gib",
-    "lock_run_dir",
-    "make_task_sets",
-    "release_heap",
-    "rollout_seed",
-    "run",
-    "serve_gateway",
-    "share_malloc_arena",
-    "start_services",
-    "summary",
-]
+__all__ = ["Services", "build_trainer", "check_agent_command", "config_changes", "cuda_peak_gib",
+           "lock_run_dir", "make_task_sets", "release_heap", "rollout_seed", "run", "serve_gateway",
+           "share_malloc_arena", "start_services", "summary"]

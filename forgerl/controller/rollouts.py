@@ -17,26 +17,18 @@ import os
 import shutil
 import sys
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import run_agent
-from forgerl.config import AgentConfig, Config, ConfigError
+from forgerl.config import AgentConfig, ConfigError
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
 
 if TYPE_CHECKING:
-    from forgerl.agents.reaper import Reaper
-    from forgerl.datapool.sqlite import SQLitePool
-    from forgerl.engines.local import LocalEngine
-    from forgerl.gateway.app import Gateway, GatewayServer
-    from forgerl.scheduler.policies import Scheduler
-    from forgerl.trainer.trainer import Trainer
     from forgerl.types import Trajectory
 
 log = logging.getLogger("forgerl")
@@ -44,30 +36,8 @@ Agent = Callable[[dict, str, str], Awaitable[str | None]]
 
 
 class Rollouts:
-    """The rollout steps of `Services`; the fields they use are `Services`' own."""
-
-    config: Config
-    run_dir: Path
-    trainer: Trainer
-    engine: LocalEngine
-    pool: SQLitePool
-    gateway: Gateway
-    server: GatewayServer
-    scheduler: Scheduler
-    tasks: list[dict]
-    eval_tasks: list[dict]
-    agent: Agent | list[str] | None
-    reaper: Reaper | None
-    rollouts: dict[int, asyncio.Task]
-    group_done: asyncio.Event
-    reward_status: Counter[str]
-    rollout_seconds: dict[int, list[float]]
-    group_started: dict[int, float]
-    trained_tasks: list[int]
-    closing: bool
-    max_steps: int | None
-    domain_agents: dict[str, tuple[list[str], AgentConfig]]
-    forkservers: dict[tuple[str, ...], asyncio.Future]
+    """The rollout steps of `Services` (a base class of it): they read and update its fields
+    (config, engine, pool, gateway, server, scheduler, tasks, the rollout bookkeeping)."""
 
     def agent_for(self, task: dict) -> tuple[Agent | list[str] | None, AgentConfig | None]:
         """The agent that runs `task` and its section: its [[domains]] entry's own, else the
