@@ -38,7 +38,8 @@ import torch.distributed as dist
 from forgerl.config import Config
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.local import LocalEngine, engine_dtype
-from forgerl.trainer.data_parallel import join_trainer_group
+from forgerl.models import load_policy
+from forgerl.trainer.data_parallel import build_trainer, join_trainer_group
 from forgerl.trainer.weight_sync import (
     DeltaMismatch,
     pack,
@@ -63,7 +64,7 @@ class _Engine:
 
             self.engine: Any = VllmEngine.from_config(config)
             return
-        self.engine = LocalEngine(config.model.build()[0], config.model.max_model_len,
+        self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
                                   dtype=engine_dtype(dtype or ec.dtype))
 
@@ -300,7 +301,7 @@ class _TrainerRank:
         config = Config.model_validate(config_dump)
         join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
-        self.trainer = config.trainer.build(config.model.build()[0], config.reward.build())
+        self.trainer = build_trainer(config, load_policy(config.model.path)[0])
         self.trainer.step = state[0]
         self.trainer.model.load_state_dict(state[1])
         self.trainer.optimizer.load_state_dict(state[2])

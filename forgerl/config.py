@@ -41,13 +41,6 @@ class ModelConfig(_Section):
     max_model_len: int = Field(2048, ge=64, le=1_048_576)
     """Context length in tokens (prompt + completion) that the engine and gateway enforce."""
 
-    def build(self) -> tuple[Any, Any, str | None]:
-        """(model, tokenizer, default system prompt) for `path` (`forgerl.models.load_policy`);
-        raises ConfigError naming model.path for a path that is no model."""
-        from forgerl.models import load_policy  # lazy: implementation (torch, transformers)
-
-        return load_policy(self.path)
-
 
 class LocalEngineConfig(_Section):
     """[engine]: the in-process transformers rollout engine (CPU/GPU)."""
@@ -388,27 +381,6 @@ class TrainerConfig(_Section):
     elements whose bits changed in the engine's dtype, checksummed against the engine's version;
     falls back to full). Full by default: the embedded engine is fp32, where nearly every
     element changes each step, and in-process bytes are a memory copy (`trainer.weight_sync`)."""
-
-
-    def build(self, model: Any, rewards: Any) -> Any:
-        """This section's trainer for `model` (put in train mode) with the run's reward weights
-        (`RewardConfig.build`):
-        a `DataParallelTrainer` (rank 0 of `workers`) when workers > 1, else a `Trainer`."""
-        from forgerl.trainer.data_parallel import DataParallelTrainer  # lazy: implementation
-        from forgerl.trainer.trainer import Trainer  # lazy: implementation (torch)
-
-        trainer = (DataParallelTrainer if self.workers > 1 else Trainer)(
-            model.train(), lr=self.lr, weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm, loss_fn=self.loss.build(),
-            max_row_tokens=self.max_row_tokens, merge_prefixes=self.merge_prefixes,
-            normalize_std=self.normalize_std, device=self.device,
-            failed_reward=None if self.failed_rollouts == "drop" else self.failed_reward,
-            rewards=rewards, mask_truncated=self.truncated_turns == "mask",
-            logprob_chunk_tokens=self.logprob_chunk_tokens,
-            activation_checkpointing=self.activation_checkpointing,
-            checkpoint_every_layers=self.checkpoint_every_layers, autocast=self.autocast)
-        trainer.sharding = self.sharding
-        return trainer
 
 
 class RewardConfig(_Section):

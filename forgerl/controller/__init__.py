@@ -22,9 +22,9 @@ from forgerl.controller.memory import cuda_peak_gib, release_heap, share_malloc_
 from forgerl.controller.rollouts import check_agent_command, rollout_seed
 from forgerl.controller.rundir import config_changes, lock_run_dir
 from forgerl.controller.services import Services
-from forgerl.controller.startup import build_trainer, start_services
+from forgerl.controller.startup import start_services
 from forgerl.controller.tasks import make_task_sets
 
-__all__ = ["Services", "build_trainer", "check_agent_command", "config_changes", "cuda_peak_gib",
+__all__ = ["Services", "check_agent_command", "config_changes", "cuda_peak_gib",
            "lock_run_dir", "make_task_sets", "release_heap", "rollout_seed", "run", "serve_gateway",
            "share_malloc_arena", "start_services", "summary"]

@@ -88,19 +88,21 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                  forkservers: dict) -> tuple[Services, Any]:
     """(Services, RayCluster or None): every service built and the gateway listening; appends
     the RUN_DIR lock's descriptor to `locks` (the caller closes it, also when this raises)."""
-    # lazy: torch, transformers and the engines load after cli.main's share_malloc_arena
-    import torch
+    # lazy (each): torch and transformers load after cli.main's share_malloc_arena
+    import torch  # lazy: heavy, see above
 
-    from forgerl.controller.warmstart import load_demos
-    from forgerl.cpu_share import single_threaded_caller
-    from forgerl.gateway.app import Gateway
-    from forgerl.gateway.templates import build_renderer
+    from forgerl.controller.warmstart import load_demos  # lazy: the gateway imports torch
+    from forgerl.cpu_share import single_threaded_caller  # lazy: torch
+    from forgerl.gateway.app import Gateway  # lazy: torch, transformers
+    from forgerl.gateway.templates import build_renderer  # lazy: transformers
+    from forgerl.models import load_policy  # lazy: torch, transformers
+    from forgerl.trainer.data_parallel import build_trainer  # lazy: torch
 
     tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
     # before any parallel op here: only the engine's and the trainer's threads run OpenMP teams
     cores = single_threaded_caller() if _shares_cpu(config) else None
     torch.manual_seed(config.seed)
-    model, tokenizer, system = config.model.build()
+    model, tokenizer, system = load_policy(config.model.path)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
     # demonstrations are read (and refused) before anything is written; not once the run's
@@ -167,12 +169,6 @@ async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
             cluster.close()
 
 
-def build_trainer(config: Config, model: Any) -> Any:
-    """The run's trainer for `model`: `TrainerConfig.build` with the [reward] weights (a
-    `DataParallelTrainer`, rank 0, when trainer.workers > 1)."""
-    return config.trainer.build(model, config.reward.build())
-
-
 def _shares_cpu(config: Config) -> bool:
     """Whether a CPU trainer shares this process's cores with one local engine (`CpuShare`).
     Raises ValueError for a trainer.device the trainer would refuse (`resolve_device`)."""
@@ -192,9 +188,9 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
     both get one CpuShare.
     Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
     without vLLM installed."""
-    # lazy: torch and the engines after cli.main's share_malloc_arena
-    from forgerl.cpu_share import CpuShare
-    from forgerl.engines.local import LocalEngine, engine_dtype
+    # lazy (each): torch and the engines load after cli.main's share_malloc_arena
+    from forgerl.cpu_share import CpuShare  # lazy: torch
+    from forgerl.engines.local import LocalEngine, engine_dtype  # lazy: torch
 
     ec, cluster = config.engine, None
     if config.cluster.backend == "ray":

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from forgerl.config import Config
+from forgerl.models import load_policy
 from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from forgerl.trainer.losses import LossFn
 from forgerl.trainer.trainer import PreparedBatch, Trainer, resolve_device
@@ -55,6 +56,25 @@ def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
                             world_size=config.trainer.workers,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build_trainer(config: Config, model: Any) -> Trainer:
+    """The [trainer] section's trainer for `model` (put in train mode) with the run's [reward]
+    weights: a `DataParallelTrainer` (rank 0 of trainer.workers) when workers > 1 (gloo on CPU,
+    NCCL with one GPU per rank), else a `Trainer`."""
+    tc = config.trainer
+    trainer = (DataParallelTrainer if tc.workers > 1 else Trainer)(
+        model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
+        max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
+        max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
+        normalize_std=tc.normalize_std, device=tc.device,
+        failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
+        rewards=config.reward.build(), mask_truncated=tc.truncated_turns == "mask",
+        logprob_chunk_tokens=tc.logprob_chunk_tokens,
+        activation_checkpointing=tc.activation_checkpointing,
+        checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast)
+    trainer.sharding = tc.sharding
+    return trainer
 
 
 def balance_rows(row_tokens: list[int], workers: int) -> list[list[int]]:
@@ -148,7 +168,7 @@ class DataParallelTrainer(Trainer):
             StateDictOptions,
             set_optimizer_state_dict,
         )
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # lazy: as the line above
 
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         state = self.optimizer.state_dict()
@@ -285,7 +305,7 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
     config = Config.model_validate(config_dump)
     join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)
-    trainer = config.trainer.build(config.model.build()[0], config.reward.build())
+    trainer = build_trainer(config, load_policy(config.model.path)[0])
     if (ckpt := latest_checkpoint(run_dir)) is not None:
         trainer.step = load_checkpoint(ckpt, trainer.model, trainer.optimizer)[0]
     while (message := conn.recv()) is not None:
