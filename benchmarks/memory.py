@@ -51,8 +51,7 @@ def worker(size: int, method: str, chunk: int, threads: int, model_name: str) ->
     """One forward+backward of a `size`-token row by `method`; peak RSS delta and seconds."""
     import torch
 
-    from forgerl.controller import load_policy
-    from forgerl.models import build_tiny_model
+    from forgerl.models import build_tiny_model, load_policy
     from forgerl.trainer.attention import attn_implementation
     from forgerl.trainer.prefix_tree import build_tree_batch
     from forgerl.trainer.trainer import set_activation_checkpointing

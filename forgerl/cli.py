@@ -21,6 +21,10 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from forgerl.config import load_config
+from forgerl.controller import run, serve_gateway, share_malloc_arena
+from forgerl.plot import plot_run
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forgerl", description=__doc__.split("\n\n")[0])
@@ -96,8 +100,6 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 ok, 1 error, 2 bad input, 128 + N stopped
     by signal N: 130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
-    from forgerl.controller import share_malloc_arena  # light: torch is not imported yet
-
     share_malloc_arena()  # before any second thread allocates
     args, rest = _parser().parse_known_args(argv)
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -109,15 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             if rest:
                 return _fail(f"unexpected arguments: {' '.join(rest)}")
-            from forgerl.plot import plot_run
-
             print(plot_run(args.run_dir, args.out))
             return 0
-        from forgerl.config import load_config
-
         config = load_config(args.config, rest)
-        from forgerl.controller import run, serve_gateway
-
         # the run draws its own bars: none from transformers or the hub per checkpoint (read at
         # their import, which `run` starts only after its task generation is under way)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -24,16 +24,22 @@ RuntimeError naming it (data_parallel.DataParallelTrainer), never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
+import os
 import socket
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from forgerl.config import Config
 from forgerl.engines.base import TokenEvent
+from forgerl.engines.local import LocalEngine
+from forgerl.models import engine_dtype, load_policy
+from forgerl.trainer.data_parallel import build_trainer, join_trainer_group
 from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import DeltaMismatch, pack, packed_nbytes, unique_tensors, unpack, weight_group
 
@@ -44,18 +50,13 @@ class _Engine:
     weights' torch dtype name (default: LocalEngine's)."""
 
     def __init__(self, config_dump: dict, dtype: str | None = None) -> None:
-        from forgerl.controller import load_policy
-
         config = Config.model_validate(config_dump)
         ec = config.engine
         if ec.type == "vllm":
-            from forgerl.engines.vllm import VllmEngine
+            from forgerl.engines.vllm import VllmEngine  # lazy: optional extra (vllm)
 
             self.engine: Any = VllmEngine.from_config(config)
             return
-        from forgerl.engines.local import LocalEngine
-        from forgerl.models import engine_dtype  # lazy: transformers, for engine actors only
-
         self.engine = LocalEngine(load_policy(config.model.path)[0], config.model.max_model_len,
                                   ec.max_batch_size, prefix_cache_tokens=ec.prefix_cache_tokens,
                                   dtype=engine_dtype(dtype or ec.dtype))
@@ -79,8 +80,6 @@ class _Engine:
     async def join(self, address: tuple[str, int], rank: int, world: int, epoch: int,
                    backend: str, timeout_s: float) -> None:
         """Become `rank` of the weight-broadcast group hosted at `address` (_Broadcast)."""
-        import asyncio
-
         store = torch.distributed.TCPStore(*address, world, False, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=timeout_s))
         self.group = await asyncio.to_thread(weight_group, store, rank, world, epoch, backend,
@@ -88,20 +87,14 @@ class _Engine:
 
     async def receive(self, specs: list, version: int) -> dict[str, Any]:
         """Take one packed full sync from the group's broadcast, then `update_weights`."""
-        import asyncio
-
         buffer = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=self.engine.device)
         await asyncio.to_thread(lambda: self.group.broadcast(buffer, 0).wait())
         return await self.update_weights(unpack(buffer, specs), version)
 
     def info(self) -> tuple[str, int, str]:
         """(dtype name, pid, Ray node id)."""
-        import os
-
-        import ray
-
         dtype = str(self.engine.weight_dtype).removeprefix("torch.")
-        return dtype, os.getpid(), ray.get_runtime_context().get_node_id()
+        return dtype, os.getpid(), _ray().get_runtime_context().get_node_id()
 
 
 _PUTS: dict[int, list] = {}  # id(state dict) → [ObjectRef, engines still reading it]
@@ -132,8 +125,6 @@ class _Broadcast:
         """(engine's stats, the weights it now holds) once the broadcast reached every engine;
         raises what the actor raises, or RuntimeError (a member died, or not every engine was
         updated within timeout_s)."""
-        import asyncio
-
         entry = self.waiting.setdefault(id(state_dict), [])
         entry.append((engine, asyncio.get_running_loop().create_future()))
         if len(entry) == len(self.engines):
@@ -150,8 +141,6 @@ class _Broadcast:
                     entry: list) -> None:
         """Pack, broadcast (forming the group first when a member was lost; once more after a
         failed broadcast), then each engine's own result to its future."""
-        import asyncio
-
         results: list = []
         try:
             buffer, specs = pack(state_dict, self.engines[0].weight_dtype)
@@ -184,8 +173,6 @@ class _Broadcast:
 
     async def _form(self) -> None:
         """A new group of the driver and every engine actor (epoch + 1)."""
-        import asyncio
-
         host, world = _ray().util.get_node_ip_address(), len(self.engines) + 1
         if self.store is None:
             self.store = torch.distributed.TCPStore(
@@ -304,9 +291,6 @@ class _TrainerRank:
 
     def __init__(self, rank: int, init: str, config_dump: dict, timeout_s: float,
                  state: tuple[int, dict, dict]) -> None:
-        from forgerl.controller import build_trainer, load_policy
-        from forgerl.trainer.data_parallel import join_trainer_group
-
         config = Config.model_validate(config_dump)
         join_trainer_group(config, init, rank, timeout_s)
         torch.manual_seed(config.seed)
@@ -319,8 +303,6 @@ class _TrainerRank:
         self.trainer.serve(message)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -332,7 +314,7 @@ class RayCluster:
 
     def __init__(self, config: Config, timeout_s: float = 120.0) -> None:
         ray = _ray()
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group  # lazy: optional extra (ray)
 
         cc, self.config = config.cluster, config
         self.started = not ray.is_initialized()
@@ -349,6 +331,7 @@ class RayCluster:
                                f"cluster within {timeout_s:.0f} s: {ray.cluster_resources()}")
 
     def _options(self, index: int, resources: dict) -> dict:
+        # lazy: optional extra (ray)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -376,7 +359,7 @@ class RayCluster:
     def close(self) -> None:
         """Remove the placement group (its actors go with it); shut Ray down if we started it."""
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # lazy: optional extra
 
         remove_placement_group(self.group)
         if self.started:
@@ -388,8 +371,6 @@ class RayTrainerWorkers:
     process ids. The rendezvous is tcp://driver-address:free-port."""
 
     def __init__(self, cluster: RayCluster, trainer: Any, timeout_s: float) -> None:
-        from forgerl.trainer.data_parallel import join_trainer_group
-
         ray, config = _ray(), cluster.config
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -432,8 +413,6 @@ class RayTrainerWorkers:
 
     def close(self) -> None:
         """Kill the workers and leave the process group."""
-        import torch.distributed as dist
-
         for a in self.actors:
             _ray().kill(a)
         if dist.is_initialized():
@@ -442,7 +421,7 @@ class RayTrainerWorkers:
 
 def _ray() -> Any:
     try:
-        import ray
+        import ray  # lazy: optional extra (ray)
     except ImportError:
         raise RuntimeError("cluster.backend = \"ray\" needs Ray: pip install 'forgerl[ray]'") \
             from None

@@ -9,6 +9,7 @@ This module imports no torch, so `forgerl --help` and config errors are instant.
 from __future__ import annotations
 
 import tomllib
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -57,8 +58,7 @@ class LocalEngineConfig(_Section):
     float32."""
     packed_weights: bool = False
     """CPU float32 only: decode with oneDNN-packed copies of the linear weights
-    (engines/local.pack_linears): SmolLM2 decode 1.2-1.5x faster alone on a 2-core AVX2 EPYC,
-    for 0.54 GB more memory; no gain measured in the chain_sum job's seconds per step."""
+    (engines/local/kernels.pack_linears), which cost memory for the packed copies."""
     instances: int = Field(1, ge=1, le=64)
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
@@ -235,7 +235,7 @@ class AgentConfig(_Section):
     preload: list[str] | None = None
     """Modules a Python script agent (`command = ["python", "agent.py", ...]`) imports, loaded
     once in a fork server that forks each rollout's process instead of starting an interpreter
-    (forgerl/agents/forkserver.py; e.g. ["openai"]: 0.47 s of CPU per rollout). Unset: the
+    (forgerl/agents/forkserver.py; e.g. ["openai"]). Unset: the
     installed packages the script imports at its top level (`script_imports`). []: exec."""
 
 
@@ -284,9 +284,7 @@ class DomainConfig(_Section):
 class _LossSection(_Section):
     def build(self) -> Any:
         """The loss function `forgerl.trainer.losses.<type>_loss` with this section's values."""
-        from functools import partial
-
-        from forgerl.trainer import losses
+        from forgerl.trainer import losses  # lazy: implementation (torch)
 
         fn = getattr(losses, f"{self.type}_loss")  # `type` is a Literal of this class
         return partial(fn, **self.model_dump(exclude={"type"}))
@@ -353,11 +351,10 @@ class TrainerConfig(_Section):
     autocast: Literal["off", "bfloat16", "auto"] = "off"
     """Mixed precision: the trainer's forwards run under torch.autocast in bfloat16 (weights,
     gradients and AdamW stay float32; logprobs and the loss in float32). "auto" = bfloat16 where
-    its matmuls are fast (as `[engine] dtype`), else off. SmolLM2 on an AMX CPU: 1.75x faster
-    forward+backward, logprobs within 0.04 nats (mean) of float32's."""
+    its matmuls are fast (as `[engine] dtype`), else off."""
     activation_checkpointing: Literal["off", "full", "selective"] = "off"
     """Recompute decoder layers in the backward instead of keeping their activations: "full"
-    (every layer; README "Trainer memory" measures its saving and its cost in step time),
+    (every layer; benchmarks/results/ measure its saving and its cost in step time),
     "selective" (every `checkpoint_every_layers`-th layer), or "off"."""
     checkpoint_every_layers: int = Field(2, ge=2, le=1000)
     """Under activation_checkpointing = "selective": checkpoint layers 0, k, 2k, ..."""
@@ -370,7 +367,7 @@ class TrainerConfig(_Section):
     failed_reward: float = Field(0.0, allow_inf_nan=False)
     """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
     truncated_turns: Literal["train", "mask"] = "train"
-    """A turn that ended at max_tokens (finish "length", CASES.md C09): "train" it like any
+    """A turn that ended at max_tokens (finish "length"): "train" it like any
     other turn, or "mask" it (context only, counted as truncated_turns_masked). To penalise it
     instead, set `[reward] process = { truncated = -0.5 }`."""
     checkpoint_every: int = Field(5, ge=1)
@@ -401,13 +398,13 @@ class RewardConfig(_Section):
     `{ invalid_tool_call = -0.1 }` (the gateway's built-in kinds: invalid_tool_call,
     undeclared_tool; agents add their own with POST /v1/sessions/{id}/events)."""
 
-    def weights(self) -> RewardWeights:
+    def build(self) -> RewardWeights:
         """These settings as the trainer's `RewardWeights`."""
         return RewardWeights(self.outcome, self.completion_time, dict(self.process))
 
 
 class WarmstartConfig(_Section):
-    """[warmstart]: supervised fine-tuning on demonstrations before RL (`trainer.warmstart`);
+    """[warmstart]: supervised fine-tuning on demonstrations before RL (`controller.warmstart`);
     its steps are the run's first optimizer steps, followed by a held-out evaluation."""
 
     demos: str | None = None
@@ -455,7 +452,7 @@ class Config(_Section):
     """Optimizer steps of the whole run; re-running with a larger value continues it."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Seeds torch and every rollout's sampling (per request, from seed, task and rollout index
-    and turn): see README "Reproducibility" for what batching leaves nondeterministic. Task
+    and turn): see docs/reproducibility.md for what batching leaves nondeterministic. Task
     order is fixed by tasks.seed."""
     model: ModelConfig = ModelConfig()
     engine: Annotated[LocalEngineConfig | RemoteEngineConfig | VllmEngineConfig,

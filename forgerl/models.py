@@ -27,6 +27,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from forgerl.config import ConfigError
+
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -211,3 +213,19 @@ def engine_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     fast = device.type == "cpu" and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
     return torch.bfloat16 if fast else torch.float32
+
+
+# What SmolLM2's own chat template inserts when a conversation has no system message.
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def load_policy(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
+    """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig): "tiny",
+    "smollm2" or a local HF folder. Raises ConfigError naming model.path for anything else."""
+    if path == "tiny":
+        return build_tiny_model(), build_byte_tokenizer(), None
+    if path != "smollm2" and not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny' or a local HF model "
+                          "folder (one with a config.json)")
+    model, tokenizer = load_pretrained(path)
+    return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None

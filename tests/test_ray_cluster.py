@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgerl.controller import build_trainer, start_services
+from forgerl.controller import start_services
+from forgerl.trainer.data_parallel import build_trainer
 from forgerl.types import SamplingParams
 from tests.test_controller import make_agent, sync, tiny_config
 

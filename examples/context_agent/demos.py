@@ -1,4 +1,4 @@
-"""Forget-mode demonstrations for the [warmstart] phase (`forgerl.trainer.warmstart`).
+"""Forget-mode demonstrations for the [warmstart] phase (`forgerl.controller.warmstart`).
 
 SmolLM2-135M never calls `forget_tool_outputs` from the prompt alone (README: 0 of 85 sampled
 round-2 decisions), so RL has no success to reinforce. This script runs the real agent

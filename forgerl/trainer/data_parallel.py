@@ -32,17 +32,17 @@ import multiprocessing as mp
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from forgerl.config import Config
+from forgerl.models import load_policy
+from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from forgerl.trainer.losses import LossFn
-from forgerl.trainer.trainer import PreparedBatch, Trainer
+from forgerl.trainer.trainer import PreparedBatch, Trainer, resolve_device
 from forgerl.types import Group
-
-if TYPE_CHECKING:
-    from forgerl.config import Config
 
 
 def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -> None:
@@ -50,14 +50,31 @@ def join_trainer_group(config: Config, init: str, rank: int, timeout_s: float) -
     `init` (a file:// or tcp:// rendezvous) as `rank`: NCCL with GPU `rank` mod the visible
     GPUs when `trainer.device` resolves to CUDA, else gloo. Collectives and the rendezvous wait
     at most `timeout_s` seconds."""
-    from forgerl.trainer.trainer import resolve_device
-
     cuda = resolve_device(config.trainer.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
                             world_size=config.trainer.workers,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build_trainer(config: Config, model: Any) -> Trainer:
+    """The [trainer] section's trainer for `model` (put in train mode) with the run's [reward]
+    weights: a `DataParallelTrainer` (rank 0 of trainer.workers) when workers > 1 (gloo on CPU,
+    NCCL with one GPU per rank), else a `Trainer`."""
+    tc = config.trainer
+    trainer = (DataParallelTrainer if tc.workers > 1 else Trainer)(
+        model.train(), lr=tc.lr, weight_decay=tc.weight_decay,
+        max_grad_norm=tc.max_grad_norm, loss_fn=tc.loss.build(),
+        max_row_tokens=tc.max_row_tokens, merge_prefixes=tc.merge_prefixes,
+        normalize_std=tc.normalize_std, device=tc.device,
+        failed_reward=None if tc.failed_rollouts == "drop" else tc.failed_reward,
+        rewards=config.reward.build(), mask_truncated=tc.truncated_turns == "mask",
+        logprob_chunk_tokens=tc.logprob_chunk_tokens,
+        activation_checkpointing=tc.activation_checkpointing,
+        checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast)
+    trainer.sharding = tc.sharding
+    return trainer
 
 
 def balance_rows(row_tokens: list[int], workers: int) -> list[list[int]]:
@@ -111,6 +128,7 @@ class DataParallelTrainer(Trainer):
 
     def _local(self, message: list[Group] | str) -> Any:
         """This rank's part of `message`: the step, or its share of gathering the state."""
+        # lazy: seconds to import; single-worker runs import this module too
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -145,11 +163,12 @@ class DataParallelTrainer(Trainer):
 
     def _shard(self) -> None:
         """FSDP2 over the default process group, keeping the AdamW state loaded so far."""
+        # lazy: seconds to import; single-worker runs import this module too
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # lazy: as the line above
 
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         state = self.optimizer.state_dict()
@@ -283,10 +302,6 @@ def _worker_main(rank: int, init: str, config_dump: dict, run_dir: str, timeout_
                  conn: Connection) -> None:
     """Body of worker `rank`: replica from the config (and checkpoint), then one train_step per
     groups message until None; an error is sent to rank 0 and ends the worker."""
-    from forgerl.config import Config
-    from forgerl.controller import build_trainer, load_policy
-    from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-
     config = Config.model_validate(config_dump)
     join_trainer_group(config, init, rank, timeout_s)
     torch.manual_seed(config.seed)

@@ -124,7 +124,7 @@ def nll_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Supervised fine-tuning: token-mean negative log-likelihood, -1/N · Σ_t log π_θ(o_t).
 
-    Used by the warm start on demonstrations (`trainer.warmstart`); behavior logprobs and
+    Used by the warm start on demonstrations (`controller.warmstart`); behavior logprobs and
     advantages are ignored (same signature as the RL losses, so the trainer's row loop serves
     both). Ratio statistics are reported as 1 (no importance weight).
     """

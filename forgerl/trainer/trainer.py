@@ -185,7 +185,7 @@ class Trainer:
 
     def supervised_step(self, samples: list[TrainingSample]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on `samples` (the warm start,
-        `trainer.warmstart`): the token-mean NLL of their loss tokens (`losses.nll_loss`) over
+        `controller.warmstart`): the token-mean NLL of their loss tokens (`losses.nll_loss`) over
         their prefix tree. Metrics as `train_step`'s that do not depend on rewards (loss,
         num_loss_tokens, tokens_before_merge / _after_merge, grad_norm, step_seconds, ...)."""
         return {k: v for k, v in self._optimize(lambda: self.pack(samples, {}), nll_loss).items()

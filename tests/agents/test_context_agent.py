@@ -161,8 +161,8 @@ def test_forget_demonstrations_are_the_samples_of_the_same_session_through_the_g
     hold exactly the token ids and loss mask of the same session recorded by the gateway
     (the scripted engine replaying the teacher's replies): two branches, the forget call
     trained at the end of the first, round 1's replies context in the second."""
+    from forgerl.controller.warmstart import demo_sample
     from forgerl.trainer.samples import trajectory_to_samples
-    from forgerl.trainer.warmstart import demo_sample
 
     monkeypatch.setitem(sys.modules, "agent", agent)  # demos.py's own `from agent import`
     path = EXAMPLE.with_name("demos.py")

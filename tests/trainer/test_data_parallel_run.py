@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from forgerl.controller import build_trainer, start_services
-from forgerl.trainer.data_parallel import DataParallelTrainer
+from forgerl.controller import start_services
+from forgerl.trainer.data_parallel import DataParallelTrainer, build_trainer
 from tests.test_controller import make_agent, sync, tiny_config
 
 

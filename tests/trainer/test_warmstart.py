@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from forgerl.config import ConfigError, load_config
+from forgerl.controller.warmstart import demo_sample, load_demos, step_records
 from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.models import build_tiny_model
 from forgerl.trainer.losses import nll_loss
 from forgerl.trainer.trainer import Trainer
-from forgerl.trainer.warmstart import demo_sample, load_demos, step_records
 
 CALC = {"type": "function", "function": {
     "name": "calc", "description": "add", "parameters": {"type": "object", "properties": {}}}}

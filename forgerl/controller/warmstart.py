@@ -1,5 +1,8 @@
 """Supervised warm start on demonstrations: an optional phase before RL (`[warmstart]`).
 
+`warm_start(services)` runs it from `run` (forgerl/controller/loop.py) until trainer.step =
+warmstart.steps; `load_demos` reads the demonstrations when the services start.
+
 Data flow: a JSONL file, one demonstration per line in the OpenAI fine-tuning chat format,
 `{"messages": [...], "tools": [...]}` (messages and tool declarations as a Chat Completions
 request carries them) â†’ each record rendered by the gateway's renderer (the model's own chat
@@ -19,15 +22,22 @@ samples the wanted action on its own, so RL has no success to reinforce (Forge Â
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from forgerl.config import ConfigError
+from forgerl.controller.memory import release_heap
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.trainer.samples import TrainingSample
+
+if TYPE_CHECKING:
+    from forgerl.controller.services import Services
 
 
 def demo_sample(record: dict, renderer: Renderer) -> TrainingSample:
@@ -106,3 +116,37 @@ def step_records(num_records: int, step: int, batch_size: int, seed: int) -> lis
 
     return [order(i // num_records)[i % num_records]
             for i in range(step * batch_size, (step + 1) * batch_size)]
+
+
+async def warm_start(s: Services) -> None:
+    """The [warmstart] phase: supervised steps on the demonstrations (after
+    `check_warmstart_first` on the run's records) until trainer.step = warmstart.steps
+    (resumes mid-phase), each synced to the engine and logged with phase "warmstart"; then a
+    held-out evaluation, trainer.lr and cleared AdamW moments for RL, and a checkpoint."""
+    ws, trainer, demos = s.config.warmstart, s.trainer, s.demos
+    check_warmstart_first(s.logger.records, ws.steps)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = ws.lr or s.config.trainer.lr
+    while trainer.step < ws.steps:
+        picked = step_records(len(demos), trainer.step, ws.batch_size, s.config.seed)
+        metrics = await asyncio.to_thread(trainer.supervised_step, [demos[i] for i in picked])
+        await s.sync_weights()
+        await asyncio.to_thread(release_heap)
+        last = trainer.step == ws.steps
+        if last:  # RL starts with its own lr and fresh AdamW moments
+            metrics |= await s.evaluate()
+            trainer.optimizer.state.clear()
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = s.config.trainer.lr
+        s.log(trainer.step, {"phase": "warmstart", "demos": len(demos), **metrics})
+        if last or trainer.step % s.config.trainer.checkpoint_every == 0:
+            await s.checkpoint()
+
+
+def check_warmstart_first(records: list[dict[str, Any]], steps: int) -> None:
+    """Raise ConfigError when warmstart.steps = `steps` asks for supervised steps after RL steps
+    were logged (`records`, a resumed run whose warmstart.steps was raised): warm start comes
+    before RL."""
+    if rl := [r["step"] for r in records if r["step"] > 0 and r.get("phase") != "warmstart"]:
+        raise ConfigError(f"warmstart.steps: {steps} would run supervised steps after RL step "
+                          f"{max(rl)}; warm start comes first (at most {min(rl) - 1} here)")

@@ -1,0 +1,241 @@
+"""Building and starting the services of a run (`start_services`) and stopping them again.
+
+    task generation (fork server child) ─┐
+    agent fork servers ──────────────────┤
+    policy + renderer + demos ─► RUN_DIR lock ─► trainer ─► pool ─► resume ─► scheduler
+                                         ─► engines (local | remote | vllm | Ray actors)
+                                         ─► gateway (HTTP) ─► RUN_DIR/config.json ─► Services
+
+Everything that can refuse the config (tasks, model, renderer, demonstrations, the lock, the
+agent command) runs before anything of the run is written. torch and the engines are imported
+in `_build`, not at module level: `cli.main` sets up glibc's malloc arenas first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+from forgerl.agents.reaper import Reaper
+from forgerl.config import Config, ConfigError
+from forgerl.controller.rollouts import (
+    Agent,
+    agent_command,
+    check_agent_command,
+    preload_of,
+    start_forkserver,
+)
+from forgerl.controller.rundir import open_run_dir, resume, save_config
+from forgerl.controller.services import Services
+from forgerl.controller.tasks import make_task_sets
+from forgerl.datapool.sqlite import SQLitePool
+from forgerl.metrics import MetricsLogger
+from forgerl.rewards.scoring import submit
+from forgerl.scheduler.policies import Scheduler
+from forgerl.trainer.checkpoint import checkpoint_step
+
+
+@contextlib.asynccontextmanager
+async def start_services(config: Config, agent: Agent | None = None,
+                         training: bool = True) -> AsyncIterator[Services]:
+    """Build and start every service; resume from RUN_DIR/checkpoint when one exists.
+
+    `training`: this process's controller owns the task indices >= 0 (`forgerl train`), so the
+    gateway opens no HTTP session on them; False for `forgerl gateway`. The task generation
+    and the command agents' fork servers start first, so their imports run beside this
+    process's. Raises ConfigError (one line naming the field) for a config that cannot run.
+    """
+    task_sets = asyncio.wrap_future(submit(make_task_sets, config))
+    reaper, locks = Reaper(), []  # locks: RUN_DIR/.lock, once the config is known to be good
+    forkservers = _start_forkservers(config, agent, training, reaper)
+    await asyncio.sleep(0)  # each start runs up to its process's spawn
+    try:
+        services, cluster = await _build(config, agent, training, locks, task_sets, reaper,
+                                         forkservers)
+        async with _running(services, cluster):
+            yield services
+    finally:
+        for started in forkservers.values():
+            if (server := await started) is not None:  # None: it could not start
+                await server.close()
+        reaper.close()
+        for fd in locks:
+            os.close(fd)
+
+
+def _start_forkservers(config: Config, agent: Agent | None, training: bool,
+                       reaper: Reaper) -> dict[tuple[str, ...], asyncio.Future]:
+    """The fork servers of the run's Python script agents ([agent] and [[domains]] agents of a
+    training run without an agent callable), by preload; started, not yet awaited."""
+    forkservers: dict[tuple[str, ...], asyncio.Future] = {}
+    if not training:
+        return forkservers
+    agents = [] if agent is not None or config.agent is None else [config.agent]
+    for agent_cfg in agents + [d.agent for d in config.domains if d.agent is not None]:
+        preload = preload_of(agent_command(agent_cfg), agent_cfg)
+        if preload and preload not in forkservers:
+            forkservers[preload] = start_forkserver(preload, reaper.env())
+    return forkservers
+
+
+async def _build(config: Config, agent: Agent | None, training: bool, locks: list[int],
+                 task_sets: Awaitable, reaper: Reaper,
+                 forkservers: dict) -> tuple[Services, Any]:
+    """(Services, RayCluster or None): every service built and the gateway listening; appends
+    the RUN_DIR lock's descriptor to `locks` (the caller closes it, also when this raises)."""
+    # lazy (each): torch and transformers load after cli.main's share_malloc_arena
+    import torch  # lazy: heavy, see above
+
+    from forgerl.controller.warmstart import load_demos  # lazy: the gateway imports torch
+    from forgerl.cpu_share import single_threaded_caller  # lazy: torch
+    from forgerl.gateway.app import Gateway  # lazy: torch, transformers
+    from forgerl.gateway.renderers.templates import build_renderer  # lazy: transformers
+    from forgerl.models import load_policy  # lazy: torch, transformers
+    from forgerl.trainer.data_parallel import build_trainer  # lazy: torch
+
+    tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
+    # before any parallel op here: only the engine's and the trainer's threads run OpenMP teams
+    cores = single_threaded_caller() if _shares_cpu(config) else None
+    torch.manual_seed(config.seed)
+    model, tokenizer, system = load_policy(config.model.path)
+    gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
+    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
+    # demonstrations are read (and refused) before anything is written; not once the run's
+    # checkpoint is past the warm start
+    ws = config.warmstart
+    demos = (load_demos(ws.demos or "", renderer, config.trainer.max_row_tokens)
+             if training and ws.steps > checkpoint_step(config.run_dir) else [])
+    run_dir, lock = open_run_dir(config)
+    locks.append(lock)
+    if training and agent is None:  # after the lock, before anything of the run is written
+        for section in (config.agent, *(d.agent for d in config.domains)):
+            check_agent_command(section)
+    trainer = build_trainer(config, model)
+    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
+    scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
+    scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
+    engine, cluster = await _start_engines(config, trainer, run_dir, cores)
+    gateway = Gateway(renderer, engine, pool,
+                      config.gateway.model_name, temperature=config.rollout.temperature,
+                      max_tokens=config.rollout.max_tokens,
+                      controller_tasks=training, admin_key=config.gateway.admin_key,
+                      session_idle_timeout_s=config.gateway.session_idle_timeout_s)
+    try:
+        server = await gateway.serve(config.gateway.host, config.gateway.port)
+    except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)
+        raise ConfigError(f"gateway.host / gateway.port: cannot listen on {config.gateway.host}:"
+                          f"{config.gateway.port} ({e.strerror or e})") from e
+    save_config(run_dir, config)
+    if agent is None and config.agent is not None:
+        agent = agent_command(config.agent)
+    services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
+                        eval_tasks, agent, MetricsLogger(run_dir, trainer.step), reaper,
+                        demos=demos, forkservers=forkservers)
+    services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
+                              if d.agent is not None}
+    return services, cluster
+
+
+@contextlib.asynccontextmanager
+async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
+    """Start the data-parallel trainer's ranks 1.. (from rank 0's state); on the way out cancel
+    the running rollouts, then stop the gateway, engines, logger, pool, workers and cluster."""
+    from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers  # lazy: torch
+
+    s, workers = services, None
+    try:
+        if isinstance(s.trainer, DataParallelTrainer):  # ranks 1.. start from rank 0's state
+            start = (functools.partial(TrainerWorkers, s.config, s.run_dir) if cluster is None
+                     else functools.partial(cluster.trainer_workers, s.trainer))
+            s.trainer.workers = workers = await asyncio.to_thread(start)
+        yield
+    finally:
+        s.closing = True
+        for task in list(s.rollouts.values()):
+            task.cancel()
+        await asyncio.gather(*s.rollouts.values(), return_exceptions=True)
+        await s.server.stop()
+        await s.engine.close()
+        s.logger.close()
+        s.pool.close()
+        if workers is not None:
+            workers.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _shares_cpu(config: Config) -> bool:
+    """Whether a CPU trainer shares this process's cores with one local engine (`CpuShare`).
+    Raises ValueError for a trainer.device the trainer would refuse (`resolve_device`)."""
+    from forgerl.trainer.trainer import resolve_device  # lazy: torch
+
+    ec = config.engine
+    return (resolve_device(config.trainer.device).type == "cpu" and ec.type == "local"
+            and config.cluster.backend != "ray" and ec.instances == 1)
+
+
+async def _start_engines(config: Config, trainer: Any, run_dir: Path,
+                         cores: int | None = None) -> tuple[Any, Any]:
+    """(rollout engine, RayCluster or None) for `config`: local engines in this process, Ray
+    engine actors, a remote vLLM server, or vLLM in this process; a Router before several
+    instances. Every engine serves the trainer's weights as weight_version = trainer.step.
+    cores: the CPU's threads where the trainer and one local engine share it (`_shares_cpu`):
+    both get one CpuShare.
+    Raises RuntimeError when no server answers at engine.base_url, ConfigError for type "vllm"
+    without vLLM installed."""
+    # lazy (each): torch and the engines load after cli.main's share_malloc_arena
+    from forgerl.cpu_share import CpuShare  # lazy: torch
+    from forgerl.engines.local import LocalEngine  # lazy: torch
+    from forgerl.models import engine_dtype  # lazy: torch
+
+    ec, cluster = config.engine, None
+    if config.cluster.backend == "ray":
+        from forgerl.cluster import RayCluster  # lazy: optional extra (ray)
+
+        cluster = await asyncio.to_thread(RayCluster, config)
+        engines = await asyncio.to_thread(cluster.engines)
+    elif ec.type == "remote":
+        from forgerl.engines.remote import RemoteEngine  # lazy: only this engine type's import
+
+        urls = [ec.base_url] if isinstance(ec.base_url, str) else ec.base_url
+        folder = Path(ec.weights_dir or run_dir / "engine_weights")
+        engines = [RemoteEngine(url, config.model.max_model_len,  # a folder per server
+                                weights_dir=folder / str(i) if len(urls) > 1 else folder,
+                                timeout_s=ec.timeout_s, retries=ec.retries)
+                   for i, url in enumerate(urls)]
+        for url, healthy in zip(urls, await asyncio.gather(*(e.health() for e in engines)),
+                                strict=True):
+            if not healthy:
+                raise RuntimeError(f"engine.base_url: no vLLM server answers at {url}/health")
+    elif ec.type == "vllm":
+        try:
+            from forgerl.engines.vllm import VllmEngine  # lazy: optional extra (vllm)
+        except ImportError as exc:
+            raise ConfigError(f"engine.type = \"vllm\" needs vLLM in this Python ({exc}): run "
+                              "`bash scripts/setup_vllm.sh`, then `.venv-vllm/bin/python -m "
+                              "forgerl ...`") from exc
+        engines = [await asyncio.to_thread(VllmEngine.from_config, config)]
+    else:  # each engine keeps its own copy of the weights
+        dtype = engine_dtype(ec.dtype, trainer.device)
+        if cores is not None:  # one CPU, two busy threads
+            trainer.cpu_share = CpuShare(cores)
+        engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
+                               max_batch_size=ec.max_batch_size, device=str(trainer.device),
+                               prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
+                               packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share)
+                   for _ in range(ec.instances)]
+    if len(engines) == 1:
+        engine = engines[0]
+    else:
+        from forgerl.gateway.router import Router  # lazy: torch, as the engines
+        engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
+    if cluster is not None or ec.type != "local":
+        # actors, servers and vLLM start from the config's weights: send the trainer's
+        await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
+    engine.weight_version = trainer.step
+    return engine, cluster
