@@ -97,7 +97,8 @@ def enforce(table: Mapping[str, Rule], req: Any) -> None:
 # ---- OpenAI Chat Completions ----------------------------------------------------------------
 
 
-def _response_format(name: str, v: Any, req: Any) -> GatewayError | None:
+def _text_only(name: str, v: Any, req: Any) -> GatewayError | None:
+    """A response format (chat `response_format`, Responses `text.format`) other than "text"."""
     if v is None or v.type == "text":
         return None
     return unsupported(name, f"{v.type!r} needs constrained decoding, which the rollout engine "
@@ -149,7 +150,7 @@ CHAT: dict[str, Rule] = {
     "logit_bias": neutral(BIAS, bool),
     "modalities": neutral('only ["text"] is supported', lambda v: v not in (None, ["text"])),
     "response_format": honoured('"text"; json_object / json_schema refused (no constrained '
-                                "decoding)", _response_format),
+                                "decoding)", _text_only),
     "top_logprobs": honoured("0 only (the core refuses more); needs logprobs",
                              _chat_top_logprobs),
 }
@@ -208,13 +209,6 @@ def _reasoning(name: str, v: Any, req: Any) -> GatewayError | None:
     return None
 
 
-def _text_format(name: str, v: Any, req: Any) -> GatewayError | None:
-    if v is None or v.type == "text":
-        return None
-    return unsupported(name, f"{v.type!r} needs constrained decoding, which the rollout engine "
-                       'lacks; only "text" is supported')
-
-
 RESPONSES: dict[str, Rule] = {
     "model": honoured("the served model's name (404 otherwise, unless the gateway is lax)"),
     "input": honoured("a string or items: message (text parts), function_call, "
@@ -252,7 +246,7 @@ RESPONSES: dict[str, Rule] = {
     "image": refused("the policy reads text only"),
     "background_options": refused("background responses are not supported"),
     "reasoning": honoured("no setting (all null) only", _reasoning),
-    "text.format": honoured('"text" only; json_* need constrained decoding', _text_format),
+    "text.format": honoured('"text" only; json_* need constrained decoding', _text_only),
     "text.verbosity": refused("the served policy has no verbosity control"),
     "truncation": neutral('"auto" would drop context items; only "disabled"',
                           lambda v: v == "auto"),
