@@ -30,8 +30,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    # strict: TOML `true` is not the number 1, and 2.5 is not an int (ints still fill floats)
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # strict: TOML `true` is not the number 1, and 2.5 is not an int (ints still fill floats);
+    # each field's attribute docstring becomes its description (docs/reference/config.md)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):

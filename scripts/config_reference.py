@@ -1,8 +1,8 @@
 """Write docs/reference/config.md, the configuration reference, from forgerl.config's models.
 
 Every field of the pydantic tree under `forgerl.config.Config`: its dotted name, type, default
-and the attribute docstring written under it in the source (read with `ast`, so the models'
-own behaviour is untouched). A discriminated union (`engine`, `scheduler.policy`,
+and the attribute docstring written under it in the source (pydantic's
+`use_attribute_docstrings` makes it the field's description). A discriminated union (`engine`, `scheduler.policy`,
 `trainer.loss`) gets one table per variant. `tests/test_docs.py` checks that the committed
 file equals this script's output, so the reference cannot drift from the code.
 
@@ -12,9 +12,7 @@ file equals this script's output, so the reference cannot drift from the code.
 
 from __future__ import annotations
 
-import ast
 import inspect
-import itertools
 import re
 import sys
 import types
@@ -36,34 +34,9 @@ override fields on the command line: [Configuration](../configuration.md).
 """
 
 
-def _attribute_docstrings(cls: type) -> dict[str, str]:
-    """{field: docstring} of the string literals directly under annotated assignments."""
-    source = inspect.getsource(cls)
-    tree = ast.parse(_dedent(source))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in itertools.pairwise(body):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def _dedent(source: str) -> str:
-    lines = source.splitlines()
-    indent = len(lines[0]) - len(lines[0].lstrip())
-    return "\n".join(line[indent:] for line in lines)
-
-
 def field_doc(model: type[BaseModel], name: str) -> str:
-    """The attribute docstring of `name`, looked up through `model`'s bases."""
-    for cls in model.__mro__:
-        if isinstance(cls, type) and issubclass(cls, BaseModel) and cls is not BaseModel:
-            doc = _attribute_docstrings(cls).get(name)
-            if doc:
-                return doc
-    return ""
+    """The attribute docstring of `name` (pydantic's `use_attribute_docstrings`)."""
+    return model.model_fields[name].description or ""
 
 
 def _strip_annotated(tp: Any) -> Any:
