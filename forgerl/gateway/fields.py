@@ -42,10 +42,12 @@ class Rule:
 
 
 def honoured(note: str, check: Check | None = None) -> Rule:
+    """A field that changes what is sampled, recorded or answered; `check` refuses bad values."""
     return Rule("honoured", note, check)
 
 
 def ignored(note: str = "accepted without effect") -> Rule:
+    """A field accepted and dropped: it changes nothing the gateway samples or records."""
     return Rule("ignored", note)
 
 
