@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 TrajectoryStatus = Literal["running", "finished", "failed", "aborted"]
@@ -71,6 +71,14 @@ class Completion:
     sampling: the params used. started_at / ended_at: wall-clock seconds (time.time()).
     token_exact: False when ids were not available token-exact; such turns never enter the loss.
     extends_previous: True when prompt_ids extend the previous turn's prompt + completion.
+    trace: which trace of its trajectory the call belongs to (0-based, in order of first call):
+        a call that extends an earlier call of its session joins that call's trace; one that
+        extends none (the first call, a title or compaction call, a sub-agent, a fork) starts
+        the next trace. Each trace is its own prefix tree in the trainer.
+    train: False keeps the call out of the loss (context only): a side call (an untrained
+        model name, a trace rule) or sampling the trainer cannot reproduce.
+    request: JSON-able notes on the request as the gateway applied it (protocol, fields kept
+        without effect, controls applied approximately, tools left out); never affects tokens.
     """
 
     prompt_ids: list[int]
@@ -84,6 +92,9 @@ class Completion:
     ended_at: float = 0.0
     token_exact: bool = True
     extends_previous: bool = False
+    trace: int = 0
+    train: bool = True
+    request: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.logprobs):

@@ -85,6 +85,9 @@ CREATE TABLE IF NOT EXISTS completions (
     ended_at REAL NOT NULL,
     token_exact INTEGER NOT NULL,
     extends_previous INTEGER NOT NULL,
+    trace INTEGER NOT NULL DEFAULT 0,
+    train INTEGER NOT NULL DEFAULT 1,
+    request TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (trajectory_id, turn)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -96,6 +99,14 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_trajectory ON events (trajectory_id, turn);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+_ADDED_COLUMNS = {
+    "trace": "INTEGER NOT NULL DEFAULT 0",
+    "train": "INTEGER NOT NULL DEFAULT 1",
+    "request": "TEXT NOT NULL DEFAULT '{}'",
+}
+"""Columns of `completions` newer than the first schema: a pool file written before them gets
+them added (with their defaults) when it is opened, so an older run resumes."""
 
 
 def _pack(values: list[int] | list[float], typecode: str) -> bytes:
@@ -148,6 +159,10 @@ class SQLitePool:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            have = {r[1] for r in db.execute("PRAGMA table_info(completions)")}
+            for name, decl in _ADDED_COLUMNS.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE completions ADD COLUMN {name} {decl}")
 
     # ---- plumbing -----------------------------------------------------------------------------
 
@@ -262,11 +277,15 @@ class SQLitePool:
         turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
                           (trajectory_id,)).fetchone()[0]
         db.execute(
-            "INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids, logprobs,"
+            " weight_versions, weight_version, finish_reason, sampling, started_at, ended_at,"
+            " token_exact, extends_previous, trace, train, request)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
              _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
              c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
-             int(c.token_exact), int(c.extends_previous)),
+             int(c.token_exact), int(c.extends_previous), c.trace, int(c.train),
+             json.dumps(c.request)),
         )
         return turn
 
@@ -510,15 +529,16 @@ class SQLitePool:
         tid, task_index, rollout_index, status, reward, turn_rewards, error, start, end = row
         rows = self._read(
             "SELECT prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
-            " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous"
-            " FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
+            " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous,"
+            " trace, train, request FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
         completions = [
             Completion(
                 prompt_ids=_unpack(r[0], "i"), completion_ids=_unpack(r[1], "i"),
                 logprobs=_unpack(r[2], "d"), weight_versions=_unpack(r[3], "q"),
                 weight_version=r[4], finish_reason=r[5], sampling=_sampling_from_json(r[6]),
                 started_at=r[7], ended_at=r[8], token_exact=bool(r[9]),
-                extends_previous=bool(r[10]),
+                extends_previous=bool(r[10]), trace=r[11], train=bool(r[12]),
+                request=json.loads(r[13]),
             )
             for r in rows
         ]

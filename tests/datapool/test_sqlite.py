@@ -41,6 +41,9 @@ def make_completion(i: int) -> Completion:
         ended_at=1_700_000_001.987654321 + i,
         token_exact=i % 3 != 0,
         extends_previous=i % 2 == 1,
+        trace=i // 2,
+        train=i != 2,
+        request={"protocol": "messages", "ignored": ["metadata"], "i": i},
     )
 
 
@@ -215,4 +218,38 @@ def test_sigkill_mid_write_loses_no_committed_completion(db_path):
     # Committed before the print, so at most one commit can be unreported.
     assert reported <= len(completions) <= reported + 1
     assert completions == [make_completion(i) for i in range(len(completions))]
+    pool.close()
+
+
+def test_pool_written_before_traces_gets_the_new_columns(db_path):
+    """A pool file from before `trace`, `train` and `request` existed opens, and its rows read
+    with their defaults (trace 0, trained, no request notes); new rows keep their values."""
+    db = sqlite3.connect(db_path)
+    db.executescript(
+        "CREATE TABLE completions (trajectory_id TEXT NOT NULL, turn INTEGER NOT NULL,"
+        " prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL, logprobs BLOB NOT NULL,"
+        " weight_versions BLOB NOT NULL, weight_version INTEGER NOT NULL,"
+        " finish_reason TEXT NOT NULL, sampling TEXT NOT NULL, started_at REAL NOT NULL,"
+        " ended_at REAL NOT NULL, token_exact INTEGER NOT NULL,"
+        " extends_previous INTEGER NOT NULL, PRIMARY KEY (trajectory_id, turn));"
+    )
+    db.close()
+    pool = SQLitePool(db_path)
+    pool.add_task(0, {})
+    tid = pool.create_trajectory(0, rollout_index=0, trajectory_id="old")
+    pool.add_completion(tid, make_completion(1))
+    pool.close()
+    db = sqlite3.connect(db_path)
+    db.execute("INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids,"
+               " logprobs, weight_versions, weight_version, finish_reason, sampling,"
+               " started_at, ended_at, token_exact, extends_previous) SELECT trajectory_id, 1,"
+               " prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
+               " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous"
+               " FROM completions WHERE turn=0")
+    db.commit()
+    db.close()
+    pool = SQLitePool(db_path)
+    first, old_row = pool.get_trajectory(tid).completions
+    assert first == make_completion(1)
+    assert (old_row.trace, old_row.train, old_row.request) == (0, True, {})
     pool.close()
