@@ -30,3 +30,12 @@ bash scripts/setup_vllm.sh
 # Byte-compile ForgeRL's own modules once: with PYTHONDONTWRITEBYTECODE set (as on these
 # machines) every run, agent fork server and reaper would compile them again (~0.2 s a start).
 .venv/bin/python -m compileall -q forgerl >/dev/null
+# The coding-agent CLIs the harness tests and examples/coding_cli drive unmodified (Claude Code,
+# Codex CLI, OpenCode, Pi), at the versions pinned in harnesses/package-lock.json; skipped while
+# the lock file is unchanged since the last install. Node comes with the machine image (Debian's
+# nodejs otherwise).
+command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; }
+if ! cmp -s harnesses/package-lock.json harnesses/node_modules/.forgerl-lock 2>/dev/null; then
+  npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
+  cp harnesses/package-lock.json harnesses/node_modules/.forgerl-lock
+fi
