@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 720,
     "controller": 1_200,
-    "datapool": 540,
+    "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_550,
     "gateway": 4_400,
     "rewards": 300,
