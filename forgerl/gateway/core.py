@@ -75,11 +75,11 @@ class Gateway:
     the cap on every call's completion tokens.
     strict_model: refuse (404) model names other than `model_name` and `untrained_models`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, traces (traces started,
-    sessions.py), tool_parse_errors,
-    engine_errors, client_disconnects (calls cancelled because their client went away),
-    tokens_after_stop (sampled ids decoded past a stop string and dropped from the record),
-    sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call),
-    context_overflows (calls refused because the session's context outgrew max_model_len).
+    sessions.py), tool_parse_errors, engine_errors, client_disconnects (calls cancelled because
+    their client went away), tokens_after_stop (sampled ids decoded past a stop string and
+    dropped from the record), sessions_expired (HTTP sessions closed after
+    `session_idle_timeout_s` without a call), context_overflows (calls refused because the
+    session's context outgrew max_model_len).
     """
 
     renderer: Renderer
@@ -106,26 +106,21 @@ class Gateway:
     untrained_models: frozenset[str] = frozenset()
     """More served model names: a call naming one is served by the same policy and recorded
     untrained, in a trace of its own (`Session.place`)."""
-    untrained_traces: tuple[str, ...] = ()
-    """Regular expressions: a trace whose opening one finds (`sessions.matches`) is recorded
-    untrained."""
+    untrained_traces: tuple[re.Pattern[str], ...] = ()
+    """A trace whose opening one of these finds (`sessions.matches`) is recorded untrained."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "traces",
-             "tool_parse_errors",
-             "engine_errors", "client_disconnects", "tokens_after_stop", "sessions_expired",
-             "context_overflows"), 0
+             "tool_parse_errors", "engine_errors", "client_disconnects", "tokens_after_stop",
+             "sessions_expired", "context_overflows"), 0
         )
     )
 
     commits: GroupCommit = field(init=False)
     """Batches the pool writes of calls that finish together (`group_commit`)."""
-    trace_rules: list[re.Pattern[str]] = field(init=False)
-    """`untrained_traces`, compiled."""
 
     def __post_init__(self) -> None:
         self.commits = GroupCommit(self.pool)
-        self.trace_rules = [re.compile(r) for r in self.untrained_traces]
 
     def open_session(
         self,
@@ -263,7 +258,7 @@ class Gateway:
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
         choices = build_choices(self.renderer, self.counters, call, outs, streamed)
         place = session.place(call.plan, call.conv.messages,
-                              call.conv.model not in self.untrained_models, self.trace_rules)
+                              call.conv.model not in self.untrained_models, self.untrained_traces)
         await record(self.pool, self.commits, self.counters, session, call, choices, place)
         return Result(choices, len(call.prompt_ids), call.started_at)
 

@@ -13,17 +13,15 @@ its earlier rendering (it rewrites earlier turns, e.g. drops their reasoning; lo
 session), the prompt is rendered from scratch: a new root of the tree and a new trace (C02:
 counted and reported, never silently patched).
 
-Traces: every turn belongs to a trace of its session (`Session.place`). A call that extends a
-turn joins that turn's trace; a call that extends none starts the next trace (0, 1, ...): the
-first call, a harness's side calls (title, compaction), a sub-agent, a fork. A trace is trained
-unless the call that started it names an untrained model (`[gateway] untrained_models`) or its
-opening matches an `untrained_traces` rule; an untrained-model call that extends a trained
-trace starts a trace of its own, so a trained trace never holds one. A new trace is a prefix
-miss only when its opening (leading system messages and first other message) is that of an
-earlier trace: the session's own conversation, whose ids could not be reused (a context
-rewrite, a template that rewrites turns, a retry). A call with another opening (a side call with
-its own system prompt) is a new trace, not a miss. A raw-prompt call (no messages) has the empty
-opening: after another raw prompt it is a miss.
+Traces (`Session.place`): a call that extends a turn joins that turn's trace; one that extends
+none starts the next trace (0, 1, ...): the first call, a harness's side calls (title,
+compaction), a sub-agent, a fork. A trace is trained unless the call that started it names an
+untrained model (`[gateway] untrained_models`) or its opening matches an `untrained_traces`
+rule; an untrained-model call never joins a trained trace (it starts its own). A new trace is a
+prefix miss only when its opening (leading system messages and the first other message) is an
+earlier trace's: the session's own conversation, whose ids could not be reused (a context
+rewrite, a template that rewrites turns, a retry). Another opening (a side call with its own
+system prompt) is no miss. A raw prompt (no messages) has the empty opening.
 """
 
 from __future__ import annotations
@@ -70,15 +68,6 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Trace:
-    """One trace of a session: the message keys of its first call's opening (`opening`) and
-    whether its turns are trained."""
-
-    opening: tuple[Any, ...]
-    train: bool
-
-
-@dataclass(frozen=True)
 class Placement:
     """Where the turns of one call go (`Session.place`): their trace, whether they are trained,
     whether the call started that trace, and whether it counts as a prefix miss."""
@@ -121,7 +110,7 @@ class Session:
         2**63): the same session replays the same per-turn seeds (reproducible rollouts).
     training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
     prefix_misses: calls that started a trace with the opening of an earlier one (module
-        docstring). traces: the session's traces, by index.
+        docstring). traces: per trace, its opening's message keys and whether it is trained.
     last_active: time.monotonic() of the latest model call's start or end (or the opening).
     in_flight: model calls of this session now running (an idle sweep never expires those).
     response_ids: ids a protocol answered with -> the index of the turn each names (Responses
@@ -136,7 +125,7 @@ class Session:
     seed: int | None = None
     turns: list[Turn] = field(default_factory=list)
     prefix_misses: int = 0
-    traces: list[Trace] = field(default_factory=list)
+    traces: list[tuple[tuple[Any, ...], bool]] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
@@ -180,12 +169,12 @@ class Session:
         `untrained_traces` patterns, matched (`matches`) against a new trace's opening."""
         if plan.parent is not None:
             trace = self.turns[plan.parent].trace
-            if trained_model or not self.traces[trace].train:
-                return Placement(trace, self.traces[trace].train, False, False)
+            if trained_model or not self.traces[trace][1]:
+                return Placement(trace, self.traces[trace][1], False, False)
         key = tuple(message_key(m) for m in opening(messages))
-        miss = not plan.extends_previous and any(t.opening == key for t in self.traces)
-        self.traces.append(Trace(key, trained_model and not matches(rules, messages)))
-        return Placement(len(self.traces) - 1, self.traces[-1].train, True, miss)
+        miss = not plan.extends_previous and any(k == key for k, _ in self.traces)
+        self.traces.append((key, trained_model and not matches(rules, messages)))
+        return Placement(len(self.traces) - 1, self.traces[-1][1], True, miss)
 
     def record(self, turns: Sequence[Turn], miss: bool) -> None:
         """Add the answered turns of one call (one per choice, each its own branch from the

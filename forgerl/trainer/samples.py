@@ -218,8 +218,8 @@ def trajectory_to_samples(
         advantages_per_turn: one advantage per completion (`advantages.trajectory_advantages`).
 
     Returns samples whose fields all have the sample's length T: input_ids, loss_mask (1 on
-    sampled (T > 0), token-exact completion tokens of turns recorded `train`), behavior_logprobs / advantages (0.0 where
-    mask 0), weight_versions (-1 where mask 0), temperatures (1.0 where mask 0). Raises
-    ValueError on a length mismatch.
+    sampled (T > 0), token-exact completion tokens of turns recorded `train`),
+    behavior_logprobs / advantages (0.0 where mask 0), weight_versions (-1 where mask 0),
+    temperatures (1.0 where mask 0). Raises ValueError on a length mismatch.
     """
     return trajectory_to_samples_with_stats(traj, advantages_per_turn)[0]

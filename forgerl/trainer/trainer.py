@@ -179,11 +179,11 @@ class Trainer:
         the loss, `samples`), truncated_turns / truncated_turns_masked (finish "length"
         turns of trained groups, and those kept out of the loss), retry_orphans
         (`samples.drop_retry_orphans`), traces_per_trajectory (mean over the groups' members)
-        and traces_untrained (their traces left out of the loss: `samples.trained_traces`), the composite reward's per-member means over the step's
-        groups (reward_outcome_mean, reward_process_mean summed over turns,
-        reward_completion_time_mean, rollout_seconds_mean), events_<kind> (summed event
-        values), step_seconds, tokens_per_second (tree tokens through forward+backward per
-        second).
+        and traces_untrained (their traces left out: `samples.trained_traces`), the composite
+        reward's per-member means over the step's groups (reward_outcome_mean,
+        reward_process_mean summed over turns, reward_completion_time_mean,
+        rollout_seconds_mean), events_<kind> (summed event values), step_seconds,
+        tokens_per_second (tree tokens through forward+backward per second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged:
         so it is for NonFiniteStep, a NaN or infinite loss or gradient norm (e.g. rewards of

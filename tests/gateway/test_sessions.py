@@ -4,9 +4,9 @@ Pins: the most recent turn whose messages are a true message-level prefix and wh
 equals the next message is extended with its exact ids (CASES.md C01/C02); a changed earlier
 message, a different reply, or changed tools render from scratch and count as a miss; a branch
 can extend an older turn (the tree, not a list); the n choices of one call are sibling turns
-in one trace and count one miss at most; a call that extends no turn starts a trace, a miss only
-with the opening of an earlier trace; keys are unique and closing forgets them. Messages are the internal
-form (conversation.py).
+in one trace and count one miss at most; a call that extends no turn starts a trace, a miss
+only with the opening of an earlier trace; keys are unique and closing forgets them. Messages
+are the internal form (conversation.py).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def test_mismatches_render_fresh_and_count(tokenizer):
     answer(s, r, [U2], [2], said(""))  # another opening (a side call): a new trace, no miss
     answer(s, r, [U2, said(""), U1], [2], said(""))  # extends the side call: joins its trace
     assert [t.trace for t in s.turns] == [0, 1, 2, 2] and s.prefix_misses == 1
-    assert [t.opening for t in s.traces] == [(message_key(U1),), (message_key(U1),),
-                                             (message_key(U2),)]
+    assert [k for k, _ in s.traces] == [(message_key(U1),), (message_key(U1),),
+                                        (message_key(U2),)]
 
 
 def test_message_key_compares_tool_calls_by_parsed_arguments():

@@ -4,8 +4,8 @@ Pins: turn k+1's prompt starts with turn k's prompt + completion ids exactly as 
 emitted them (CASES.md C01: a decoded-then-re-encoded reply would get other ids); the
 assistant->tool boundary is end-of-turn, "\\n", im_start and the whole prompt equals a fresh
 rendering with a byte tokenizer (C02); a context rewrite renders from scratch, as a new trace,
-and is counted (C02); every prompt ends with the assistant generation header (C03); a reply cut by max_tokens
-is closed with the end-of-turn id before the next turn.
+and is counted (C02); every prompt ends with the assistant generation header (C03); a reply
+cut by max_tokens is closed with the end-of-turn id before the next turn.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ never with its reward; the request's log entry gets its `trace`.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 from openai import AsyncOpenAI, NotFoundError
@@ -41,7 +42,7 @@ def test_side_calls_are_traces_of_their_own_and_the_agent_chain_extends(serve, t
     for item in script[:2]:  # both first calls are in flight at once
         item.delay_s = 0.2
     srv = serve(ScriptedEngine(script), tokenizer,
-                untrained_traces=("^You are a title generator",))
+                untrained_traces=(re.compile("^You are a title generator"),))
     tid, key = srv.session()
     turn2 = [*AGENT, said("ok"), {"role": "user", "content": "go on"}]
     turn3 = [*turn2, said("step two"), {"role": "user", "content": "finish"}]
