@@ -147,3 +147,20 @@ def test_the_request_log_entry_gets_the_trace(serve, tokenizer, renderer):
 
     entries = [asyncio.run_coroutine_threadsafe(call(t), srv.loop).result(30) for t in "ab"]
     assert entries == [{"trace": 0}, {"trace": 1}]
+
+
+def test_the_choices_of_one_call_share_its_trace_streamed_or_not(serve, tokenizer, renderer):
+    script = [reply(renderer, x) for x in ("a", "b", "title", "c")]
+    srv = serve(ScriptedEngine(script), tokenizer)
+    tid, key = srv.session()
+    client = srv.client(key)
+    client.chat.completions.create(model="tiny", messages=AGENT, n=2)
+    for _ in client.chat.completions.create(model="tiny", messages=TITLE, stream=True):
+        pass
+    go_on = [*AGENT, said("b"), {"role": "user", "content": "go on"}]  # continues choice 2
+    for _ in client.chat.completions.create(model="tiny", messages=go_on, stream=True):
+        pass
+    turns = srv.pool.get_trajectory(tid).completions
+    assert [c.trace for c in turns] == [0, 0, 1, 0]
+    assert turns[3].extends_previous and turns[3].prompt_ids[: len(turns[1].prompt_ids) + 2] == \
+        turns[1].prompt_ids + turns[1].completion_ids
