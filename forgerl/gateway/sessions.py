@@ -130,7 +130,7 @@ class Session:
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
     template_miss_logged: bool = False
-    """A prompt of this session became a new branch because the template rewrote a turn."""
+    """A prompt of this session became a new trace because the template rewrote a turn."""
 
     def plan(
         self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
@@ -157,7 +157,7 @@ class Session:
                 if not self.template_miss_logged:
                     self.template_miss_logged = True
                     log.warning("session %s: the chat template rewrites earlier turns; the "
-                                "prompt is a new branch (counted in prefix_misses)",
+                                "prompt starts a new trace (counted in prefix_misses)",
                                 self.trajectory_id)
         return PromptPlan(renderer.render(messages, tools), None, False)
 
