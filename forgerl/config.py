@@ -391,7 +391,8 @@ class TrainerConfig(_Section):
     failed_rollouts: Literal["penalty", "drop"] = "penalty"
     """A failed rollout (agent crash, non-zero exit, timeout): "penalty" = it counts in its
     group's baseline and the loss with outcome reward `failed_reward`; "drop" = it leaves both
-    (the baseline then reflects only the survivors). Counted per step as `rollouts_failed`."""
+    (the baseline then reflects only the survivors). One without any recorded model call never
+    counts (error "no recorded call"). Counted per step as `rollouts_failed`."""
     failed_reward: float = Field(0.0, allow_inf_nan=False)
     """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
     truncated_turns: Literal["train", "mask"] = "train"

@@ -82,8 +82,8 @@ class Trainer:
         merge_prefixes: share common prefixes across samples (False = plain packing).
         normalize_std: divide advantages by the group's return std (`advantages`).
         failed_reward: outcome reward of a failed rollout, which then counts in its group's
-            baseline and the loss; None drops failed rollouts from both; aborted ones are never
-            trained (`advantages.group_members`).
+            baseline and the loss; None drops failed rollouts from both; aborted ones, and
+            failed ones without a model call, never count (`advantages.group_members`).
         rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
             outcome alone, plus any agent turn rewards).
         mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
