@@ -8,6 +8,7 @@ This module imports no torch, so `forgerl --help` and config errors are instant.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from functools import partial
 from pathlib import Path
@@ -137,6 +138,31 @@ class GatewayConfig(_Section):
     """0 picks a free port."""
     model_name: str = Field("policy", min_length=1)
     """The model id the gateway serves at /v1/models and accepts in requests."""
+    untrained_models: list[Annotated[str, Field(min_length=1)]] = []
+    """More model names served by the same policy, for a harness's side calls (Claude Code
+    `ANTHROPIC_SMALL_FAST_MODEL`, OpenCode `small_model`): a call naming one is recorded with
+    `train = false` (context only), in a trace of its own."""
+    untrained_traces: list[str] = []
+    """Regular expressions (Python `re.search`) matched against the text of each new trace's
+    opening (its first call's system prompt and first user message, joined by a newline); a
+    trace one matches is recorded with `train = false`, e.g. `["^You are a title generator"]`
+    for OpenCode's title calls."""
+
+    @field_validator("untrained_traces")
+    @classmethod
+    def _compiles(cls, rules: list[str]) -> list[str]:
+        for rule in rules:
+            try:
+                re.compile(rule)
+            except re.error as e:
+                raise ValueError(f"{rule!r} is not a regular expression: {e}") from None
+        return rules
+
+    @model_validator(mode="after")
+    def _trained_name(self) -> GatewayConfig:
+        if self.model_name in self.untrained_models:
+            raise ValueError(f"untrained_models names model_name ({self.model_name!r})")
+        return self
     admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
     """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
     <admin_key>` (else 401); the sessions' own keys still authenticate model calls. Printable
@@ -365,7 +391,8 @@ class TrainerConfig(_Section):
     failed_rollouts: Literal["penalty", "drop"] = "penalty"
     """A failed rollout (agent crash, non-zero exit, timeout): "penalty" = it counts in its
     group's baseline and the loss with outcome reward `failed_reward`; "drop" = it leaves both
-    (the baseline then reflects only the survivors). Counted per step as `rollouts_failed`."""
+    (the baseline then reflects only the survivors). One without any recorded model call never
+    counts (error "no recorded call"). Counted per step as `rollouts_failed`."""
     failed_reward: float = Field(0.0, allow_inf_nan=False)
     """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
     truncated_turns: Literal["train", "mask"] = "train"
@@ -395,6 +422,11 @@ class RewardConfig(_Section):
     completion_time: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight of the completion-time reward: a successful rollout faster than its group's
     successful median earns up to +weight, a slower one down to -weight; 0 = off."""
+    traces: Literal["broadcast", "main"] = "broadcast"
+    """How the outcome reaches a rollout's traces (its agent chain, side calls, sub-agents):
+    "broadcast" = every trace with a trained turn gets the trajectory's advantage (NeMo-RL/Gym,
+    verl); "main" = only the trace with the most sampled tokens is trained, the others are left
+    out. Process reward-to-go runs within a trace either way."""
     process: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = {}
     """Reward per unit of each process event kind on the turn it was recorded on, e.g.
     `{ invalid_tool_call = -0.1 }` (the gateway's built-in kinds: invalid_tool_call,

@@ -21,11 +21,11 @@ BUDGETS: dict[str, int] = {
     "controller": 1_200,
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_550,
-    "gateway": 4_400,
+    "gateway": 4_450,  # +50 (issue 46): traces per session, trace rules, untrained model names
     "rewards": 300,
     "scheduler": 440,
-    "trainer": 1_850,
-    "core": 1_850,  # the top-level modules: types, config, models, weights, cli, cluster, ...
+    "trainer": 1_880,  # +30 (issue 46): a sample chain per trace, [reward] traces, rtg per trace
+    "core": 1_880,  # top-level modules: types, config, ...; +30 (issue 46): the trace settings
 }
 
 

@@ -358,13 +358,37 @@ async def test_a_run_whose_every_rollout_fails_stops_with_the_agent_error(tmp_pa
 
 
 @sync
+async def test_a_run_whose_agent_never_calls_the_model_fails_every_rollout(tmp_path):
+    """A rollout whose agent answered without any model call is failed ("no recorded call"),
+    never scored nor trained (it used to be finished with its reward); when every rollout is
+    such, the run stops at the failure streak with that error."""
+
+    async def agent(task: dict, base_url: str, api_key: str) -> str:
+        return _solve(task["question"])  # right, but no model call: nothing to train
+
+    config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--rollout.group_size", "2",
+                         "--rollout.tasks_per_step", "1")
+    with pytest.raises(RuntimeError, match=r"every rollout of the last 16 groups failed; last "
+                                           r"error: no recorded call"):
+        await run(config, agent=agent, progress=False)
+    db = sqlite3.connect(tmp_path / "run" / "pool.sqlite")
+    rows = set(db.execute("SELECT status, error, reward FROM trajectories"))
+    db.close()
+    assert rows <= {("failed", "no recorded call", None), ("aborted", "cancelled", None)}
+    assert ("failed", "no recorded call", None) in rows
+
+
+@sync
 async def test_a_run_without_learning_signal_stops(tmp_path):
-    """QA: an agent whose groups never differ (one answer, no model calls) gave no step and no
+    """QA: an agent whose groups never differ (one model call, one answer) gave no step and no
     end; after max(64, 16 k) groups in a row without signal the run stops with one message."""
     calls = itertools.count()
 
     async def agent(task: dict, base_url: str, api_key: str) -> str:
         next(calls)
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         return "no idea"
 
     config = tiny_config(tmp_path / "run", "--tasks.eval_size", "0", "--rollout.group_size", "2",

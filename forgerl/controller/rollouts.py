@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import run_agent
 from forgerl.config import AgentConfig, ConfigError
+from forgerl.gateway.core import NO_CALL
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
@@ -86,13 +87,15 @@ class Rollouts:
 
         A cancelled rollout (Ctrl-C, shutdown) is marked aborted and re-run on resume; a timed-out
         one is failed (kept out of the loss) or, with `rollout.on_timeout = "redispatch"`,
-        aborted so that `rollout_group` runs it again.
+        aborted so that `rollout_group` runs it again; one whose session recorded no model call
+        is failed with error `NO_CALL`, never scored (nothing to train).
         """
         trajectory_id, api_key = self.gateway.open_session(
             task_index, rollout_index, temperature=temperature,
             max_tokens=self.config.rollout.max_tokens,
             seed=rollout_seed(self.config.seed, task_index, rollout_index),
         )
+        session = self.gateway.sessions.get(api_key)
         start = time.time()
         name = (f"task{task_index:06d}_r{rollout_index}" if task_index >= 0
                 else f"eval{-1 - task_index:04d}")
@@ -105,6 +108,8 @@ class Rollouts:
             self.gateway.sessions.close(api_key)
         if task_index >= 0:
             self.rollout_seconds.setdefault(task_index, []).append(time.time() - start)
+        if status == "finished" and not session.turns:
+            status, error = f"failed: {NO_CALL}", NO_CALL
         if status == "finished":
             reward = await self.score(task, answer)
             self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)

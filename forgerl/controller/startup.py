@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
                       controller_tasks=training, admin_key=config.gateway.admin_key,
-                      session_idle_timeout_s=config.gateway.session_idle_timeout_s)
+                      session_idle_timeout_s=config.gateway.session_idle_timeout_s,
+                      untrained_models=frozenset(gc.untrained_models),
+                      untrained_traces=tuple(map(re.compile, gc.untrained_traces)))
     try:
         server = await gateway.serve(config.gateway.host, config.gateway.port)
     except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)

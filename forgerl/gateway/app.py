@@ -154,21 +154,22 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
 
 
 def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:
-    """GET /v1/models and /v1/models/{id}: the one served model."""
-    card = {"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "forgerl"}
+    """GET /v1/models and /v1/models/{id}: the served model, then its untrained names."""
+    cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "forgerl"}
+             for name in [gateway.model_name, *sorted(gateway.untrained_models)]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The one served model."""
-        return {"object": "list", "data": [card]}
+        """The served model names."""
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        """The served model's card (`client.models.retrieve`); 404 `model_not_found` else."""
-        if model_id != gateway.model_name:
+        """A served name's card (`client.models.retrieve`); 404 `model_not_found` else."""
+        if model_id not in cards:
             raise GatewayError(404, f"model {model_id!r} does not exist; serving "
                                f"{gateway.model_name!r}", "model_not_found", "model")
-        return card
+        return cards[model_id]
 
 
 def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
@@ -184,10 +185,12 @@ def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
-        """Finish an externally opened session's trajectory with its reward."""
+        """Finish an externally opened session's trajectory with its reward (status "failed",
+        with its error, when the session recorded no call)."""
         require_admin(gateway, request.headers.get("authorization"))
         body = parse_body(await request.body(), RewardRequest)
-        reward_external(gateway, session_id, body.reward)
+        if reward_external(gateway, session_id, body.reward) == "failed":
+            return {"session_id": session_id, "status": "failed", "error": core.NO_CALL}
         return {"session_id": session_id, "status": "finished", "reward": body.reward}
 
     @app.post("/v1/sessions/{session_id}/events")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from forgerl.gateway.sessions import PromptPlan, Session, SessionStore
 from forgerl.types import GenerateOutput
 
 log = logging.getLogger(__name__)
+NO_CALL = "no recorded call"
+"""The error of a trajectory whose session ended without a recorded call (never trained)."""
 
 
 @dataclass
@@ -70,12 +73,13 @@ class Gateway:
 
     temperature: the default when neither the session nor the request sets one. max_tokens:
     the cap on every call's completion tokens.
-    strict_model: refuse (404) model names other than `model_name`.
-    counters: requests, completion_tokens, prefix_hits, prefix_misses, tool_parse_errors,
-    engine_errors, client_disconnects (calls cancelled because their client went away),
-    tokens_after_stop (sampled ids decoded past a stop string and dropped from the record),
-    sessions_expired (HTTP sessions closed after `session_idle_timeout_s` without a call),
-    context_overflows (calls refused because the session's context outgrew max_model_len).
+    strict_model: refuse (404) model names other than `model_name` and `untrained_models`.
+    counters: requests, completion_tokens, prefix_hits, prefix_misses, traces (traces started,
+    sessions.py), tool_parse_errors, engine_errors, client_disconnects (calls cancelled because
+    their client went away), tokens_after_stop (sampled ids decoded past a stop string and
+    dropped from the record), sessions_expired (HTTP sessions closed after
+    `session_idle_timeout_s` without a call), context_overflows (calls refused because the
+    session's context outgrew max_model_len).
     """
 
     renderer: Renderer
@@ -99,11 +103,16 @@ class Gateway:
     session_idle_timeout_s: float | None = None
     """When set (> 0), a session opened over HTTP with no model call for this many seconds is
     expired (`expire_idle`): trajectory failed, session closed. Controller sessions never are."""
+    untrained_models: frozenset[str] = frozenset()
+    """More served model names: a call naming one is served by the same policy and recorded
+    untrained, in a trace of its own (`Session.place`)."""
+    untrained_traces: tuple[re.Pattern[str], ...] = ()
+    """A trace whose opening one of these finds (`sessions.matches`) is recorded untrained."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
-            ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
-             "engine_errors", "client_disconnects", "tokens_after_stop", "sessions_expired",
-             "context_overflows"), 0
+            ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "traces",
+             "tool_parse_errors", "engine_errors", "client_disconnects", "tokens_after_stop",
+             "sessions_expired", "context_overflows"), 0
         )
     )
 
@@ -131,15 +140,21 @@ class Gateway:
         return trajectory_id, self.sessions.create(trajectory_id, temperature, max_tokens,
                                                    seed=seed)
 
-    def finish_session(self, trajectory_id: str, reward: float | None) -> None:
-        """Mark the trajectory finished with `reward` and close its session.
+    def finish_session(self, trajectory_id: str, reward: float | None) -> str:
+        """Mark the trajectory finished with `reward` and close its session; returns the
+        status stored: "failed" (error `NO_CALL`, reward unset) when its open session recorded
+        no call, for there is nothing to train (e.g. its only call was refused).
 
         Raises KeyError (unknown trajectory) or ValueError (already ended) from the pool.
         """
-        self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
         session = self.sessions.find(trajectory_id)
+        if session is not None and not session.turns:
+            self.pool.finish_trajectory(trajectory_id, "failed", error=NO_CALL)
+        else:
+            self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
         if session is not None:
             self.sessions.close(session.api_key)
+        return "finished" if session is None or session.turns else "failed"
 
     def expire_idle(self, now: float | None = None) -> list[str]:
         """Expire the idle sessions opened over HTTP; returns their trajectory ids.
@@ -191,7 +206,8 @@ class Gateway:
         """The tools to render for `conv`, after the checks that need no rendering
         (prepare.check_conversation: 404 for another model when `strict_model`, 400s)."""
         return check_conversation(conv, self.renderer, self.engine.max_model_len,
-                                  self.model_name, self.strict_model)
+                                  self.model_name,
+                                  self.strict_model and conv.model not in self.untrained_models)
 
     def prefill(self, conv: Conversation) -> str:
         """The reply text prefilled for a forced tool call (prepare.prefill_text), else ""."""
@@ -241,7 +257,9 @@ class Gateway:
         """Cut, parse and record the choices of `call` from the engine outputs (one per choice;
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
         choices = build_choices(self.renderer, self.counters, call, outs, streamed)
-        await record(self.pool, self.commits, self.counters, session, call, choices)
+        place = session.place(call.plan, call.conv.messages,
+                              call.conv.model not in self.untrained_models, self.untrained_traces)
+        await record(self.pool, self.commits, self.counters, session, call, choices, place)
         return Result(choices, len(call.prompt_ids), call.started_at)
 
     async def stream(

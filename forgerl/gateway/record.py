@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forgerl.datapool.base import DataPool
+from forgerl.gateway import telemetry
 from forgerl.gateway.conversation import Message
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.prepare import Call
 from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.renderers.replies import HeldReply, ReplyStream, cut_at_stop, finish_reply
-from forgerl.gateway.sessions import Session, Turn
+from forgerl.gateway.sessions import Placement, Session, Turn
 from forgerl.types import UNDELIVERED, Completion, GenerateOutput
 
 
@@ -129,10 +130,14 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
 
 
 async def record(pool: DataPool, commits: GroupCommit, counters: dict[str, int],
-                 session: Session, call: Call, choices: list[Choice]) -> None:
+                 session: Session, call: Call, choices: list[Choice],
+                 place: Placement) -> None:
     """Durably add every choice to the trajectory in the pool (group commit, one
     transaction shared with the calls finishing at the same time), then to the session's
-    turn tree; counts `completion_tokens`, `prefix_hits` and `prefix_misses`.
+    turn tree; counts `completion_tokens`, `prefix_hits`, `prefix_misses` and `traces`.
+
+    `place` (`Session.place`): every choice's `Completion.trace` is its trace, and a choice
+    is trained only if its trace is (`Completion.train`); noted as the request's `trace`.
 
     Each tool-call parse error of a choice is a process event on its turn (kind
     `tool_error_kind`: "undeclared_tool" or "invalid_tool_call"), which `[reward] process`
@@ -143,17 +148,19 @@ async def record(pool: DataPool, commits: GroupCommit, counters: dict[str, int],
     """
     gone = False
     plan = call.plan
+    for c in choices:
+        c.completion.trace, c.completion.train = place.trace, place.train and c.completion.train
+    telemetry.note(trace=place.trace)
 
     def committed(turns: list[int]) -> None:
         for c in choices:
             counters["completion_tokens"] += len(c.completion.completion_ids)
-        if plan.extends_previous:
-            counters["prefix_hits"] += 1
-        elif session.turns:
-            counters["prefix_misses"] += 1
+        counters["prefix_hits"] += plan.extends_previous
+        counters["prefix_misses"] += place.miss
+        counters["traces"] += place.new
         session.record([Turn(call.conv.messages, call.tools, c.completion.prompt_ids,
-                             c.completion.completion_ids, c.reply, plan.parent)
-                        for c in choices], plan.extends_previous)
+                             c.completion.completion_ids, c.reply, plan.parent, place.trace)
+                        for c in choices], place.miss)
         if gone:  # the client left during the commit: it never saw these answers
             for turn in turns:
                 with contextlib.suppress(KeyError, ValueError):  # the trajectory ended

@@ -10,15 +10,25 @@ whose parsed reply equals the next new message; the new prompt is then that turn
 of the remaining messages), so sampled ids are never re-encoded (CASES.md C01, C02). When no turn
 matches (first call, or the agent rewrote its context), or the chat template does not extend
 its earlier rendering (it rewrites earlier turns, e.g. drops their reasoning; logged once per
-session), the prompt is rendered from scratch: a new branch of the tree, counted in
-`Session.prefix_misses` once the session has turns (C02: counted and reported, never silently
-patched).
+session), the prompt is rendered from scratch: a new root of the tree and a new trace (C02:
+counted and reported, never silently patched).
+
+Traces (`Session.place`): a call that extends a turn joins that turn's trace; one that extends
+none starts the next trace (0, 1, ...): the first call, a harness's side calls (title,
+compaction), a sub-agent, a fork. A trace is trained unless the call that started it names an
+untrained model (`[gateway] untrained_models`) or its opening matches an `untrained_traces`
+rule; an untrained-model call never joins a trained trace (it starts its own). A new trace is a
+prefix miss only when its opening (leading system messages and the first other message) is an
+earlier trace's: the session's own conversation, whose ids could not be reused (a context
+rewrite, a template that rewrites turns, a retry). Another opening (a side call with its own
+system prompt) is no miss. A raw prompt (no messages) has the empty opening.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -54,6 +64,31 @@ class Turn:
     completion_ids: list[int]
     assistant: Message
     parent: int | None = None
+    trace: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the turns of one call go (`Session.place`): their trace, whether they are trained,
+    whether the call started that trace, and whether it counts as a prefix miss."""
+
+    trace: int
+    train: bool
+    new: bool
+    miss: bool
+
+
+def opening(messages: Sequence[Message]) -> Sequence[Message]:
+    """The leading system messages and the first other message (a trace's opening)."""
+    n = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages) - 1)
+    return messages[: n + 1]
+
+
+def matches(rules: Sequence[re.Pattern[str]], messages: Sequence[Message]) -> bool:
+    """Whether a rule finds (`re.search`) its pattern in the text of `opening(messages)`: the
+    contents joined by newlines (system prompt first)."""
+    text = "\n".join(m.content for m in opening(messages))
+    return any(rule.search(text) for rule in rules)
 
 
 @dataclass(frozen=True)
@@ -74,7 +109,8 @@ class Session:
     seed: when set, a request without its own seed samples with `seed + turns so far` (mod
         2**63): the same session replays the same per-turn seeds (reproducible rollouts).
     training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
-    prefix_misses: requests on a session with turns that matched no recorded turn.
+    prefix_misses: calls that started a trace with the opening of an earlier one (module
+        docstring). traces: per trace, its opening's message keys and whether it is trained.
     last_active: time.monotonic() of the latest model call's start or end (or the opening).
     in_flight: model calls of this session now running (an idle sweep never expires those).
     response_ids: ids a protocol answered with -> the index of the turn each names (Responses
@@ -89,11 +125,12 @@ class Session:
     seed: int | None = None
     turns: list[Turn] = field(default_factory=list)
     prefix_misses: int = 0
+    traces: list[tuple[tuple[Any, ...], bool]] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
     template_miss_logged: bool = False
-    """A prompt of this session became a new branch because the template rewrote a turn."""
+    """A prompt of this session became a new trace because the template rewrote a turn."""
 
     def plan(
         self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
@@ -120,15 +157,29 @@ class Session:
                 if not self.template_miss_logged:
                     self.template_miss_logged = True
                     log.warning("session %s: the chat template rewrites earlier turns; the "
-                                "prompt is a new branch (counted in prefix_misses)",
+                                "prompt starts a new trace (counted in prefix_misses)",
                                 self.trajectory_id)
         return PromptPlan(renderer.render(messages, tools), None, False)
 
-    def record(self, turns: Sequence[Turn], extends_previous: bool) -> None:
+    def place(self, plan: PromptPlan, messages: Sequence[Message], trained_model: bool = True,
+              rules: Sequence[re.Pattern[str]] = ()) -> Placement:
+        """The trace of a call planned as `plan` (module docstring), started here when new.
+
+        trained_model: False for a call naming an untrained model. rules: compiled
+        `untrained_traces` patterns, matched (`matches`) against a new trace's opening."""
+        if plan.parent is not None:
+            trace = self.turns[plan.parent].trace
+            if trained_model or not self.traces[trace][1]:
+                return Placement(trace, self.traces[trace][1], False, False)
+        key = tuple(message_key(m) for m in opening(messages))
+        miss = not plan.extends_previous and any(k == key for k, _ in self.traces)
+        self.traces.append((key, trained_model and not matches(rules, messages)))
+        return Placement(len(self.traces) - 1, self.traces[-1][1], True, miss)
+
+    def record(self, turns: Sequence[Turn], miss: bool) -> None:
         """Add the answered turns of one call (one per choice, each its own branch from the
-        same parent); a from-scratch prompt on a session with turns is one miss."""
-        if not extends_previous and self.turns:
-            self.prefix_misses += 1
+        same parent, all in one trace); `miss`: the call counts as one prefix miss."""
+        self.prefix_misses += miss
         self.turns.extend(turns)
 
 

@@ -130,8 +130,9 @@ def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:
     return trajectory_id, api_key
 
 
-def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None:
-    """POST /v1/sessions/{id}/reward: finish a session opened over HTTP with `reward`.
+def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> str:
+    """POST /v1/sessions/{id}/reward: finish a session opened over HTTP with `reward`; returns
+    the status stored ("failed" when it recorded no call: `Gateway.finish_session`).
 
     Raises GatewayError 404 (unknown id), 403 (not opened over HTTP: a controller rollout,
     whether its session is open, closed or its trajectory ended), 409 (already ended).
@@ -147,6 +148,6 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None
                            "/v1/sessions; the controller scores its rollout",
                            "permission_denied", "session_id")
     try:
-        gateway.finish_session(trajectory_id, reward)
+        return gateway.finish_session(trajectory_id, reward)
     except ValueError as e:
         raise GatewayError(409, str(e), "trajectory_not_running", "session_id") from None

@@ -13,14 +13,17 @@ The advantage of its turn t is
 
     Â_{j,t} = (o_j - mean_G(o)) + (g_{j,t} - mean_{i: T_i > t}(g_{i,t})),  g_{j,t} = Σ_{p≥t} p_{j,p}
 
-i.e. the outcome is centred on the group (GRPO: the same at every turn) and the process
-reward-to-go on the members that reached turn t (a per-position baseline), so identical
-trajectories get exactly 0 at every turn and an outcome-only group is plain GRPO. Optionally every
-Â is divided by the group's return std (ddof=1) when that std is at least `std_floor`. Every
-finished trajectory counts in the baseline, also one without model calls (it has no tokens to
-train). Failed rollouts (agent crash, timeout) either count with a penalty outcome `failed_reward`
-(in the baseline and the loss) or are dropped from both (`failed_reward=None`); aborted attempts
-(re-run after a resume or a redispatch) never count.
+where the reward-to-go sum runs over the later turns p of turn t's own trace (`Completion.trace`:
+a title or compaction call's events do not reach the agent's turns), i.e. the outcome is
+centred on the group (GRPO: the same at every turn, of every trace) and the process reward-to-go
+on the members that reached turn t (a per-position baseline), so identical trajectories get
+exactly 0 at every turn and an outcome-only group is plain GRPO. Optionally every Â is divided
+by the group's return std (ddof=1) when that std is at least `std_floor`. Every finished
+trajectory counts in the baseline. Failed rollouts (agent crash, timeout) either count with a
+penalty outcome `failed_reward` (in the baseline and the loss) or are dropped from both
+(`failed_reward=None`); a failed one without any model call (its session recorded none: the
+policy did nothing it could be judged by) and aborted attempts (re-run after a resume or a
+redispatch) never count.
 """
 
 from __future__ import annotations
@@ -59,13 +62,15 @@ def group_advantages(
     return centred if std < std_floor else [a / std for a in centred]
 
 
-def reward_to_go(turn_rewards: list[float]) -> list[float]:
-    """Suffix sums: out[t] = Σ_{p≥t} turn_rewards[p] (same length; empty in, empty out)."""
+def reward_to_go(turn_rewards: list[float], traces: list[int] | None = None) -> list[float]:
+    """Suffix sums within a trace: out[t] = Σ_{p≥t, traces[p] = traces[t]} turn_rewards[p]
+    (same length; `traces`: each turn's trace, None = one trace; empty in, empty out)."""
     out = [0.0] * len(turn_rewards)
-    acc = 0.0
+    acc: dict[int, float] = {}
     for t in range(len(turn_rewards) - 1, -1, -1):
-        acc += turn_rewards[t]
-        out[t] = acc
+        trace = traces[t] if traces is not None else 0
+        acc[trace] = acc.get(trace, 0.0) + turn_rewards[t]
+        out[t] = acc[trace]
     return out
 
 
@@ -111,23 +116,26 @@ def trajectory_advantages(
     """
     outcome_G, process_G_T, _ = composite_rewards(
         trajectories, weights or RewardWeights(), failed_reward)
-    return reward_advantages(outcome_G, process_G_T, normalize_std, std_floor)
+    return reward_advantages(outcome_G, process_G_T, normalize_std, std_floor,
+                             [[c.trace for c in t.completions] for t in trajectories])
 
 
 def reward_advantages(
     outcome_G: list[float], process_G_T: list[list[float]], normalize_std: bool = False,
-    std_floor: float = 1e-6,
+    std_floor: float = 1e-6, traces_G_T: list[list[int]] | None = None,
 ) -> list[list[float]]:
     """Â_{j,t} (module docstring) from a group's outcome rewards o_j and per-turn process
-    rewards p_{j,t} (`composite_rewards`); one list per member, as long as its p_j. Raises
-    ValueError on a non-finite reward."""
-    rtg_G_T = [reward_to_go(p) for p in process_G_T]
+    rewards p_{j,t} (`composite_rewards`); one list per member, as long as its p_j.
+    `traces_G_T`: the trace of each turn (reward-to-go runs within one; None = one trace per
+    member). Raises ValueError on a non-finite reward."""
+    traces = traces_G_T or [None] * len(process_G_T)
+    rtg_G_T = [reward_to_go(p, k) for p, k in zip(process_G_T, traces, strict=True)]
     adv_G_T = [[a] * len(rtg) for a, rtg in zip(group_advantages(outcome_G), rtg_G_T, strict=True)]
     for t in range(max(map(len, rtg_G_T), default=0)):
         alive = [j for j, rtg in enumerate(rtg_G_T) if len(rtg) > t]
         for j, a in zip(alive, group_advantages([rtg_G_T[j][t] for j in alive]), strict=True):
             adv_G_T[j][t] += a
-    returns_G = [o + (rtg[0] if rtg else 0.0) for o, rtg in zip(outcome_G, rtg_G_T, strict=True)]
+    returns_G = [o + sum(p) for o, p in zip(outcome_G, process_G_T, strict=True)]
     scale = 1.0
     if normalize_std and len(returns_G) > 1:
         std = statistics.stdev(returns_G)
@@ -137,6 +145,7 @@ def reward_advantages(
 
 def group_members(group: Group, failed_reward: float | None = 0.0) -> list[Trajectory]:
     """The trajectories that form `group`'s baseline and loss: every finished one, plus the
-    failed ones when `failed_reward` is not None. Aborted attempts are never members."""
-    statuses = ("finished",) if failed_reward is None else ("finished", "failed")
-    return [t for t in group.trajectories if t.status in statuses]
+    failed ones with a model call when `failed_reward` is not None. Aborted attempts and
+    failed ones without a call are never members."""
+    return [t for t in group.trajectories if t.status == "finished" or (
+        t.status == "failed" and failed_reward is not None and t.completions)]

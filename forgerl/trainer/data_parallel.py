@@ -72,7 +72,8 @@ def build_trainer(config: Config, model: Any) -> Trainer:
         rewards=config.reward.build(), mask_truncated=tc.truncated_turns == "mask",
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         activation_checkpointing=tc.activation_checkpointing,
-        checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast)
+        checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast,
+        traces=config.reward.traces)
     trainer.sharding = tc.sharding
     return trainer
 

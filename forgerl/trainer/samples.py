@@ -3,12 +3,22 @@
 Data flow: after advantages (one per turn), each trajectory becomes one or more `Sample`s, which
 the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01-C03):
 
-- When turn k+1's prompt_ids extend turn k's prompt_ids + completion_ids token-for-token, the
-  turn is appended to the current sample: the inserted tokens (turn separator, tool results,
-  next generation header) get loss_mask 0, the sampled completion tokens get loss_mask 1 with
-  their behavior logprobs, weight_versions and the turn's advantage.
-- When the prompt does not extend (the agent rewrote its context), a new sample starts. It
-  usually shares a prefix with the old one, which the prefix tree deduplicates.
+- A trajectory's traces (`Completion.trace`: the agent's chain, a harness's title or compaction
+  calls, sub-agents) are kept apart: each has its own samples, and a turn only ever extends a
+  sample of its own trace, however the traces' calls interleave.
+- When a turn's prompt_ids extend a sample of its trace (prompt + completion ids so far,
+  token-for-token; the newest such sample), the turn is appended to it: the inserted tokens
+  (turn separator, tool results, next generation header) get loss_mask 0, the sampled
+  completion tokens get loss_mask 1 with their behavior logprobs, weight_versions and the
+  turn's advantage.
+- When the prompt extends no sample of its trace (the first call of the trace, or a fork), a new
+  sample starts. It usually shares a prefix with an older one, which the prefix tree
+  deduplicates.
+- Which traces are trained (`trained_traces`): "broadcast" = every trace with a turn recorded
+  `train` (each turn gets its trajectory's advantage, as NeMo-RL/Gym and verl do); "main" = only
+  the one of them with the most sampled tokens. A trace not trained is left out entirely: no
+  sample, no tokens. Within a trained trace a turn recorded with `train` False (a side call by
+  rule or model name, sampling the trainer cannot reproduce) is context only (loss mask 0).
 - A turn with token_exact False contributes its tokens with loss_mask 0 only: its ids are not
   the sampled ones, so no logprob of it may enter the loss.
 - Each trained token carries its turn's sampling temperature (`TrainingSample.temperatures`);
@@ -31,6 +41,7 @@ is no part of what the agent did.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from forgerl.types import UNDELIVERED, Completion, Sample, Trajectory
 
@@ -55,17 +66,40 @@ class TrainingSample(Sample):
 
 @dataclass
 class PrefixStats:
-    """How a trajectory's turns were joined: `extensions` turns appended to the previous
-    sample, `branches` turns that started a new sample (the first turn counts as neither);
-    `greedy_turns` token-exact turns sampled at temperature 0, kept out of the loss;
-    `truncated_turns` turns that ended at max_tokens (finish "length"), `truncated_masked` those
-    of them kept out of the loss (`mask_truncated`)."""
+    """How a trajectory's turns were joined: `extensions` turns appended to a sample of their
+    trace, `branches` turns that started another sample of their trace (a trace's first turn
+    counts as neither); of the turns of trained traces: `greedy_turns` token-exact turns sampled
+    at temperature 0, kept out of the loss; `truncated_turns` turns that ended at max_tokens
+    (finish "length"), `truncated_masked` those of them kept out of the loss
+    (`mask_truncated`)."""
 
     extensions: int = 0
     branches: int = 0
     greedy_turns: int = 0
     truncated_turns: int = 0
     truncated_masked: int = 0
+
+
+TraceMode = Literal["broadcast", "main"]
+
+
+def trained_traces(traj: Trajectory, mode: TraceMode = "broadcast") -> set[int]:
+    """The traces of `traj` that are trained: each with a turn recorded `train` ("broadcast"),
+    or of those the one with the most sampled (completion) ids in such turns ("main"; a tie
+    goes to the lower trace index). Empty when no turn is recorded `train`."""
+    sampled: dict[int, int] = {}
+    for c in traj.completions:
+        if c.train:
+            sampled[c.trace] = sampled.get(c.trace, 0) + len(c.completion_ids)
+    if mode == "main" and sampled:
+        return {min(sampled, key=lambda trace: (-sampled[trace], trace))}
+    return set(sampled)
+
+
+def trace_counts(traj: Trajectory, mode: TraceMode = "broadcast") -> tuple[int, int]:
+    """(the traces of `traj`, those of them not trained under `mode`: `trained_traces`)."""
+    every = {c.trace for c in traj.completions}
+    return len(every), len(every - trained_traces(traj, mode))
 
 
 def _extends(prev_ids: list[int], prompt_ids: list[int]) -> bool:
@@ -102,7 +136,7 @@ def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
     _append(sample, turn.prompt_ids[len(sample.input_ids) :], None, 0.0)
     greedy = turn.sampling.temperature <= 0
     truncated = turn.finish_reason == "length"
-    trained = turn.token_exact and not greedy and not (truncated and mask_truncated)
+    trained = turn.train and turn.token_exact and not greedy and not (truncated and mask_truncated)
     _append(sample, turn.completion_ids, turn if trained else None, advantage)
     stats.greedy_turns += turn.token_exact and greedy
     stats.truncated_turns += truncated
@@ -132,13 +166,15 @@ def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:
 
 
 def trajectory_to_samples_with_stats(
-    traj: Trajectory, advantages_per_turn: list[float], mask_truncated: bool = False
+    traj: Trajectory, advantages_per_turn: list[float], mask_truncated: bool = False,
+    traces: TraceMode = "broadcast",
 ) -> tuple[list[TrainingSample], PrefixStats]:
     """Like `trajectory_to_samples`, also returning the prefix extension / branch counts.
 
     mask_truncated: a turn that ended at max_tokens (finish "length", CASES.md C09) is context
     only (loss mask 0) instead of trained with its turn's advantage; penalise such turns
-    instead with `[reward] process = { truncated = ... }`.
+    instead with `[reward] process = { truncated = ... }`. traces: which traces are trained
+    (`trained_traces`; the others give no sample).
     """
     if len(advantages_per_turn) != len(traj.completions):
         raise ValueError(
@@ -146,14 +182,23 @@ def trajectory_to_samples_with_stats(
             f"{len(traj.completions)} turns"
         )
     samples: list[TrainingSample] = []
+    keep = trained_traces(traj, traces)
     stats = PrefixStats()
-    for k, (turn, adv) in enumerate(zip(traj.completions, advantages_per_turn, strict=True)):
-        if samples and _extends(samples[-1].input_ids, turn.prompt_ids):
+    chains: dict[int, list[TrainingSample]] = {}  # trace -> its samples, oldest first
+    for turn, adv in zip(traj.completions, advantages_per_turn, strict=True):
+        if turn.trace not in keep:
+            continue
+        chain = chains.setdefault(turn.trace, [])
+        sample = next((s for s in reversed(chain) if _extends(s.input_ids, turn.prompt_ids)),
+                      None)
+        if sample is not None:
             stats.extensions += 1
         else:
-            stats.branches += int(k > 0)
-            samples.append(_new_sample(traj))
-        _append_turn(samples[-1], turn, adv, stats, mask_truncated)
+            stats.branches += bool(chain)
+            sample = _new_sample(traj)
+            chain.append(sample)
+            samples.append(sample)
+        _append_turn(sample, turn, adv, stats, mask_truncated)
     for s in samples:
         if s.loss_mask and s.loss_mask[0]:
             # Position 0 has no preceding logits to predict it from (empty prompt).
@@ -165,15 +210,16 @@ def trajectory_to_samples_with_stats(
 def trajectory_to_samples(
     traj: Trajectory, advantages_per_turn: list[float]
 ) -> list[TrainingSample]:
-    """Turn one trajectory into training samples (one per run of token-extending turns).
+    """Turn one trajectory into training samples (one per run of token-extending turns of a
+    trace; every trace with a `train` turn, "broadcast").
 
     Args:
         traj: the trajectory; its completions are used in order.
         advantages_per_turn: one advantage per completion (`advantages.trajectory_advantages`).
 
     Returns samples whose fields all have the sample's length T: input_ids, loss_mask (1 on
-    sampled (T > 0), token-exact completion tokens), behavior_logprobs / advantages (0.0 where
-    mask 0), weight_versions (-1 where mask 0), temperatures (1.0 where mask 0). Raises
-    ValueError on a length mismatch.
+    sampled (T > 0), token-exact completion tokens of turns recorded `train`),
+    behavior_logprobs / advantages (0.0 where mask 0), weight_versions (-1 where mask 0),
+    temperatures (1.0 where mask 0). Raises ValueError on a length mismatch.
     """
     return trajectory_to_samples_with_stats(traj, advantages_per_turn)[0]

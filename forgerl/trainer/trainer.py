@@ -29,8 +29,10 @@ from forgerl.trainer.attention import attn_implementation
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
 from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch
 from forgerl.trainer.samples import (
+    TraceMode,
     TrainingSample,
     drop_retry_orphans,
+    trace_counts,
     trajectory_to_samples_with_stats,
 )
 from forgerl.trainer.tree_forward import (
@@ -80,11 +82,14 @@ class Trainer:
         merge_prefixes: share common prefixes across samples (False = plain packing).
         normalize_std: divide advantages by the group's return std (`advantages`).
         failed_reward: outcome reward of a failed rollout, which then counts in its group's
-            baseline and the loss; None drops failed rollouts from both; aborted ones are never
-            trained (`advantages.group_members`).
+            baseline and the loss; None drops failed rollouts from both; aborted ones, and
+            failed ones without a model call, never count (`advantages.group_members`).
         rewards: the composite reward weights (`forgerl.rewards.composite`; default: the
             outcome alone, plus any agent turn rewards).
         mask_truncated: keep turns that ended at max_tokens out of the loss (context only).
+        traces: which traces of a trajectory are trained (`samples.trained_traces`):
+            "broadcast" (each with a `train` turn, all with the trajectory's advantage) or
+            "main" (the one with the most sampled tokens).
         logprob_chunk_tokens: policy logprobs from the final hidden states in chunks of this
             many predictions, recomputed in the backward (`tree_forward.forward_logprobs`): no
             (tokens, vocab) logits are held. 0 = the model's own forward over all predictions;
@@ -129,6 +134,7 @@ class Trainer:
         activation_checkpointing: str = "off",
         checkpoint_every_layers: int = 2,
         autocast: str = "off",
+        traces: TraceMode = "broadcast",
     ) -> None:
         self.device = resolve_device(device)
         half = engine_dtype(autocast, self.device) if autocast != "off" else torch.float32
@@ -158,6 +164,7 @@ class Trainer:
         self.failed_reward = failed_reward
         self.rewards = rewards or RewardWeights()
         self.mask_truncated = mask_truncated
+        self.traces: TraceMode = traces
         self.cpu_share: CpuShare | None = None  # set by the controller beside a local engine
         self.step = 0
 
@@ -171,11 +178,12 @@ class Trainer:
         0), prefix_extensions / prefix_branches, greedy_turns (temperature-0 turns kept out of
         the loss, `samples`), truncated_turns / truncated_turns_masked (finish "length"
         turns of trained groups, and those kept out of the loss), retry_orphans
-        (`samples.drop_retry_orphans`), the composite reward's per-member means over the step's
-        groups (reward_outcome_mean, reward_process_mean summed over turns,
-        reward_completion_time_mean, rollout_seconds_mean), events_<kind> (summed event
-        values), step_seconds, tokens_per_second (tree tokens through forward+backward per
-        second).
+        (`samples.drop_retry_orphans`), traces_per_trajectory (mean over the groups' members)
+        and traces_untrained (their traces left out: `samples.trained_traces`), the composite
+        reward's per-member means over the step's groups (reward_outcome_mean,
+        reward_process_mean summed over turns, reward_completion_time_mean,
+        rollout_seconds_mean), events_<kind> (summed event values), step_seconds,
+        tokens_per_second (tree tokens through forward+backward per second).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged:
         so it is for NonFiniteStep, a NaN or infinite loss or gradient norm (e.g. rewards of
@@ -230,6 +238,7 @@ class Trainer:
         samples: list[TrainingSample] = []
         rewards: list[float] = []
         skipped = extensions = branches = greedy = orphans = truncated = masked = 0
+        traces = untrained = 0
         parts: dict[str, float] = {}
         events: dict[str, float] = {}
         for recorded in groups:
@@ -240,8 +249,12 @@ class Trainer:
             trajs = group_members(group, self.failed_reward)
             outcome_G, process_G_T, sums = composite_rewards(trajs, self.rewards,
                                                              self.failed_reward)
-            advs_G = reward_advantages(outcome_G, process_G_T, self.normalize_std)
+            advs_G = reward_advantages(outcome_G, process_G_T, self.normalize_std,
+                                       traces_G_T=[[c.trace for c in t.completions]
+                                                   for t in trajs])
             members = list(zip(trajs, advs_G, strict=True))
+            for n, left_out in (trace_counts(t, self.traces) for t in trajs):
+                traces, untrained = traces + n, untrained + left_out
             for key, total in sums.items():
                 parts[key] = parts.get(key, 0.0) + total
             parts["members"] = parts.get("members", 0.0) + len(trajs)
@@ -251,8 +264,8 @@ class Trainer:
                 skipped += 1  # no learning signal: contributes no loss tokens
                 continue
             for traj, advs in members:
-                traj_samples, stats = trajectory_to_samples_with_stats(traj, advs,
-                                                                       self.mask_truncated)
+                traj_samples, stats = trajectory_to_samples_with_stats(
+                    traj, advs, self.mask_truncated, self.traces)
                 samples += [s for s in traj_samples if any(s.loss_mask)]
                 extensions, branches = extensions + stats.extensions, branches + stats.branches
                 greedy += stats.greedy_turns
@@ -267,6 +280,8 @@ class Trainer:
             "truncated_turns": float(truncated),
             "truncated_turns_masked": float(masked),
             "retry_orphans": float(orphans),
+            "traces_per_trajectory": traces / max(parts.get("members", 0.0), 1.0),
+            "traces_untrained": float(untrained),
             **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
                 ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),
                 ("reward_completion_time_mean", "completion_time"),

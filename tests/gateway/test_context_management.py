@@ -2,7 +2,8 @@
 
 A white-box agent loop over the real gateway (scripted engine, the official AsyncOpenAI client):
 turn 1 calls `lookup`, turn 2 calls `compact` with a summary, turn 3 answers. The compact call
-rewrites the history, so turn 3 is a new branch: two training samples that share the head
+rewrites the history, so turn 3 starts a new trace (a prefix miss: same opening): two
+training samples that share the head
 (system + task), merged by the prefix tree; the CM turn is trained (loss mask 1 on its sampled
 ids, with its turn's advantage) in the first sample and is context in the second.
 """
@@ -62,7 +63,8 @@ def test_a_compact_call_starts_a_branch_that_shares_the_head(serve, tokenizer):
     advs = trajectory_advantages([traj, other])
     assert advs[0] == [0.5, 0.5, 0.5]  # outcome-only: every turn, the CM turn too
     samples, stats = trajectory_to_samples_with_stats(traj, advs[0])
-    assert (len(samples), stats.extensions, stats.branches) == (2, 1, 1)
+    assert [c.trace for c in traj.completions] == [0, 0, 1]  # turn 3 extends no turn
+    assert (len(samples), stats.extensions, stats.branches) == (2, 1, 0)
     first, second = samples
     cm = traj.completions[1]
     at = len(cm.prompt_ids)

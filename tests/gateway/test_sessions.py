@@ -4,8 +4,9 @@ Pins: the most recent turn whose messages are a true message-level prefix and wh
 equals the next message is extended with its exact ids (CASES.md C01/C02); a changed earlier
 message, a different reply, or changed tools render from scratch and count as a miss; a branch
 can extend an older turn (the tree, not a list); the n choices of one call are sibling turns
-and count one miss at most; keys are unique and closing forgets them. Messages are the internal
-form (conversation.py).
+in one trace and count one miss at most; a call that extends no turn starts a trace, a miss
+only with the opening of an earlier trace; keys are unique and closing forgets them. Messages
+are the internal form (conversation.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ def said(text: str) -> Message:
 
 def answer(session, renderer, messages, completion_ids, assistant, tools=()):
     plan = session.plan(messages, tools, renderer)
+    place = session.place(plan, messages)
     session.record(
-        [Turn(messages, tools, plan.prompt_ids, completion_ids, assistant, plan.parent)],
-        plan.extends_previous,
+        [Turn(messages, tools, plan.prompt_ids, completion_ids, assistant, plan.parent,
+              place.trace)],
+        place.miss,
     )
     return plan
 
@@ -69,8 +72,12 @@ def test_mismatches_render_fresh_and_count(tokenizer):
     ]:
         plan = s.plan(msgs, tools, r)
         assert plan == plan.__class__(r.render(msgs, tools), None, False)
-    answer(s, r, [U2], [2], said(""))
-    assert s.prefix_misses == 1
+    answer(s, r, [U1, said("z"), U2], [2], said(""))  # its own conversation, rewritten: a miss
+    answer(s, r, [U2], [2], said(""))  # another opening (a side call): a new trace, no miss
+    answer(s, r, [U2, said(""), U1], [2], said(""))  # extends the side call: joins its trace
+    assert [t.trace for t in s.turns] == [0, 1, 2, 2] and s.prefix_misses == 1
+    assert [k for k, _ in s.traces] == [(message_key(U1),), (message_key(U1),),
+                                        (message_key(U2),)]
 
 
 def test_message_key_compares_tool_calls_by_parsed_arguments():
@@ -89,13 +96,16 @@ def test_choices_of_one_call_are_sibling_turns(tokenizer):
     store = SessionStore()
     s = store.get(store.create("t2"))
     answer(s, r, [U1], [*r.encode("x"), 2], said("x"))
-    plan = s.plan([U2], (), r)  # a rewrite: one miss for the whole call
-    s.record([Turn([U2], (), plan.prompt_ids, [*r.encode(t), 2], said(t), plan.parent)
-              for t in ("p", "q", "s")], plan.extends_previous)
-    assert s.prefix_misses == 1 and len(s.turns) == 4
-    # the agent continues from the second choice: its ids are reused
-    follow = s.plan([U2, said("q"), U1], (), r)
+    rewrite = [U1, said("w"), U2]
+    plan = s.plan(rewrite, (), r)  # a rewrite: one miss for the whole call, one trace
+    place = s.place(plan, rewrite)
+    s.record([Turn(rewrite, (), plan.prompt_ids, [*r.encode(t), 2], said(t), plan.parent,
+                   place.trace) for t in ("p", "q", "s")], place.miss)
+    assert s.prefix_misses == 1 and len(s.turns) == 4 and place.trace == 1
+    # the agent continues from the second choice: its ids are reused, in the same trace
+    follow = s.plan([*rewrite, said("q"), U1], (), r)
     assert follow.parent == 2 and follow.extends_previous
+    assert s.place(follow, rewrite).trace == 1 and len(s.traces) == 2
     assert follow.prompt_ids[: len(plan.prompt_ids) + 2] == [*plan.prompt_ids, *r.encode("q"), 2]
 
 

@@ -3,9 +3,9 @@
 Pins: turn k+1's prompt starts with turn k's prompt + completion ids exactly as the engine
 emitted them (CASES.md C01: a decoded-then-re-encoded reply would get other ids); the
 assistant->tool boundary is end-of-turn, "\\n", im_start and the whole prompt equals a fresh
-rendering with a byte tokenizer (C02); a context rewrite renders from scratch and is counted
-(C02); every prompt ends with the assistant generation header (C03); a reply cut by max_tokens
-is closed with the end-of-turn id before the next turn.
+rendering with a byte tokenizer (C02); a context rewrite renders from scratch, as a new trace,
+and is counted (C02); every prompt ends with the assistant generation header (C03); a reply
+cut by max_tokens is closed with the end-of-turn id before the next turn.
 """
 
 from __future__ import annotations
@@ -124,15 +124,23 @@ def test_c02_tool_boundary_matches_fresh_rendering(serve, tokenizer):
 
 
 def test_c02_context_rewrite_is_counted_and_rendered_fresh(serve, tokenizer):
-    renderer, srv, tid, client = scripted_session(serve, tokenizer, ["Paris", "Madrid"])
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "France?"}])
-    rewritten = [{"role": "user", "content": "(summary) Spain?"}]
+    """A rewrite of the session's own conversation (its opening kept: system prompt and first
+    user message) renders fresh as a new trace and counts as a prefix miss; a side call with
+    its own system prompt is a new trace too, but no miss."""
+    renderer, srv, tid, client = scripted_session(serve, tokenizer, ["Paris", "Madrid", "T"])
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "France?"}]
+    client.chat.completions.create(model="tiny", messages=first)
+    rewritten = [*first, {"role": "assistant", "content": "(summary) Paris"},
+                 {"role": "user", "content": "Spain?"}]
     client.chat.completions.create(model="tiny", messages=rewritten)
-    second = srv.pool.get_trajectory(tid).completions[1]
+    side = [{"role": "system", "content": "You are a title generator."}, first[1]]
+    client.chat.completions.create(model="tiny", messages=side)
+    _, second, third = srv.pool.get_trajectory(tid).completions
     assert second.prompt_ids == render(renderer, rewritten)
-    assert not second.extends_previous
+    assert not second.extends_previous and not third.extends_previous
+    assert [c.trace for c in srv.pool.get_trajectory(tid).completions] == [0, 1, 2]
     assert srv.gateway.sessions.get(client.api_key).prefix_misses == 1
-    assert srv.gateway.counters["prefix_misses"] == 1
+    assert srv.gateway.counters["prefix_misses"] == 1 and srv.gateway.counters["traces"] == 3
 
 
 def test_c03_later_turn_ends_with_generation_header(serve, tokenizer):
