@@ -19,16 +19,15 @@ TrajectoryStatus = Literal["running", "finished", "failed", "aborted"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one completion is sampled (vLLM's names, conventions and order; CASES.md C04, C21).
+    """How one completion is sampled: vLLM's names, conventions and order (CASES.md C04, C21).
 
-    Every engine receives every field explicitly, so no model default (a generation_config's
-    top_k 20 or repetition_penalty 1.1) ever applies silently. Applied per token in vLLM's
-    order: penalties on the raw logits, then temperature, min_p, top_k, top_p; the recorded
-    logprob is that of the distribution actually sampled, log_softmax of the result (filtered
-    tokens -inf, so a filter renormalises over the tokens kept).
+    Every engine gets every field explicitly, so no model default (generation_config's top_k 20,
+    repetition_penalty 1.1, ...) applies unseen. Per token: penalties on the raw logits, then
+    temperature, min_p, top_k, top_p; the recorded logprob is log_softmax of the result, the
+    distribution actually sampled (a filter renormalises over the tokens kept).
 
-    temperature: softmax temperature; 0 means greedy (argmax of the penalised logits, logprobs
-        at T = 1, the filters unused, as vLLM).
+    temperature: >= 0; 0 means greedy (argmax of the penalised logits, logprobs at T = 1, no
+        filter, as vLLM).
     top_p: nucleus mass in (0, 1]; 1 = off.
     top_k: the k most likely tokens (ties kept); 0 or -1 = off (vLLM's convention; 0 stored).
     min_p: in [0, 1]; tokens below min_p times the top token's probability are dropped; 0 = off.
@@ -65,19 +64,17 @@ class SamplingParams:
                      if getattr(self, k) != v and not (k == "top_k" and self.top_k == -1))
 
     def check(self) -> None:
-        """Raise ValueError naming the first field outside vLLM's bounds (see the class)."""
-        bad = next((name for name, ok in (
-            ("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1),
-            ("min_p", 0 <= self.min_p <= 1),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
-            ("max_tokens", self.max_tokens >= 1)) if not ok), None)
-        if bad is not None:
-            raise ValueError(f"{bad} ({getattr(self, bad)}) is out of range: temperature >= 0, "
-                             "0 < top_p <= 1, top_k >= -1, 0 <= min_p <= 1, repetition_penalty"
-                             " > 0, presence/frequency_penalty in [-2, 2], max_tokens >= 1")
+        """Raise ValueError naming the first field outside the bounds of the class docstring
+        (vLLM's; max_tokens >= 1)."""
+        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
+                         ("top_k", isinstance(self.top_k, int) and self.top_k >= -1),
+                         ("min_p", 0 <= self.min_p <= 1),
+                         ("repetition_penalty", 0 < self.repetition_penalty < math.inf),
+                         ("presence_penalty", -2 <= self.presence_penalty <= 2),
+                         ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
+                         ("max_tokens", self.max_tokens >= 1)):
+            if not ok:
+                raise ValueError(f"{name} ({getattr(self, name)}) is out of range")
 
 
 @dataclass(frozen=True)

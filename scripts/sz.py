@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 720,
     "controller": 1_200,
-    "datapool": 540,
-    "engines": 1_550,
-    "gateway": 4_400,
+    "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
+    "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
+    "gateway": 4_410,  # +10 (issue 46): top_k, min_p and the penalties honoured and recorded
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_850,
-    "core": 1_850,  # the top-level modules: types, config, models, weights, cli, cluster, ...
+    "core": 1_890,  # the top-level modules: types, config, models, weights, cli, cluster, ...
+    # core +40 (issue 46): SamplingParams' top_k, min_p, penalties, check() and transforms()
 }
 
 

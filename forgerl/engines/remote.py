@@ -161,10 +161,9 @@ class RemoteEngine:
     ) -> AsyncIterator[TokenEvent | GenerateOutput]:
         """Yield a TokenEvent per sampled token, then the GenerateOutput (RolloutEngine.stream).
 
-        Every sampling parameter is sent explicitly (`sampling_fields`). A stream with a
-        presence or frequency penalty is not stopped by a weight update (it finishes on the
-        weights it started on): resumed as prompt + tokens so far, the server would count the
-        tokens before the resume as prompt, which those penalties skip.
+        Every sampling parameter is sent (`sampling_fields`). A stream with a presence or
+        frequency penalty finishes on its weights (a resume would make its tokens prompt ids,
+        which those penalties skip): a weight update waits for it.
 
         Raises ValueError (before any HTTP call) for an empty prompt, params out of range
         (`SamplingParams.check`), or len(prompt_ids) + max_tokens > max_model_len, and for a
