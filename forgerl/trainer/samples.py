@@ -106,7 +106,8 @@ def _append(sample: TrainingSample, ids: list[int], turn: Completion | None, adv
 def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
                  stats: PrefixStats, mask_truncated: bool) -> None:
     """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion
-    (mask 1 when token-exact, sampled at T > 0 and not a masked truncated turn)."""
+    (mask 1 when token-exact, sampled at T > 0 without a transform and not a masked truncated
+    turn)."""
     _append(sample, turn.prompt_ids[len(sample.input_ids) :], None, 0.0)
     greedy = turn.sampling.temperature <= 0
     transformed = not greedy and bool(turn.sampling.transforms())
