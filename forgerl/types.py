@@ -8,6 +8,7 @@ process boundaries (pickle, JSON) without pydantic; pydantic lives only at the H
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,15 +19,29 @@ TrajectoryStatus = Literal["running", "finished", "failed", "aborted"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one completion is sampled (vLLM naming).
+    """How one completion is sampled: vLLM's names, conventions and order (CASES.md C04, C21).
 
-    temperature: softmax temperature; 0 means greedy. Recorded logprobs are always those of
-        the distribution actually sampled, log_softmax(logits / temperature) (greedy: T = 1).
-    top_p: nucleus mass; only 1.0 is accepted for training rollouts (CASES.md C04).
+    Every engine gets every field explicitly, so no model default (generation_config's top_k 20,
+    repetition_penalty 1.1, ...) applies unseen. Per token: penalties on the raw logits, then
+    temperature, min_p, top_k, top_p; the recorded logprob is log_softmax of the result, the
+    distribution actually sampled (a filter renormalises over the tokens kept).
+
+    temperature: >= 0; 0 means greedy (argmax of the penalised logits, logprobs at T = 1, no
+        filter, as vLLM).
+    top_p: nucleus mass in (0, 1]; 1 = off.
+    top_k: the k most likely tokens (ties kept); 0 or -1 = off (vLLM's convention; 0 stored).
+    min_p: in [0, 1]; tokens below min_p times the top token's probability are dropped; 0 = off.
+    repetition_penalty: > 0; a token already in the prompt or the completion has its logit
+        divided by it when positive, multiplied when not; 1 = off.
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted once per token present in the
+        completion so far / once per occurrence in it (the prompt is not counted); 0 = off.
     max_tokens: upper bound on completion tokens (already clamped to the context by the gateway).
     stop_token_ids: ids that end the completion (the end-of-turn id); the stop id is included
         in `completion_ids` and gets a logprob like any other sampled token.
     seed: optional per-request seed for reproducible sampling.
+
+    The trainer scores tokens with log_softmax(logits / T) only: a turn sampled with any
+    `transforms()` is context only (loss mask 0), counted (trainer/samples.py).
     """
 
     temperature: float = 1.0
@@ -34,6 +49,32 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def transforms(self) -> tuple[str, ...]:
+        """Names of the fields set to a non-neutral value (top_p, top_k, min_p, penalties): the
+        sampled distribution is then not log_softmax(logits / T). Empty when none is."""
+        off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        return tuple(k for k, v in off.items()
+                     if getattr(self, k) != v and not (k == "top_k" and self.top_k == -1))
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field outside the bounds of the class docstring
+        (vLLM's; max_tokens >= 1)."""
+        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
+                         ("top_k", isinstance(self.top_k, int) and self.top_k >= -1),
+                         ("min_p", 0 <= self.min_p <= 1),
+                         ("repetition_penalty", 0 < self.repetition_penalty < math.inf),
+                         ("presence_penalty", -2 <= self.presence_penalty <= 2),
+                         ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
+                         ("max_tokens", self.max_tokens >= 1)):
+            if not ok:
+                raise ValueError(f"{name} ({getattr(self, name)}) is out of range")
 
 
 @dataclass(frozen=True)
@@ -76,7 +117,8 @@ class Completion:
         extends none (the first call, a title or compaction call, a sub-agent, a fork) starts
         the next trace. Each trace is its own prefix tree in the trainer.
     train: False keeps the call out of the loss (context only): a side call (an untrained
-        model name, a trace rule) or sampling the trainer cannot reproduce.
+        model name, a trace rule). Sampling the trainer cannot reproduce
+        (`SamplingParams.transforms`) is kept out by the trainer whatever this says.
     request: JSON-able notes on the request as the gateway applied it (protocol, fields kept
         without effect, controls applied approximately, tools left out); never affects tokens.
     """

@@ -20,12 +20,14 @@ BUDGETS: dict[str, int] = {
     "agents": 720,
     "controller": 1_200,
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
-    "engines": 1_550,
-    "gateway": 4_450,  # +50 (issue 46): traces per session, trace rules, untrained model names
+    "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
+    "gateway": 4_480,  # +80 (issue 46): traces, trace rules, untrained models; sampling params
     "rewards": 300,
     "scheduler": 440,
-    "trainer": 1_880,  # +30 (issue 46): a sample chain per trace, [reward] traces, rtg per trace
-    "core": 1_880,  # top-level modules: types, config, ...; +30 (issue 46): the trace settings
+    "trainer": 1_890,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
+    # sampled-with-transforms turns kept as context
+    "core": 1_920,  # top-level modules: types, config, ...; +70 (issue 46): trace settings,
+    # SamplingParams' top_k, min_p, penalties, check() and transforms()
 }
 
 

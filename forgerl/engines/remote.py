@@ -8,9 +8,11 @@ scripts/setup_vllm.sh) with
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
         --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm
 
-`processed_logprobs` makes the logprobs those of the distribution actually sampled,
-log_softmax(logits / T) (CASES.md C04; vLLM's default is the raw logits' T = 1 distribution);
-`--generation-config vllm` keeps the model folder's sampling defaults (top_k, ...) out.
+`processed_logprobs` makes the logprobs those of the distribution actually sampled (after
+penalties, temperature and filters; log_softmax(logits / T) with neutral params, CASES.md C04;
+vLLM's default is the raw logits' T = 1 distribution);
+`--generation-config vllm` keeps the model folder's sampling defaults (top_k, ...) out, and every
+request names every sampling parameter anyway (`sampling_fields`, CASES.md C21).
 
 Weight updates (dev mode): the state dict is written as safetensors to `weights_dir/v{version}`
 (a folder the server can read), then `/collective_rpc` runs the workers' `reload_weights` from it
@@ -87,6 +89,17 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
             proc.wait()
 
 
+def sampling_fields(params: SamplingParams) -> dict[str, float | int | None]:
+    """Every sampling parameter of `params` under vLLM's name (its SamplingParams and its HTTP
+    body alike), top_k -1 sent as 0: explicit, so none of the model's generation_config
+    defaults can apply (CASES.md C21)."""
+    return {"temperature": params.temperature, "top_p": params.top_p,
+            "top_k": max(params.top_k, 0), "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "seed": params.seed}
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -148,12 +161,18 @@ class RemoteEngine:
     ) -> AsyncIterator[TokenEvent | GenerateOutput]:
         """Yield a TokenEvent per sampled token, then the GenerateOutput (RolloutEngine.stream).
 
-        Raises ValueError (before any HTTP call) for an empty prompt, top_p < 1, or
-        len(prompt_ids) + max_tokens > max_model_len, and for a request the server refuses
-        (4xx); httpx.HTTPError when the server cannot be reached after `retries`; RuntimeError
-        when the server fails after some tokens (the partial completion is not delivered).
+        Every sampling parameter is sent (`sampling_fields`). A stream with a presence or
+        frequency penalty finishes on its weights (a resume would make its tokens prompt ids,
+        which those penalties skip): a weight update waits for it.
+
+        Raises ValueError (before any HTTP call) for an empty prompt, params out of range
+        (`SamplingParams.check`), or len(prompt_ids) + max_tokens > max_model_len, and for a
+        request the server refuses (4xx); httpx.HTTPError when the server cannot be reached
+        after `retries`; RuntimeError when the server fails after some tokens (the partial
+        completion is not delivered).
         """
         self._check(prompt_ids, params)
+        resumable = not (params.presence_penalty or params.frequency_penalty)
         ids: list[int] = []
         lps: list[float] = []
         versions: list[int] = []
@@ -172,7 +191,7 @@ class RemoteEngine:
                         lps.append(logprob)
                         versions.append(version)
                         yield TokenEvent(token, logprob, version, time.perf_counter())
-                        if finish is None and not self._open.is_set():  # a weight update waits
+                        if finish is None and not self._open.is_set() and resumable:
                             self.stats["resumes"] += 1
                             break
                 if finish is None and self._open.is_set():
@@ -225,8 +244,7 @@ class RemoteEngine:
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
-        if params.top_p != 1.0:
-            raise ValueError(f"top_p {params.top_p} < 1 is refused for rollouts (CASES.md C04)")
+        params.check()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) > "
@@ -241,8 +259,8 @@ class RemoteEngine:
         resumed = len(done)  # `done` is the caller's list: it grows as tokens are yielded
         body = {
             "prompt": prompt_ids + done, "max_tokens": params.max_tokens - len(done),
-            "temperature": params.temperature, "top_p": 1.0, "top_k": 0, "seed": params.seed,
-            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
+            **sampling_fields(params), "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True, "logprobs": 0,
             "return_token_ids": True, "return_tokens_as_token_ids": True, "stream": True,
             "skip_special_tokens": False, "include_stop_str_in_output": True,
         }

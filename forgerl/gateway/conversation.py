@@ -91,7 +91,8 @@ class Sampling:
 
     max_tokens: completion tokens per choice. stop: strings that end a choice (the returned
     text ends before the first one; the sampled ids up to the token completing it are kept).
-    seed: choice i of a call samples with seed + i (mod 2**63).
+    seed: choice i of a call samples with seed + i (mod 2**63). top_k, min_p and the
+    penalties: as `forgerl.types.SamplingParams` (None: neutral).
     """
 
     temperature: float | None = None
@@ -99,6 +100,11 @@ class Sampling:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 @dataclass(frozen=True)

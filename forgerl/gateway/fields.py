@@ -14,9 +14,9 @@ protocol: `CHAT` (POST /v1/chat/completions), `COMPLETIONS` (/v1/completions), `
     refused   any value but null is a 400 naming the field
 
 Some honoured fields are checked by the core, whatever the protocol (the note says so): model
-(404 unless served), top_p < 1 on a training session (CASES.md C04), top_logprobs > 0, empty
-stop strings, tools and tool_choice (prepare.py). Content parts and blocks a text policy cannot
-read are refused where the protocol translates them (the notes name them).
+(404 unless served), top_logprobs > 0, empty stop strings, tools and tool_choice
+(prepare.py). Content parts and blocks a text policy cannot read are refused where the protocol
+translates them (the notes name them).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def neutral(why: str, bad: Callable[[Any], bool]) -> Rule:
     return Rule("neutral", why, lambda name, v, req: unsupported(name, why) if bad(v) else None)
 
 
-PENALTY = "only 0 is supported: the recorded logprobs are of the unpenalised distribution"
+SAMPLED = "sampled with and recorded; the turn is then context only in training, counted (C21)"
 BIAS = "only an empty bias is supported"
 
 
@@ -124,7 +124,7 @@ CHAT: dict[str, Rule] = {
                             "does not parse comes back as text, in `tool_parse_errors`)"),
     "parallel_tool_calls": honoured("false: the reply ends after its first call"),
     "temperature": honoured("unless the session sets one"),
-    "top_p": honoured("< 1 refused for training sessions (C04)"),
+    "top_p": honoured(f"< 1: {SAMPLED}"),
     "max_tokens": honoured("capped by the session and the gateway, clamped to the context"),
     "max_completion_tokens": honoured("as max_tokens; wins over it"),
     "stop": honoured("the text ends before the first one; the ids up to it are recorded"),
@@ -147,8 +147,11 @@ CHAT: dict[str, Rule] = {
     "web_search_options": refused("the gateway has no web search"),
     "functions": refused("deprecated; declare them as `tools`"),
     "function_call": refused("deprecated; use `tool_choice`"),
-    "frequency_penalty": neutral(PENALTY, bool),
-    "presence_penalty": neutral(PENALTY, bool),
+    "frequency_penalty": honoured(f"in [-2, 2]; not 0: {SAMPLED}"),
+    "presence_penalty": honoured(f"in [-2, 2]; not 0: {SAMPLED}"),
+    "top_k": honoured(f"vLLM's extra; 0 or -1 = off; > 0: {SAMPLED}"),
+    "min_p": honoured(f"vLLM's extra; in [0, 1]; > 0: {SAMPLED}"),
+    "repetition_penalty": honoured(f"vLLM's extra; > 0; not 1: {SAMPLED}"),
     "logit_bias": neutral(BIAS, bool),
     "modalities": neutral('only ["text"] is supported', lambda v: v not in (None, ["text"])),
     "response_format": honoured('"text"; json_object / json_schema refused (no constrained '
@@ -183,7 +186,7 @@ COMPLETIONS: dict[str, Rule] = {
     "max_tokens": honoured("the session's, else the request's, else the gateway's default, "
                            "clamped to the context (the official default is 16)"),
     "temperature": honoured("unless the session sets one"),
-    "top_p": honoured("< 1 refused for training sessions (C04)"),
+    "top_p": honoured(f"< 1: {SAMPLED}"),
     "stop": honoured("the text ends before the first one; the ids up to it are recorded"),
     "seed": honoured("choice i samples with seed + i"),
     "n": honoured("each choice its own recorded completion and branch"),
@@ -194,8 +197,11 @@ COMPLETIONS: dict[str, Rule] = {
     "return_token_ids": honoured("vLLM's: each choice carries prompt_token_ids and token_ids"),
     "user": ignored(),
     "suffix": refused("insertion (fill-in-the-middle) is not supported"),
-    "frequency_penalty": neutral(PENALTY, bool),
-    "presence_penalty": neutral(PENALTY, bool),
+    "frequency_penalty": honoured(f"in [-2, 2]; not 0: {SAMPLED}"),
+    "presence_penalty": honoured(f"in [-2, 2]; not 0: {SAMPLED}"),
+    "top_k": honoured(f"vLLM's extra; 0 or -1 = off; > 0: {SAMPLED}"),
+    "min_p": honoured(f"vLLM's extra; in [0, 1]; > 0: {SAMPLED}"),
+    "repetition_penalty": honoured(f"vLLM's extra; > 0; not 1: {SAMPLED}"),
     "logit_bias": neutral(BIAS, bool),
     "best_of": honoured("equal to n only", _best_of),
     "echo": honoured("the prompt text before the completion; not with logprobs", _echo),
@@ -222,7 +228,7 @@ RESPONSES: dict[str, Rule] = {
     "max_output_tokens": honoured("capped by the session and the gateway, clamped to the "
                                   "context"),
     "temperature": honoured("unless the session sets one"),
-    "top_p": honoured("< 1 refused for training sessions (C04)"),
+    "top_p": honoured(f"< 1: {SAMPLED}"),
     "top_logprobs": honoured("0 only (the core refuses more)"),
     "include": honoured('"message.output_text.logprobs"; other values accepted without effect'),
     "previous_response_id": honoured("that turn's messages and reply go ahead of input"),
@@ -288,7 +294,7 @@ MESSAGES: dict[str, Rule] = {
     "max_tokens": honoured("capped by the session and the gateway, clamped to the context"),
     "stop_sequences": honoured('stop_reason "stop_sequence" with the matched string'),
     "temperature": honoured("unless the session sets one"),
-    "top_p": honoured("< 1 refused for training sessions (C04)"),
+    "top_p": honoured(f"< 1: {SAMPLED}"),
     "stream": honoured("the Messages SSE events as the engine samples"),
     "metadata": ignored(),
     "service_tier": ignored(),
@@ -303,7 +309,7 @@ MESSAGES: dict[str, Rule] = {
                                   "token reuse)"),
     "container": refused("the gateway runs no containers"),
     "diagnostics": refused("the gateway reports no prompt-cache diagnostics"),
-    "top_k": refused("the recorded logprobs are over the full vocabulary"),
+    "top_k": honoured(f"0 = off; > 0: {SAMPLED}"),
     "thinking": honoured('"disabled" / "adaptive"; other types refused', _thinking),
     "output_config": Rule("refused", "format (no constrained decoding), effort (no such "
                           "control): any key set is refused", _output_config),

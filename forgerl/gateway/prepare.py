@@ -148,15 +148,14 @@ def sampling_params(session: Session, conv: Conversation, prompt_len: int, rende
     smallest of the session's, the request's and the gateway's (`max_tokens`: `rollout.max_tokens`,
     a cap on every call, sessions opened over HTTP included), clamped to the context.
 
-    The seed is the request's, else the session's `seed + turns so far` (mod 2**63).
-    Raises GatewayError 400 for top_p < 1 on a training session (CASES.md C04: recorded
-    logprobs are full-support) and for prompts of max_model_len tokens or more (C09).
+    The seed is the request's, else the session's `seed + turns so far` (mod 2**63). top_p,
+    top_k (-1 stored as 0), min_p and the penalties are the request's, else neutral; all are
+    explicit in the params the engine gets and the turn records. A training session's turn
+    sampled with any of them non-neutral is valid: the trainer keeps it as context, counted
+    (`SamplingParams.transforms`, CASES.md C04, C21). Raises GatewayError 400 for prompts of
+    max_model_len tokens or more (C09).
     """
     s = conv.sampling
-    top_p = 1.0 if s.top_p is None else s.top_p
-    if top_p < 1.0 and session.training:
-        raise unsupported(conv.param("top_p"), f"top_p ({top_p}) < 1 is refused for training "
-                          "rollouts: the recorded logprobs are over the full vocabulary")
     room = max_model_len - prompt_len
     if room <= 0:
         raise context_exceeded(str(prompt_len), max_model_len, conv.param("messages"))
@@ -167,8 +166,12 @@ def sampling_params(session: Session, conv: Conversation, prompt_len: int, rende
                  if m is not None)  # an agent may ask for fewer, never for more
     seed = s.seed if s.seed is not None or session.seed is None else (
         (session.seed + len(session.turns)) % 2**63)
-    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(wanted, room),
-                          stop_token_ids=renderer.stop_ids, seed=seed)
+    return SamplingParams(
+        temperature=temperature, top_p=1.0 if s.top_p is None else s.top_p,
+        max_tokens=min(wanted, room), stop_token_ids=renderer.stop_ids, seed=seed,
+        top_k=max(s.top_k or 0, 0), min_p=s.min_p or 0.0,
+        repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+        presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0)
 
 
 def prefill_text(conv: Conversation, renderer: Renderer) -> str:

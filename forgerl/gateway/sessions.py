@@ -108,7 +108,8 @@ class Session:
         agent that asks for fewer tokens gets at most what it asked for).
     seed: when set, a request without its own seed samples with `seed + turns so far` (mod
         2**63): the same session replays the same per-turn seeds (reproducible rollouts).
-    training: the session's completions are trained on (top_p < 1 is refused, CASES.md C04).
+    training: the session's completions are trained on (a turn sampled with top_p < 1, top_k,
+        min_p or a penalty is kept as context by the trainer, CASES.md C04, C21).
     prefix_misses: calls that started a trace with the opening of an earlier one (module
         docstring). traces: per trace, its opening's message keys and whether it is trained.
     last_active: time.monotonic() of the latest model call's start or end (or the opening).

@@ -28,6 +28,11 @@ the prefix tree packs for the loss. Rules (DESIGN.md "Trajectory"; CASES.md C01-
   importance ratio with (its recorded logprobs are those of T = 1, which it did not sample
   from). Training rollouts are sampled at `rollout.temperature > 0`; the greedy eval rollouts
   have task_index < 0 and never enter a training group.
+- A turn sampled at T > 0 with any sampling transform (top_p < 1, top_k, min_p, a penalty:
+  `SamplingParams.transforms`) is context only too, counted in `PrefixStats.transformed_turns`:
+  its recorded logprobs are of the filtered or penalised distribution, which the trainer's
+  log_softmax(logits / T) does not reproduce (CASES.md C04, C21: repetition_penalty 1.1 alone
+  moves the ratio on unchanged weights to 1.067 and 0.890).
 
 The extension check is done here token-for-token, independent of the gateway's
 `extends_previous` flag, and every branch is counted (never silently patched).
@@ -69,13 +74,15 @@ class PrefixStats:
     """How a trajectory's turns were joined: `extensions` turns appended to a sample of their
     trace, `branches` turns that started another sample of their trace (a trace's first turn
     counts as neither); of the turns of trained traces: `greedy_turns` token-exact turns sampled
-    at temperature 0, kept out of the loss; `truncated_turns` turns that ended at max_tokens
-    (finish "length"), `truncated_masked` those of them kept out of the loss
-    (`mask_truncated`)."""
+    at temperature 0, kept out of the loss; `transformed_turns` token-exact turns sampled at
+    T > 0 with a sampling transform (top_p, top_k, min_p, penalties), kept out of the loss;
+    `truncated_turns` turns that ended at max_tokens (finish "length"), `truncated_masked` those
+    of them kept out of the loss (`mask_truncated`)."""
 
     extensions: int = 0
     branches: int = 0
     greedy_turns: int = 0
+    transformed_turns: int = 0
     truncated_turns: int = 0
     truncated_masked: int = 0
 
@@ -132,13 +139,17 @@ def _append(sample: TrainingSample, ids: list[int], turn: Completion | None, adv
 def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
                  stats: PrefixStats, mask_truncated: bool) -> None:
     """Append the part of `turn.prompt_ids` not yet in `sample` (mask 0), then the completion
-    (mask 1 when token-exact, sampled at T > 0 and not a masked truncated turn)."""
+    (mask 1 when token-exact, sampled at T > 0 without a transform and not a masked truncated
+    turn)."""
     _append(sample, turn.prompt_ids[len(sample.input_ids) :], None, 0.0)
     greedy = turn.sampling.temperature <= 0
+    transformed = not greedy and bool(turn.sampling.transforms())
     truncated = turn.finish_reason == "length"
-    trained = turn.train and turn.token_exact and not greedy and not (truncated and mask_truncated)
+    trained = (turn.train and turn.token_exact and not greedy and not transformed
+               and not (truncated and mask_truncated))
     _append(sample, turn.completion_ids, turn if trained else None, advantage)
     stats.greedy_turns += turn.token_exact and greedy
+    stats.transformed_turns += turn.token_exact and transformed
     stats.truncated_turns += truncated
     stats.truncated_masked += truncated and mask_truncated
 

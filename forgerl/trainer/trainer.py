@@ -176,8 +176,9 @@ class Trainer:
         ratio_max / clip_frac, token_off_policy_lag_mean / _max (self.step - weight_versions
         over loss tokens; the scheduler logs the per-group lag), groups_skipped (all advantages
         0), prefix_extensions / prefix_branches, greedy_turns (temperature-0 turns kept out of
-        the loss, `samples`), truncated_turns / truncated_turns_masked (finish "length"
-        turns of trained groups, and those kept out of the loss), retry_orphans
+        the loss, `samples`), transformed_turns (turns sampled with top_p, top_k, min_p or a
+        penalty, kept out of the loss, `samples`), truncated_turns / truncated_turns_masked
+        (finish "length" turns of trained groups, and those kept out of the loss), retry_orphans
         (`samples.drop_retry_orphans`), traces_per_trajectory (mean over the groups' members)
         and traces_untrained (their traces left out: `samples.trained_traces`), the composite
         reward's per-member means over the step's groups (reward_outcome_mean,
@@ -237,7 +238,7 @@ class Trainer:
         """Advantages → samples → prefix tree, plus the global loss-token count N."""
         samples: list[TrainingSample] = []
         rewards: list[float] = []
-        skipped = extensions = branches = greedy = orphans = truncated = masked = 0
+        skipped = extensions = branches = greedy = transformed = orphans = truncated = masked = 0
         traces = untrained = 0
         parts: dict[str, float] = {}
         events: dict[str, float] = {}
@@ -269,6 +270,7 @@ class Trainer:
                 samples += [s for s in traj_samples if any(s.loss_mask)]
                 extensions, branches = extensions + stats.extensions, branches + stats.branches
                 greedy += stats.greedy_turns
+                transformed += stats.transformed_turns
                 truncated += stats.truncated_turns
                 masked += stats.truncated_masked
         return self.pack(samples, {
@@ -277,6 +279,7 @@ class Trainer:
             "prefix_extensions": float(extensions),
             "prefix_branches": float(branches),
             "greedy_turns": float(greedy),
+            "transformed_turns": float(transformed),
             "truncated_turns": float(truncated),
             "truncated_turns_masked": float(masked),
             "retry_orphans": float(orphans),

@@ -12,7 +12,8 @@ Pinned here, on the tiny random Llama from tests/conftest.py (fp32, CPU):
 - A weight update lands between decode steps of a running generation: weight_versions read
   0…0 1…1 and the later tokens' logprobs are those of the new weights; a bad update raises and
   leaves weight_version alone.
-- Requests that cannot be served raise ValueError (too long, empty, top_p < 1, bad ids).
+- Requests that cannot be served raise ValueError (too long, empty, params out of range such
+  as top_p 0 or repetition_penalty 0, bad ids).
 - Prefix caching (KV reuse) is invisible in the outputs: a request sharing a prefix with an
   earlier one (or a group sharing a system prompt, sent together) reuses exactly the shared
   tokens' KV and produces the cache-off engine's ids and logprobs (within 1e-4); a group's
@@ -96,7 +97,8 @@ async def _alone(model, prompt: list[int], params: SamplingParams) -> GenerateOu
 
 def sample_logprobs(logits, temperature, generator=None):
     """One row through the engine's sampler: logits (V,) → (token id, logprob)."""
-    tokens, logprobs = sample_tokens(logits.unsqueeze(0), [temperature], [generator])
+    tokens, logprobs = sample_tokens(logits.unsqueeze(0), [SamplingParams(temperature)],
+                                     [generator])
     return int(tokens[0]), float(logprobs[0])
 
 
@@ -105,7 +107,7 @@ def test_inverse_cdf_draws_follow_the_tempered_distribution():
     # a mix of seeded rows and greedy rows; the masked token is never drawn
     n = 20_000
     logits = torch.tensor([2.0, 1.0, 0.0, float("-inf")]).repeat(n, 1)
-    temps = [0.5 if i % 4 else 0.0 for i in range(n)]
+    temps = [SamplingParams(0.5 if i % 4 else 0.0) for i in range(n)]
     gen = torch.Generator().manual_seed(1)
     tokens, _ = sample_tokens(logits, temps, [gen] * n)
     greedy = tokens[::4]
@@ -122,7 +124,7 @@ def test_inverse_cdf_draws_follow_the_tempered_distribution():
 
 def test_c04_sampling_logprobs_helper():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
-    lp = sampling_logprobs(logits, torch.tensor([0.5]))
+    lp = sampling_logprobs(logits, [SamplingParams(0.5)])
     assert lp[0, 0].item() == pytest.approx(-0.142932, abs=1e-6)
     # greedy records the T = 1 distribution
     assert sample_logprobs(logits[0], 0.0) == (0, pytest.approx(-0.407606, abs=1e-6))
@@ -335,7 +337,9 @@ def test_request_errors_and_close(tiny_model):
         with pytest.raises(ValueError, match="empty"):
             await engine.generate([], SamplingParams(max_tokens=5))
         with pytest.raises(ValueError, match="top_p"):
-            await engine.generate([5], SamplingParams(top_p=0.9, max_tokens=5))
+            await engine.generate([5], SamplingParams(top_p=0.0, max_tokens=5))
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            await engine.generate([5], SamplingParams(repetition_penalty=0.0, max_tokens=5))
         with pytest.raises(ValueError, match="259"):
             await engine.generate([5, 259], SamplingParams(max_tokens=5))
         ok = await engine.generate([5] * 59, SamplingParams(temperature=0.0, max_tokens=5))

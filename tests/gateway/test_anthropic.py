@@ -66,6 +66,21 @@ def test_create_records_engine_ids(serve, tokenizer, renderer, system):
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), len(scripted.ids))
 
 
+def test_top_k_and_top_p_are_sampled_with_and_recorded(serve, tokenizer, renderer):
+    """Claude Code sends top_k: sampled with, recorded, a 200 on a training session (the trainer
+    keeps the turn as context, CASES.md C21); the other parameters reach the engine neutral."""
+    srv, tid, c = served(serve, tokenizer, ["Hi", "Ho"], client)
+    # this SDK version no longer declares them (newer Claude models refuse them): extra_body
+    c.messages.create(model="tiny", max_tokens=20, messages=USER,
+                      extra_body={"top_k": 5, "top_p": 0.9})
+    c.messages.create(model="tiny", max_tokens=20, messages=USER, extra_body={"top_k": 0})
+    (_, sampled), (_, off) = srv.engine.calls
+    assert (sampled.top_k, sampled.top_p, sampled.min_p, sampled.repetition_penalty,
+            sampled.presence_penalty, sampled.frequency_penalty) == (5, 0.9, 0.0, 1.0, 0.0, 0.0)
+    assert sampled.transforms() == ("top_p", "top_k") and off.transforms() == ()
+    assert [r.sampling for r in srv.pool.get_trajectory(tid).completions] == [sampled, off]
+
+
 def test_stop_reasons_max_tokens_and_stop_sequence(serve, tokenizer, renderer):
     srv, tid, c = served(serve, tokenizer, ["abcdefgh", "abc STOP def"], client)
     r = c.messages.create(model="tiny", max_tokens=3, messages=USER)
@@ -185,8 +200,8 @@ def test_x_api_key_and_bearer_auth(serve, tokenizer, renderer):
 @pytest.mark.parametrize("extra, status, kind, names", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
     ({"frobnicate": 1}, 400, "invalid_request_error", "frobnicate"),
-    ({"top_k": 5}, 400, "invalid_request_error", "top_k"),
-    ({"top_p": 0.9}, 400, "invalid_request_error", "top_p"),
+    ({"top_k": -1}, 400, "invalid_request_error", "top_k"),
+    ({"top_p": 1.5}, 400, "invalid_request_error", "top_p"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "invalid_request_error",
      "thinking.type"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400,

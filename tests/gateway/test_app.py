@@ -4,8 +4,8 @@ Pins: several tool calls per reply come back in order with finish_reason "tool_c
 malformed or undeclared block stays as text without failing the call (CASES.md C05); a streamed
 call records exactly what the plain call records, the SSE stream ends with [DONE] and the usage
 counts the recorded ids (C06); max_tokens is clamped to the context and a reply truncated inside
-a tool call keeps finish_reason "length" (C09); top_p < 1 is refused for training sessions (C04);
-every bad input gets an OpenAI-shaped error with its status and leaves the pool unchanged.
+a tool call keeps finish_reason "length" (C09); top_p 0 is out of range; every bad input gets
+an OpenAI-shaped error with its status and leaves the pool unchanged.
 """
 
 from __future__ import annotations
@@ -263,9 +263,9 @@ BAD = [
     (
         "top-p",
         "good",
-        json.dumps({"model": "tiny", "messages": USER, "top_p": 0.8}),
+        json.dumps({"model": "tiny", "messages": USER, "top_p": 0}),
         400,
-        "unsupported_value",
+        "invalid_value",
     ),
     (
         "too-long",

@@ -14,9 +14,14 @@ per ASCII character). Pins:
 - `parallel_tool_calls: false` ends the reply (and the record) after its first call.
 - `n`: each choice is its own completion in the pool (seed + i) and its own branch of the
   session; the agent continuing from choice 1 extends choice 1's ids; streamed by index.
-- `response_format` json_object / json_schema, penalties, logit_bias, reasoning_effort,
-  non-text content parts and unknown fields are 400s naming the field, and record nothing;
-  metadata fields (user, metadata, store, ...) and neutral values are accepted.
+- `response_format` json_object / json_schema, logit_bias, reasoning_effort, penalties and
+  vLLM's extras out of range, non-text content parts and unknown fields are 400s naming the
+  field, and record nothing; metadata fields (user, metadata, store, ...) and neutral values are
+  accepted.
+- sampling parameters (CASES.md C21): a request setting only temperature reaches the engine with
+  every parameter explicit and neutral; top_p, the penalties and vLLM's extras top_k, min_p and
+  repetition_penalty are sampled with and recorded as sent, a 200 on a training session (the
+  trainer keeps such a turn as context); top_k -1 is recorded as 0 (both mean off).
 """
 
 from __future__ import annotations
@@ -109,8 +114,8 @@ def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"modalities": ["text", "audio"]}, "modalities"),
@@ -118,7 +123,7 @@ def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "rm"}}},
      "tool_choice"),
-    ({"extra_body": {"top_k": 5}}, "top_k"),
+    ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"n": 0}, "n"),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
@@ -130,8 +135,6 @@ def test_unsupported_values_are_400s_naming_the_field(serve, tokenizer, renderer
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", **{"messages": USER, **kwargs})
     assert e.value.param == param, e.value.body
-    if param == "top_k":  # not in the official API: refused as OpenAI refuses it
-        assert e.value.code == "unknown_parameter" and "Unrecognized" in e.value.message
     assert srv.pool.get_trajectory(tid).completions == [] and srv.engine.calls == []
 
 
@@ -147,6 +150,25 @@ def test_neutral_and_metadata_fields_are_accepted(serve, tokenizer, renderer):
     (rec,) = srv.pool.get_trajectory(tid).completions
     assert rec.prompt_ids == render(renderer, [{"role": "system", "content": "Be brief."}, *USER])
     assert rec.sampling.seed == 4
+
+
+def sampled(p) -> tuple:
+    return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty)
+
+
+def test_sampling_parameters_reach_the_engine_and_the_record(serve, tokenizer, renderer):
+    srv, tid, client = served(serve, tokenizer, ["a", "b", "c"])
+    client.chat.completions.create(model="tiny", messages=USER, temperature=0.7)
+    client.chat.completions.create(
+        model="tiny", messages=USER, temperature=0.7, top_p=0.8, frequency_penalty=0.5,
+        presence_penalty=-1, extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1})
+    client.chat.completions.create(model="tiny", messages=USER, extra_body={"top_k": -1})
+    (_, plain), (_, full), (_, off) = srv.engine.calls
+    assert sampled(plain) == (0.7, 1.0, 0, 0.0, 1.0, 0.0, 0.0) and plain.transforms() == ()
+    assert sampled(full) == (0.7, 0.8, 40, 0.05, 1.1, -1.0, 0.5)
+    assert off.top_k == 0 and off.transforms() == ()
+    assert [r.sampling for r in srv.pool.get_trajectory(tid).completions] == [plain, full, off]
 
 
 CALL = tool_call_text("get_weather", {"city": "Rome"})

@@ -165,6 +165,23 @@ def test_stop_n_and_echo(serve, tokenizer, renderer):
 MAX_LEN = 64
 
 
+def test_sampling_parameters_reach_the_engine_and_the_record(serve, tokenizer, renderer):
+    """CASES.md C21: every parameter explicit; vLLM's extras are sampled with and recorded."""
+    srv, tid, client = served(serve, tokenizer, [reply(renderer, "x")] * 2)
+    for extra in ({}, {"top_p": 0.5, "top_k": 7, "min_p": 0.1, "repetition_penalty": 0.9,
+                       "presence_penalty": 0.25, "frequency_penalty": 1.5}):
+        r = httpx.post(f"{srv.base_url}/completions",
+                       json={"model": "tiny", "prompt": "a", "temperature": 0.5, **extra},
+                       headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    (_, plain), (_, full) = srv.engine.calls
+    assert (plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty,
+            plain.presence_penalty, plain.frequency_penalty) == (1.0, 0, 0.0, 1.0, 0.0, 0.0)
+    assert (full.temperature, full.top_p, full.top_k, full.min_p, full.repetition_penalty,
+            full.presence_penalty, full.frequency_penalty) == (0.5, 0.5, 7, 0.1, 0.9, 0.25, 1.5)
+    assert [c.sampling for c in srv.pool.get_trajectory(tid).completions] == [plain, full]
+
+
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"prompt": [[5], [6]]}, 400, "prompt"),
@@ -181,11 +198,11 @@ MAX_LEN = 64
     ({"prompt": "a", "echo": True, "logprobs": 0}, 400, "echo"),
     ({"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ({"prompt": "a", "best_of": 2}, 400, "best_of"),
-    ({"prompt": "a", "top_p": 0.5}, 400, "top_p"),
-    ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "a", "stop": [""]}, 400, "stop"),
-    ({"prompt": "a", "top_k": 5}, 400, "top_k"),
+    ({"prompt": "a", "top_k": -2}, 400, "top_k"),
     ({"prompt": "a", "model": "other"}, 404, "model"),
 ])
 def test_refusals_name_the_field_and_record_nothing(serve, tokenizer, renderer, body, status,

@@ -10,8 +10,9 @@ reply, tool-call arguments, a tool description or schema) are refused before tok
 ("at least" N tokens), an earlier reply's text before `</think>` included (ChatML renders it); an
 unexpected exception is a 500 `internal_error` without its message, and the same connection
 then serves the next request. Error params name the body's fields (no pydantic union members),
-values out of range are `invalid_value`, NaN is "not a finite number", and JSON that is
-malformed besides a lone surrogate escape is reported for its real fault.
+values out of range are `invalid_value` (vLLM's sampling extras with vLLM's bounds), NaN and
+infinity are "not a finite number", and JSON that is malformed besides a lone surrogate escape
+is reported for its real fault.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
                 ("/v1/chat/completions", {"messages": user, "max_tokens": 0}, "max_tokens",
                  "invalid_value"),
                 ("/v1/chat/completions", {"messages": user, "n": 129}, "n", "invalid_value"),
+                # vLLM's sampling extras keep vLLM's bounds (CASES.md C21)
+                ("/v1/chat/completions", {"messages": user, "top_k": -2}, "top_k",
+                 "invalid_value"),
+                ("/v1/chat/completions", {"messages": user, "repetition_penalty": 0},
+                 "repetition_penalty", "invalid_value"),
+                ("/v1/completions", {"prompt": "a", "min_p": 1.5}, "min_p", "invalid_value"),
+                ("/v1/completions", {"prompt": "a", "top_k": 2.5}, "top_k", "invalid_type"),
                 # a breaker's second round: the deepest real field, never a member's name
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]},
                  "messages.0.content", "invalid_type"),
@@ -87,6 +95,10 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
                    b'[{"role": "user", "content": "hi"}], "temperature": NaN}')
         assert r.status_code == 400 and r.json()["error"]["message"] == (
             "temperature: Input should be a finite number")
+        r = c.post("/v1/completions", content=b'{"model": "tiny", "prompt": "a", '
+                   b'"repetition_penalty": Infinity}')
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "repetition_penalty: Input should be a finite number")
         r = c.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": '
                    b'[{"role": "user", "content": "\\ud800"}],}')  # the comma is the fault
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

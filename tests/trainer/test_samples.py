@@ -6,14 +6,18 @@ extends the previous prompt + completion joins the same sample, where the sample
 (151644 77091 198) get mask 0; a rewritten context starts a new sample and is counted as a
 branch; a turn that is not token-exact never enters the loss; every trained token carries its
 turn's sampling temperature, and a greedy (temperature 0) turn is context only and counted
-(issue 9). Ids are Qwen-style ChatML.
+(issue 9), as is a turn sampled with top_p, top_k, min_p or a penalty (CASES.md C21). Ids are
+Qwen-style ChatML.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from forgerl.trainer.samples import trajectory_to_samples, trajectory_to_samples_with_stats
+from forgerl.types import SamplingParams
 from tests.factories import completion, trajectory
 
 IM_START, IM_END, NL, ASSISTANT, USER, TOOL = 151644, 151645, 198, 77091, 872, 14
@@ -127,3 +131,26 @@ def test_tokens_carry_their_turns_temperature_and_greedy_turns_are_context():
     assert s.behavior_logprobs[-2:] == [0.0, 0.0] and s.advantages[-2:] == [0.0, 0.0]
     assert s.weight_versions[-2:] == [-1, -1]
     assert (stats.extensions, stats.branches, stats.greedy_turns) == (2, 0, 1)
+
+
+@pytest.mark.parametrize("transform", [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05),
+                                       dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+                                       dict(frequency_penalty=-0.5)])
+def test_turns_sampled_with_a_transform_are_context_and_counted(transform):
+    """CASES.md C21: the trainer's log_softmax(logits / T) is not the distribution such a turn
+    was sampled from, so it is context only; the explicit neutral values train as before."""
+    neutral = dict(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                   frequency_penalty=0.0)
+    t1 = replace(completion(P1, C1, [-0.5, -0.7, -0.1]), sampling=SamplingParams(**neutral))
+    t2 = replace(completion(P2, C2, [-0.2, -0.3]), sampling=SamplingParams(**transform))
+    t3 = replace(completion([*P2, *C2, *INSERT], [40, IM_END], [-0.1, -0.2]),
+                 sampling=SamplingParams(0.0, **transform))  # greedy: counted as greedy only
+    traj = trajectory("traj-a", [t1, t2, t3], 1.0, task=5, rollout=1)
+    (s,), stats = trajectory_to_samples_with_stats(traj, [0.3, 0.2, 0.1])
+    assert s.loss_mask == [0] * 9 + [1] * 3 + [0] * 10 + [0] * 2 + [0] * 12
+    assert s.behavior_logprobs == [0.0] * 9 + [-0.5, -0.7, -0.1] + [0.0] * 24
+    assert (stats.extensions, stats.greedy_turns, stats.transformed_turns) == (2, 1, 1)
+    untrusted = replace(t2, token_exact=False)  # not token-exact: context, counted as neither
+    _, stats = trajectory_to_samples_with_stats(replace(traj, completions=[t1, untrusted]),
+                                                [0.3, 0.2])
+    assert (stats.greedy_turns, stats.transformed_turns) == (0, 0)

@@ -33,8 +33,9 @@ an explicit 2D attention mask and per-row position ids make a batched row comput
 logits as the row alone (up to float rounding). Only full-attention
 decoders (Llama family) are supported: sliding-window KV layers would be cut wrongly.
 
-Recorded logprobs are those of the distribution actually sampled, log_softmax(logits / T)
-(greedy: T = 1), over the full vocabulary (CASES.md C04); top_p < 1 is refused.
+Recorded logprobs are those of the distribution actually sampled (`sampler.py`, vLLM's order:
+penalties, temperature, min_p, top_k, top_p; greedy: T = 1), log_softmax(logits / T) when every
+parameter is neutral (CASES.md C04, C21).
 """
 
 from forgerl.engines.local.engine import LocalEngine

@@ -187,10 +187,10 @@ class ContinuousBatcher:
         return stacked
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sample per row (its own temperature and generator) and record the tokens."""
-        tokens, logprobs = sample_tokens(
-            logits, [r.params.temperature for r in rows], [r.generator for r in rows]
-        )
+        """Sample per row (its own params, context and generator) and record the tokens."""
+        tokens, logprobs = sample_tokens(logits, [r.params for r in rows],
+                                         [r.generator for r in rows],
+                                         [(r.prompt_ids, r.completion_ids) for r in rows])
         now = time.perf_counter()
         for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             req.record(tok, lp, self.weight_version, now)

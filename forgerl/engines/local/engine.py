@@ -101,7 +101,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
 
         The last item of `stream(prompt_ids, params)`; cancelling the awaiting task aborts the
         request (its batch slot is freed at the next decode step). Raises ValueError for an
-        empty prompt, ids outside [0, vocab_size), top_p != 1, temperature < 0, max_tokens < 1,
+        empty prompt, ids outside [0, vocab_size), params out of range (`SamplingParams.check`),
         or len(prompt_ids) + max_tokens > max_model_len; RuntimeError after close(). A closed
         engine ends in-flight requests with "abort".
         """
@@ -169,16 +169,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
             raise RuntimeError(self._closed_message)
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
-        if params.top_p != 1.0:
-            raise ValueError(
-                f"top_p ({params.top_p}) must be 1.0: training rollouts need "
-                "full-vocabulary logprobs (CASES.md C04)"
-            )
-        if params.temperature < 0 or params.max_tokens < 1:
-            raise ValueError(
-                f"temperature ({params.temperature}) must be >= 0 and max_tokens "
-                f"({params.max_tokens}) >= 1"
-            )
+        params.check()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt length ({len(prompt_ids)}) + max_tokens "

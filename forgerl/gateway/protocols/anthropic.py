@@ -137,7 +137,7 @@ class MessagesRequest(PromptRequest):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=0)
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -245,7 +245,8 @@ def to_conversation(req: PromptRequest) -> Conversation:
     elif tc is not None:
         choice = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
     sampling = Sampling(req.temperature, req.top_p, req.max_tokens, tuple(
-        req.stop_sequences or ())) if isinstance(req, MessagesRequest) else Sampling()
+        req.stop_sequences or ()), top_k=req.top_k) if isinstance(req, MessagesRequest) else (
+        Sampling())
     return Conversation(
         model=req.model, messages=_messages(req), tools=_tools(req), tool_choice=choice,
         parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), sampling=sampling,

@@ -140,6 +140,9 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extras: top_k, min_p, repetition_penalty
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     modalities: list[str] | None = None
     user: str | None = None
@@ -207,7 +210,9 @@ def to_conversation(req: ChatRequest) -> Conversation:
                     for t in req.tools or ()),
         tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        sampling=Sampling(req.temperature, req.top_p, max_tokens, stop, req.seed),
+        sampling=Sampling(req.temperature, req.top_p, max_tokens, stop, req.seed, req.top_k,
+                          req.min_p, req.repetition_penalty, req.presence_penalty,
+                          req.frequency_penalty),
         n=req.n or 1,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,

@@ -79,6 +79,9 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extras: top_k, min_p, repetition_penalty
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool | None = None
@@ -150,7 +153,7 @@ def plan(session: Session, ids: list[int]) -> PromptPlan:
 def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> CompletionCall:
     """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
     docstring; `max_len`: the engine's max_model_len, see `prompt_ids`). The core raises the
-    rest: model, logprobs > 0, top_p, context length."""
+    rest: model, logprobs > 0, context length."""
     req = parse_body(raw, CompletionRequest)
     enforce(COMPLETIONS, req)
     ids = prompt_ids(req.prompt, renderer, max_len)
@@ -158,7 +161,9 @@ def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> Com
     conv = Conversation(
         model=req.model,
         messages=(),
-        sampling=Sampling(req.temperature, req.top_p, req.max_tokens, stop, req.seed),
+        sampling=Sampling(req.temperature, req.top_p, req.max_tokens, stop, req.seed, req.top_k,
+                          req.min_p, req.repetition_penalty, req.presence_penalty,
+                          req.frequency_penalty),
         n=req.n or 1,
         top_logprobs=req.logprobs or 0,
         param_names={"messages": "prompt", "top_logprobs": "logprobs"},
