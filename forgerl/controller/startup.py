@@ -124,7 +124,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
                       controller_tasks=training, admin_key=config.gateway.admin_key,
-                      session_idle_timeout_s=config.gateway.session_idle_timeout_s)
+                      session_idle_timeout_s=config.gateway.session_idle_timeout_s,
+                      strict=config.gateway.strict)
     try:
         server = await gateway.serve(config.gateway.host, config.gateway.port)
     except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)

@@ -54,7 +54,7 @@ from forgerl.gateway.conversation import Conversation, Tool
 from forgerl.gateway.dispatch import Delta, Started, choice_events, generate, merged, reply_stream
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
-from forgerl.gateway.prepare import Call, build_call, check_conversation, prefill_text
+from forgerl.gateway.prepare import Call, build_call, check_conversation, fit_system, prefill_text
 from forgerl.gateway.record import Result, build_choices, record
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
@@ -99,6 +99,9 @@ class Gateway:
     session_idle_timeout_s: float | None = None
     """When set (> 0), a session opened over HTTP with no model call for this many seconds is
     expired (`expire_idle`): trajectory failed, session closed. Controller sessions never are."""
+    strict: bool = False
+    """Refuse (400) request fields in no policy table and those the policy would approximate
+    or leave out (fields.py), instead of keeping / approximating them."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
@@ -200,6 +203,7 @@ class Gateway:
     def prompt_tokens(self, session: Session, conv: Conversation) -> int:
         """The length of the prompt ids the next call of `conv` would send (recorded ids
         reused, prefill included); nothing recorded. Raises GatewayError as `check`."""
+        conv = fit_system(conv, self.renderer)
         tools = self.check(conv)
         plan = session.plan(conv.messages, tools, self.renderer)
         prefill = self.renderer.encode(self.prefill(conv))
@@ -208,7 +212,9 @@ class Gateway:
     def prepare(self, session: Session, conv: Conversation,
                 plan: PromptPlan | None = None) -> Call:
         """Check, render (TITO) and parametrise one call; raises GatewayError (see `check`,
-        prepare.sampling_params, prepare.build_call). Nothing is dispatched or recorded."""
+        prepare.sampling_params, prepare.build_call). System messages are fitted to the
+        renderer first (prepare.fit_system). Nothing is dispatched or recorded."""
+        conv = fit_system(conv, self.renderer)
         tools = self.check(conv)
         if plan is None:
             plan = session.plan(conv.messages, tools, self.renderer)
