@@ -113,7 +113,7 @@ def _clear_tool_uses(conv: Conversation, edit: Edit, count: Callable[[Conversati
                 inputs is True or c.name in inputs) else c for c in m.tool_calls))
 
     edited = dataclasses.replace(conv, messages=tuple(cleared(m) for m in conv.messages))
-    least = 0 if edit.clear_at_least is None else edit.clear_at_least.value
-    if not old or before - _tokens(count, edited) < least:
+    least = edit.clear_at_least
+    if not old or least and before - _tokens(count, edited) < least.value:
         return conv, 0
     return edited, len(old)
