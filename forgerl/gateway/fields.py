@@ -70,7 +70,7 @@ def approximated(what: str, active: Callable[[Any], bool] = bool) -> Rule:
 
 def left_out(what: str) -> Rule:
     """A server-side tool or tool option the gateway cannot run: not rendered, counted."""
-    return Rule("left_out", what)
+    return Rule("left_out", what, active=lambda v: True)
 
 
 def refused(why: str) -> Rule:

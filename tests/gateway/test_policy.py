@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from forgerl.gateway.edits import CLEARED
-from forgerl.gateway.fields import AS_USUAL, NO_REASONING, small
+from forgerl.gateway.fields import AS_USUAL, MESSAGES, NO_REASONING, RESPONSES, small
 from forgerl.gateway.prepare import SYSTEM_AS_USER
 
 from .conftest import Scripted, ScriptedEngine, render, reply
@@ -230,8 +230,45 @@ TRIGGER = 650
 """Input tokens between turn 2's and turn 3's prompt in the test above (one id per byte)."""
 
 
+WEB = {"type": "web_search_20250305", "name": "web_search"}
+BASE = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+        "/v1/responses": {"input": "hi"},
+        "/v1/messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}}
+
+
+@pytest.mark.parametrize("path, body, notes", [
+    ("/v1/chat/completions", {"reasoning_effort": "high", "verbosity": "low", "frobnicate": 1,
+                              "web_search_options": {}},
+     {"kept": {"frobnicate": 1}, "left_out": ["web_search_options"],
+      "approximated": {"reasoning_effort": NO_REASONING, "verbosity": AS_USUAL}}),
+    ("/v1/responses", {"seed": 1, "tools": [{"type": "web_search"}], "truncation": "auto",
+                       "reasoning": {"effort": "high"}, "text": {"verbosity": "low"}},
+     {"kept": {"seed": 1}, "left_out": ["web_search"], "approximated": {
+         "reasoning": NO_REASONING, "text.verbosity": AS_USUAL,
+         "truncation": RESPONSES["truncation"].note}}),
+    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}, "tools": [WEB],
+                      "mcp_servers": [], "frobnicate": 1},
+     {"kept": {"frobnicate": 1, "mcp_servers": []}, "left_out": ["web_search_20250305:web_search"],
+      "approximated": {"thinking": MESSAGES["thinking"].note}}),
+])
+def test_controls_without_an_exact_match_are_approximated_and_recorded(
+        serve, tokenizer, renderer, path, body, notes):
+    """Fields that were 400s before the real-traffic policy: the reply is sampled from the
+    prompt the request renders without them, and the turn says what was done."""
+    srv = serve(ScriptedEngine([reply(renderer, "ok")]), tokenizer)
+    tid, key = srv.session()
+    r = post(srv, key, path, {"model": "tiny", **BASE[path], **body})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-forgerl-approximated"] == ", ".join(notes["approximated"])
+    (rec,) = srv.pool.get_trajectory(tid).completions
+    protocol = {"/v1/chat/completions": "chat"}.get(path, path.removeprefix("/v1/"))
+    assert rec.request == {"protocol": protocol, **notes}
+    assert rec.prompt_ids == render(renderer, [{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/messages", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
     ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -242,10 +279,7 @@ TRIGGER = 650
 def test_strict_refuses_what_it_would_approximate(serve, tokenizer, path, body, param):
     srv = serve(ScriptedEngine([]), tokenizer, strict=True)
     tid, key = srv.session()
-    base = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
-            "/v1/responses": {"input": "hi"},
-            "/v1/messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}}
-    r = post(srv, key, path, {"model": "tiny", **base[path], **body})
+    r = post(srv, key, path, {"model": "tiny", **BASE[path], **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error.get("param", param) == param and param in error["message"]
