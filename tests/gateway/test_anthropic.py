@@ -14,8 +14,8 @@ Scripted engine, byte tokenizer (one id per ASCII character). Pins:
   mid-stream is an Anthropic `api_error` event.
 - auth by `x-api-key` (with `anthropic-version`) as well as `Authorization: Bearer`; errors are
   `{"type": "error", "error": {"type", "message"}}`: unknown key 401 authentication_error, bad or
-  refused bodies 400 invalid_request_error naming the field (test_policy.py: what is accepted), unknown model 404 not_found_error,
-  GET 405; nothing is recorded by a failing call.
+  refused bodies 400 invalid_request_error naming the field (what is accepted: test_policy.py),
+  unknown model 404 not_found_error, GET 405; nothing is recorded by a failing call.
 - count_tokens: the next call's prompt length (recorded ids reused), nothing recorded.
 - thinking blocks map to the internal reasoning with the signature kept as sent; `is_error`.
 - CASES.md C15: one tool in chat and Anthropic shapes, history holding its call, renders the

@@ -37,7 +37,7 @@ from forgerl.gateway.fields import AS_USUAL, MESSAGES, NO_REASONING, RESPONSES, 
 from forgerl.gateway.prepare import SYSTEM_AS_USER
 
 from .conftest import Scripted, ScriptedEngine, render, reply
-from .test_templates import family_tokenizer, scripted, serve_hf
+from .test_templates import serve_hf
 from .test_tito import tool_call_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cli_requests"
