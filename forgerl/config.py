@@ -154,9 +154,7 @@ class GatewayConfig(_Section):
     """The tool-call format replies are parsed in; "auto" reads it from the chat template
     (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""
     strict: bool = False
-    """Refuse (400) request fields the request policy does not list and those it would
-    approximate (thinking budgets, effort, verbosity) or leave out (server tools), instead of
-    keeping and noting them (docs: Gateway request policy)."""
+    """400 for fields the request policy would keep unlisted, approximate or leave out."""
 
 
 class SQLitePoolConfig(_Section):

@@ -1,18 +1,14 @@
 """Context edits a client asks the server to apply (Anthropic `context_management.edits`).
 
-Data flow: protocols/anthropic.py translates a request into a `Conversation`, then
-`apply_edits` rewrites its messages as the edits say, before anything is rendered; the recorded
-turn holds the edited messages, so an edited context simply matches no earlier turn and starts
-a new branch of the session's tree (token exactness holds: nothing recorded is re-encoded).
-What was applied is noted in `Conversation.request["applied"]` ([{"type", "cleared"}]).
-
-- `clear_thinking_20251015`: keep the reasoning of the last `keep.value` assistant turns that
-  have some (default 1; `keep: "all"` is a no-op), drop the rest.
-- `clear_tool_uses_20250919`: when the prompt has more than `trigger.value` tokens (default
-  100,000), the results of all tool calls but the last `keep.value` (default 3) and those of
-  `exclude_tools` become `CLEARED`; `clear_tool_inputs` (true, or a list of tool names) also
-  empties those calls' arguments to "{}"; nothing is cleared when that would save fewer than
-  `clear_at_least.value` tokens.
+Data flow: protocols/anthropic.py builds a `Conversation`; `apply_edits` rewrites its messages
+before anything is rendered and notes what it did (`request["applied"]`: [{"type", "cleared"}]).
+The turn records the edited messages, so an edited context matches no earlier turn and is a new
+branch of the session's tree (nothing recorded is re-encoded: token exactness holds).
+`clear_thinking_20251015` keeps the reasoning of the last `keep.value` assistant turns having
+some (default 1; "all": a no-op). `clear_tool_uses_20250919`, once the prompt has more than
+`trigger.value` tokens (default 100,000), replaces the results of every tool call but the last
+`keep.value` (default 3) and those of `exclude_tools` by `CLEARED` (`clear_tool_inputs`: true
+or tool names, also their arguments by "{}"), unless that saves under `clear_at_least.value`.
 """
 
 from __future__ import annotations
@@ -29,19 +25,14 @@ from forgerl.gateway.conversation import Conversation, Message
 from forgerl.gateway.errors import GatewayError, Loose, unsupported
 
 CLEARED = "[tool result cleared to save context]"
-"""What a cleared tool result reads."""
 
 
-class Amount(Loose):
-    """`{"type": "input_tokens" | "tool_uses" | "thinking_turns", "value": N}`."""
-
+class Amount(Loose):  # {"type": "input_tokens" | "tool_uses" | "thinking_turns", "value": N}
     type: str
     value: int = Field(ge=0)
 
 
-class Edit(Loose):
-    """One entry of `context_management.edits`."""
-
+class Edit(Loose):  # one entry of context_management.edits
     type: str
     trigger: Amount | None = None
     keep: Amount | Literal["all"] | None = None
@@ -53,10 +44,8 @@ class Edit(Loose):
 def apply_edits(conv: Conversation, edits: Sequence[Edit],
                 count: Callable[[Conversation], int]) -> Conversation:
     """`conv` with `edits` applied in order (module docstring) and noted in its `request`.
-
-    count: the prompt tokens of a conversation (`Gateway.prompt_tokens` of the session), asked
-    only by `clear_tool_uses_20250919`. Raises GatewayError 400 naming an unknown edit type.
-    """
+    count: the prompt tokens of a conversation (`Gateway.prompt_tokens` of the session). Raises
+    GatewayError 400 naming an unknown edit type."""
     applied = []
     for i, edit in enumerate(edits):
         if edit.type == "clear_thinking_20251015":
@@ -64,8 +53,7 @@ def apply_edits(conv: Conversation, edits: Sequence[Edit],
         elif edit.type == "clear_tool_uses_20250919":
             conv, cleared = _clear_tool_uses(conv, edit, count)
         else:
-            raise unsupported(f"context_management.edits.{i}.type", f"unknown edit {edit.type!r} "
-                              "(clear_thinking_20251015 and clear_tool_uses_20250919 are applied)")
+            raise unsupported(f"context_management.edits.{i}.type", f"unknown edit {edit.type!r}")
         applied.append({"type": edit.type, "cleared": cleared})
     if not applied:
         return conv
@@ -85,10 +73,9 @@ def _clear_thinking(conv: Conversation, edit: Edit) -> tuple[Conversation, int]:
 
 
 def _tokens(count: Callable[[Conversation], int], conv: Conversation) -> float:
-    """`count(conv)`; infinite for a conversation surely over the context."""
     try:
         return count(conv)
-    except GatewayError as e:
+    except GatewayError as e:  # surely over the context: more than any trigger
         if e.code != "context_length_exceeded":
             raise
         return math.inf
@@ -99,7 +86,7 @@ def _clear_tool_uses(conv: Conversation, edit: Edit, count: Callable[[Conversati
     before = _tokens(count, conv)
     if before <= (100_000 if edit.trigger is None else edit.trigger.value):
         return conv, 0
-    keep = 3 if not isinstance(edit.keep, Amount) else edit.keep.value
+    keep = edit.keep.value if isinstance(edit.keep, Amount) else 3
     calls = [c for m in conv.messages for c in m.tool_calls]
     old = {c.id for c in calls[: max(0, len(calls) - keep)]
            if c.name not in (edit.exclude_tools or ())}
@@ -114,6 +101,6 @@ def _clear_tool_uses(conv: Conversation, edit: Edit, count: Callable[[Conversati
 
     edited = dataclasses.replace(conv, messages=tuple(cleared(m) for m in conv.messages))
     least = edit.clear_at_least
-    if not old or (least and before - _tokens(count, edited) < least.value):
+    if not old or least and before - _tokens(count, edited) < least.value:
         return conv, 0
     return edited, len(old)

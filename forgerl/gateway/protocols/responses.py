@@ -90,10 +90,9 @@ class TextFormat(Loose):
 
 
 class TextOptions(Loose):
-    """`text`: the output format and verbosity (only format "text" and no verbosity are served)."""
+    """`text`: the output format (only "text" is served) and verbosity (approximated)."""
 
     format: TextFormat | None = None
-    verbosity: str | None = None
 
 
 class ResponsesRequest(BaseModel):
