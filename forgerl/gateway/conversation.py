@@ -10,7 +10,7 @@ Conventions:
 - Roles are "system", "user", "assistant", "tool". A system prompt given outside the messages
   (Anthropic `system`, Responses `instructions`) becomes a leading system message; chat's
   "developer" role is "system". A system message may stand anywhere (Anthropic's
-  mid-conversation system, Responses developer items); prepare.fit_system renders it.
+  mid-conversation system, Responses developer items); templates.fit_system renders it.
 - Content is text: protocols join their text parts and refuse the parts a text model cannot
   read (images, audio, files) with a 400 naming the part.
 - A tool call's `arguments` is JSON text (what the OpenAI wire formats carry); protocols whose

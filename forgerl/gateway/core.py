@@ -54,7 +54,7 @@ from forgerl.gateway.conversation import Conversation, Tool
 from forgerl.gateway.dispatch import Delta, Started, choice_events, generate, merged, reply_stream
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
-from forgerl.gateway.prepare import Call, build_call, check_conversation, fit_system, prefill_text
+from forgerl.gateway.prepare import Call, build_call, check_conversation, prefill_text
 from forgerl.gateway.record import Result, build_choices, record
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
@@ -203,7 +203,6 @@ class Gateway:
     def prompt_tokens(self, session: Session, conv: Conversation) -> int:
         """The length of the prompt ids the next call of `conv` would send (recorded ids
         reused, prefill included); nothing recorded. Raises GatewayError as `check`."""
-        conv = fit_system(conv, self.renderer)
         tools = self.check(conv)
         plan = session.plan(conv.messages, tools, self.renderer)
         prefill = self.renderer.encode(self.prefill(conv))
@@ -212,9 +211,7 @@ class Gateway:
     def prepare(self, session: Session, conv: Conversation,
                 plan: PromptPlan | None = None) -> Call:
         """Check, render (TITO) and parametrise one call; raises GatewayError (see `check`,
-        prepare.sampling_params, prepare.build_call). System messages are fitted to the
-        renderer first (prepare.fit_system). Nothing is dispatched or recorded."""
-        conv = fit_system(conv, self.renderer)
+        prepare.sampling_params, prepare.build_call). Nothing is dispatched or recorded."""
         tools = self.check(conv)
         if plan is None:
             plan = session.plan(conv.messages, tools, self.renderer)

@@ -101,6 +101,6 @@ def _clear_tool_uses(conv: Conversation, edit: Edit, count: Callable[[Conversati
 
     edited = dataclasses.replace(conv, messages=tuple(cleared(m) for m in conv.messages))
     least = edit.clear_at_least
-    if not old or least and before - _tokens(count, edited) < least.value:
+    if not old or (least and before - _tokens(count, edited) < least.value):
         return conv, 0
     return edited, len(old)

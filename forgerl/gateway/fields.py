@@ -183,9 +183,9 @@ def _reasoning_set(v: Any) -> bool:
 CHAT: dict[str, Rule] = {
     "model": honoured("the served model's name (404 otherwise, unless the gateway is lax)"),
     "messages": honoured("text content, tool calls, tool results; developer is system, and a "
-                         "system message anywhere renders (prepare.fit_system); non-text "
-                         "content parts refused; `name` and `reasoning_content` (also "
-                         "`reasoning`: an assistant's reasoning) read"),
+                         "system message anywhere renders (templates.fit_system); non-text "
+                         "content parts refused; `reasoning_content` (or `reasoning`) is an "
+                         "assistant's reasoning; `name` has no slot in the rendering"),
     "tools": honoured("rendered; `strict` accepted, adherence not enforced (a call that does "
                       "not parse stays text)"),
     "tool_choice": honoured('"none": tools neither rendered nor parsed; "auto"; "required" and '
@@ -274,7 +274,7 @@ COMPLETIONS: dict[str, Rule] = {
 RESPONSES: dict[str, Rule] = {
     "model": honoured("the served model's name (404 otherwise, unless the gateway is lax)"),
     "input": honoured("a string or items: message (text parts; a developer or system message "
-                      "anywhere renders, prepare.fit_system), function_call, "
+                      "anywhere renders, templates.fit_system), function_call, "
                       "function_call_output, reasoning; other items and parts refused"),
     "instructions": honoured("a leading system message (dropped when continued)"),
     "tools": honoured("function tools (`strict` not enforced); other types (web_search, "
@@ -317,7 +317,7 @@ MESSAGES: dict[str, Rule] = {
                          "tool_use blocks by nothing), tool_use, tool_result (is_error renders "
                          '"Error: {content}"), thinking (signature kept, unchecked), '
                          "redacted_thinking (unreadable: dropped), a system message anywhere "
-                         "(prepare.fit_system); other blocks and a final assistant message "
+                         "(templates.fit_system); other blocks and a final assistant message "
                          "(prefill) refused"),
     "system": honoured("a string or text blocks, joined by newline"),
     "tools": honoured("custom tools with input_schema; server tools (another `type`) left out "

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from forgerl.engines.base import RolloutEngine
-from forgerl.gateway.conversation import Conversation, ForcedTool, Message, Tool
+from forgerl.gateway.conversation import Conversation, ForcedTool, Tool
 from forgerl.gateway.errors import GatewayError, context_exceeded, unsupported
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.sessions import PromptPlan, Session
@@ -101,26 +101,6 @@ def refuse_surely_too_long(renderer: Renderer, texts: Iterable[str], max_model_l
     body would otherwise be tokenized on the event loop)."""
     if (floor := renderer.min_tokens(texts)) >= max_model_len:
         raise context_exceeded(f"at least {floor}", max_model_len, param)
-
-
-SYSTEM_AS_USER = "[system] "
-"""Prefix of a later system message rendered as a user message (`fit_system`)."""
-
-
-def fit_system(conv: Conversation, renderer: Renderer) -> Conversation:
-    """`conv` with its system messages in a form the renderer renders: unchanged when it renders
-    a system message anywhere (`Renderer.late_system`; ChatML); else the leading system messages
-    merge into one (joined by a blank line) and each later one becomes a user message starting
-    with `SYSTEM_AS_USER`. Message by message, so turn k+1's messages still extend turn k's and
-    its prompt extends turn k's ids (sessions.py)."""
-    msgs = conv.messages
-    if renderer.late_system or not any(m.role == "system" for m in msgs[1:]):
-        return conv
-    lead = next((k for k, m in enumerate(msgs) if m.role != "system"), len(msgs))
-    head = [Message("system", "\n\n".join(m.content for m in msgs[:lead]))] if lead else []
-    rest = [Message("user", SYSTEM_AS_USER + m.content) if m.role == "system" else m
-            for m in msgs[lead:]]
-    return dataclasses.replace(conv, messages=tuple(head + rest))
 
 
 def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: int,

@@ -34,7 +34,7 @@ import pytest
 
 from forgerl.gateway.edits import CLEARED
 from forgerl.gateway.fields import AS_USUAL, MESSAGES, NO_REASONING, RESPONSES, small
-from forgerl.gateway.prepare import SYSTEM_AS_USER
+from forgerl.gateway.renderers.templates import SYSTEM_AS_USER
 
 from .conftest import Scripted, ScriptedEngine, render, reply
 from .test_templates import serve_hf

@@ -140,17 +140,6 @@ class Renderer:
         except Exception:  # a template that needs other turns: count the text
             return True
 
-    @functools.cached_property
-    def late_system(self) -> bool:
-        """Whether this format renders a system message that is not first, as one (ChatML does;
-        templates that take a system message only first refuse or drop it): probed once."""
-        probe = "q7x9zs"
-        turns = [Message("user", "a"), Message("system", probe), Message("user", "b")]
-        try:
-            return probe in self.tokenizer.decode(self.render(turns))
-        except Exception:  # the template refuses it
-            return False
-
     def min_tokens(self, texts: Iterable[str]) -> int:
         """A lower bound on the tokens of a rendering that holds each of `texts`, without
         tokenizing: sum(len(text.strip())) / (2 * max_token_chars). Templates may strip a
