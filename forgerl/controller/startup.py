@@ -122,10 +122,9 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
-                      max_tokens=config.rollout.max_tokens,
+                      max_tokens=config.rollout.max_tokens, strict=config.gateway.strict,
                       controller_tasks=training, admin_key=config.gateway.admin_key,
-                      session_idle_timeout_s=config.gateway.session_idle_timeout_s,
-                      strict=config.gateway.strict)
+                      session_idle_timeout_s=config.gateway.session_idle_timeout_s)
     try:
         server = await gateway.serve(config.gateway.host, config.gateway.port)
     except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)

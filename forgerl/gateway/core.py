@@ -86,6 +86,9 @@ class Gateway:
     temperature: float = 1.0
     max_tokens: int = 256
     strict_model: bool = True
+    strict: bool = False
+    """Refuse (400) request fields in no policy table and those the policy would approximate
+    or leave out (fields.py), instead of keeping / approximating them."""
     external: set[str] = field(default_factory=set)
     """Trajectory ids opened over HTTP (POST /v1/sessions): only these take rewards over HTTP,
     whatever their state; the controller scores its own rollouts."""
@@ -99,9 +102,6 @@ class Gateway:
     session_idle_timeout_s: float | None = None
     """When set (> 0), a session opened over HTTP with no model call for this many seconds is
     expired (`expire_idle`): trajectory failed, session closed. Controller sessions never are."""
-    strict: bool = False
-    """Refuse (400) request fields in no policy table and those the policy would approximate
-    or leave out (fields.py), instead of keeping / approximating them."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "tool_parse_errors",
