@@ -246,9 +246,11 @@ BASE = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]
      {"kept": {"seed": 1}, "left_out": ["web_search"], "approximated": {
          "reasoning": NO_REASONING, "text.verbosity": AS_USUAL,
          "truncation": RESPONSES["truncation"].note}}),
-    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}, "tools": [WEB],
-                      "mcp_servers": [], "frobnicate": 1},
-     {"kept": {"frobnicate": 1, "mcp_servers": []}, "left_out": ["web_search_20250305:web_search"],
+    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}, "frobnicate": 1,
+                      "tools": [WEB, {"type": "mcp_toolset", "mcp_server_name": "m"}],
+                      "mcp_servers": [{"type": "url", "url": "https://m", "name": "m"}]},
+     {"kept": {"frobnicate": 1, "mcp_servers": [{"type": "url", "url": "https://m", "name": "m"}]},
+      "left_out": ["web_search_20250305:web_search", "mcp_toolset"],
       "approximated": {"thinking": MESSAGES["thinking"].note}}),
 ])
 def test_controls_without_an_exact_match_are_approximated_and_recorded(

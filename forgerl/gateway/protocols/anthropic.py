@@ -100,8 +100,8 @@ class MessageIn(Loose):  # a string `content` is one text block
         lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)
 
 
-class ToolDecl(Loose):  # custom tools (type absent or "custom") need input_schema
-    name: str
+class ToolDecl(Loose):  # custom tools (type absent or "custom") need a name and input_schema
+    name: str = ""  # server tools may have none (mcp_toolset)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
@@ -229,7 +229,7 @@ def _tools(req: PromptRequest, notes: dict[str, Any], strict: bool) -> tuple[Too
         if t.type not in (None, "custom"):
             if strict:
                 raise strictly(f"tools.{i}.type", f"server tool {t.type!r} is left out")
-            notes["left_out"].append(f"{t.type}:{t.name}")
+            notes["left_out"].append(f"{t.type}:{t.name}" if t.name else t.type)
             continue
         if t.input_schema is None:
             raise unsupported(f"tools.{i}.input_schema", f"tool {t.name!r} needs input_schema")
