@@ -273,6 +273,8 @@ def test_controls_without_an_exact_match_are_approximated_and_recorded(
     ("/v1/messages", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
+    ("/v1/responses", {"seed": 1}, "seed"),
+    ("/v1/responses", {"truncation": "auto"}, "truncation"),
     ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
     ("/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
