@@ -179,6 +179,8 @@ class GatewayConfig(_Section):
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     """The tool-call format replies are parsed in; "auto" reads it from the chat template
     (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""
+    strict: bool = False
+    """400 for fields the request policy would keep unlisted, approximate or leave out."""
 
 
 class SQLitePoolConfig(_Section):

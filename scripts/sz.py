@@ -21,7 +21,8 @@ BUDGETS: dict[str, int] = {
     "controller": 1_200,
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
-    "gateway": 4_480,  # +80 (issue 46): traces, trace rules, untrained models; sampling params
+    "gateway": 4_660,  # +260 (issue 46): traces, trace rules, untrained models; sampling params;
+    # the request policy (kept/approximated/left out, edits.py)
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_890,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;

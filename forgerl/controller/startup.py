@@ -123,7 +123,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
-                      max_tokens=config.rollout.max_tokens,
+                      max_tokens=config.rollout.max_tokens, strict=config.gateway.strict,
                       controller_tasks=training, admin_key=config.gateway.admin_key,
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s,
                       untrained_models=frozenset(gc.untrained_models),

@@ -22,14 +22,16 @@ server server.py's.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway import core
+from forgerl.gateway.conversation import Conversation
 from forgerl.gateway.errors import GatewayError, parse_body
 from forgerl.gateway.protocols import anthropic, chat, completions, responses
 from forgerl.gateway.server import GatewayServer
@@ -47,6 +49,7 @@ from forgerl.gateway.sessions_api import (
 from forgerl.gateway.web import InternalErrors, declare_bodies, error_response, unless_disconnected
 
 __all__ = ["BODIES", "Gateway", "GatewayError", "GatewayServer", "create_app"]
+R = TypeVar("R", bound=Response)
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": chat.ChatRequest, "/v1/completions": completions.CompletionRequest,
@@ -80,6 +83,14 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return error_response(request, GatewayError(e.status_code, str(e.detail), code))
 
 
+def noted(response: R, conversation: Conversation) -> R:
+    """`response` with header `x-forgerl-approximated: field, ...` when the policy applied the
+    closest exact behaviour for a control it lacks (fields.py; streamed answers too)."""
+    if approximated := conversation.request.get("approximated"):
+        response.headers["x-forgerl-approximated"] = ", ".join(approximated)
+    return response
+
+
 def create_app(gateway: core.Gateway) -> FastAPI:
     """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
     app = FastAPI(title="ForgeRL gateway")
@@ -100,12 +111,13 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
     async def chat_completions(request: Request) -> Any:
         """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
-        req, conversation = chat.parse(await request.body())
+        req, conversation = chat.parse(await request.body(), gateway.strict)
         if req.stream:
-            return chat.respond_stream(req, gateway.stream(session, conversation))
+            return noted(chat.respond_stream(req, gateway.stream(session, conversation)),
+                         conversation)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
-        return chat.respond(req, result)
+        return noted(chat.respond(req, result), conversation)
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Any:
@@ -113,7 +125,8 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
         session = authenticate(gateway, request.headers.get("authorization"))
         body = await request.body()
         with gateway.active(session):  # a prompt surely over max_model_len: C09's event
-            call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len)
+            call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len,
+                                     gateway.strict)
         if call.request.stream:
             return completions.respond_stream(
                 call, gateway.stream(session, call.conversation, call.plan), gateway.renderer)
@@ -125,32 +138,35 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
     async def anthropic_messages(request: Request) -> Any:
         """Anthropic Messages (plain or SSE), recorded token-in-token-out."""
         session = authenticate_key(gateway, request.headers)
-        req, conversation = anthropic.parse(await request.body())
+        req, conversation = anthropic.parse(await request.body(), gateway.strict,
+                                            functools.partial(gateway.prompt_tokens, session))
         if req.stream:
-            return anthropic.respond_stream(req, conversation,
-                                            gateway.stream(session, conversation),
-                                            gateway.renderer.decode)
+            return noted(anthropic.respond_stream(req, conversation, gateway.stream(
+                session, conversation), gateway.renderer.decode), conversation)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
-        return anthropic.respond(req, conversation, result, gateway.renderer.decode)
+        return noted(anthropic.respond(req, conversation, result, gateway.renderer.decode),
+                     conversation)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         """Anthropic token counting: the next call's prompt length; nothing recorded."""
         session = authenticate_key(gateway, request.headers)
-        conversation = anthropic.parse_prompt(await request.body())
+        conversation = anthropic.parse_prompt(await request.body(), gateway.strict,
+                                              functools.partial(gateway.prompt_tokens, session))
         return {"input_tokens": gateway.prompt_tokens(session, conversation)}
 
     @app.post("/v1/responses")
     async def responses_create(request: Request) -> Any:
         """OpenAI Responses (plain or SSE), recorded token-in-token-out."""
         session = authenticate(gateway, request.headers.get("authorization"))
-        req, conversation = responses.parse(await request.body(), session)
+        req, conversation = responses.parse(await request.body(), session, gateway.strict)
         if req.stream:
-            return responses.respond_stream(req, session, gateway.stream(session, conversation))
+            return noted(responses.respond_stream(req, session, gateway.stream(
+                session, conversation)), conversation)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
-        return responses.respond(req, session, result)
+        return noted(responses.respond(req, session, result), conversation)
 
 
 def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:

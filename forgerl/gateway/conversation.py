@@ -1,7 +1,7 @@
 """The gateway's one conversation model: what every protocol's request is translated into.
 
-Data flow: a protocol module (protocols/chat.py; later Responses, Anthropic Messages,
-Completions) validates its wire request and builds a `Conversation`; `Gateway.complete`
+Data flow: a protocol module (protocols/*.py) validates its wire request and builds a
+`Conversation`; `Gateway.complete`
 (core.py) renders it with the renderer, dispatches, records and parses it, and hands back a
 `Result` that the protocol turns into its own response. Nothing below the protocol modules knows
 a wire format.
@@ -9,7 +9,8 @@ a wire format.
 Conventions:
 - Roles are "system", "user", "assistant", "tool". A system prompt given outside the messages
   (Anthropic `system`, Responses `instructions`) becomes a leading system message; chat's
-  "developer" role is "system".
+  "developer" role is "system". A system message may stand anywhere (Anthropic's
+  mid-conversation system, Responses developer items); templates.fit_system renders it.
 - Content is text: protocols join their text parts and refuse the parts a text model cannot
   read (images, audio, files) with a 400 naming the part.
 - A tool call's `arguments` is JSON text (what the OpenAI wire formats carry); protocols whose
@@ -120,6 +121,8 @@ class Conversation:
     param_names: this protocol's name for an internal field, used as the `param` of errors the
     core raises (e.g. {"stop": "stop_sequences"}); fields not listed keep their internal name,
     which is the Chat Completions name.
+    request: JSON notes on the request as applied (fields.enforce: protocol, kept,
+    approximated, left_out; context edits `applied`), recorded as `Completion.request`.
     """
 
     model: str
@@ -132,6 +135,7 @@ class Conversation:
     logprobs: bool = False
     top_logprobs: int = 0
     param_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    request: dict[str, Any] = field(default_factory=dict)
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

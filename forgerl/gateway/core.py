@@ -12,10 +12,10 @@ façade also owns the sessions' lifecycle (open, finish, expire idle) and the co
 How a protocol plugs in (protocols/chat.py is the worked example; Responses, Anthropic
 Messages and Completions modules follow the same four steps):
 
-1. Validate the wire body with the protocol's own pydantic models. Top-level fields the
-   official API does not know are a 400 naming them (`extra="forbid"`, errors.parse_body); a
-   field the core cannot honour is refused as its row in fields.py says.
-2. Translate it into a `Conversation` (conversation.py): messages (system first, tool calls,
+1. Validate the wire body with the protocol's own pydantic models (errors.parse_body), then
+   apply the protocol's table of the request policy (fields.enforce: what is honoured, kept,
+   approximated, left out or refused; its notes go into `Conversation.request`).
+2. Translate it into a `Conversation` (conversation.py): messages (system anywhere, tool calls,
    tool results, reasoning), tools in the canonical `Tool` shape, tool_choice, `Sampling`, n,
    logprobs; `param_names` maps the internal field names the core's errors use to the wire's
    (e.g. {"stop": "stop_sequences"}). Assistant messages the client echoes back must translate
@@ -90,6 +90,9 @@ class Gateway:
     temperature: float = 1.0
     max_tokens: int = 256
     strict_model: bool = True
+    strict: bool = False
+    """Refuse (400) request fields in no policy table and those the policy would approximate
+    or leave out (fields.py), instead of keeping / approximating them."""
     external: set[str] = field(default_factory=set)
     """Trajectory ids opened over HTTP (POST /v1/sessions): only these take rewards over HTTP,
     whatever their state; the controller scores its own rollouts."""

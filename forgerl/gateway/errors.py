@@ -30,6 +30,7 @@ class GatewayError(Exception):
     """An error answered to the client as OpenAI JSON with an HTTP status.
 
     param: the request field at fault (dotted path for nested fields), None when none is.
+    anthropic_message: the message in Anthropic's own words where they differ (an overflow).
     """
 
     def __init__(
@@ -39,10 +40,12 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str = "invalid_request_error",
+        anthropic_message: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = (
             status, message, code, param, type)
+        self.anthropic_message = anthropic_message or message
 
     def response(self) -> JSONResponse:
         """The OpenAI-shaped JSON error body with this error's HTTP status."""
@@ -54,7 +57,7 @@ class GatewayError(Exception):
         Messages routes), its `type` named from the HTTP status."""
         kind = ANTHROPIC_TYPES.get(self.status,
                                    "api_error" if self.status >= 500 else "invalid_request_error")
-        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        body = {"type": "error", "error": {"type": kind, "message": self.anthropic_message}}
         return JSONResponse(body, status_code=self.status)
 
 
@@ -80,9 +83,15 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 def context_exceeded(tokens: str, max_model_len: int, param: str) -> GatewayError:
     """400 `context_length_exceeded` (CASES.md C09): a prompt of `tokens` ("812", "at least
-    76923") does not fit in `max_model_len`."""
-    return GatewayError(400, f"prompt has {tokens} tokens; max_model_len is {max_model_len}",
-                        "context_length_exceeded", param)
+    76923") does not fit in `max_model_len`, in each API's own words, which the harnesses
+    parse to compact their context: OpenAI's "This model's maximum context length is M
+    tokens. However, your messages resulted in N tokens. ..." and Anthropic's "prompt is too
+    long: N tokens > M maximum"."""
+    return GatewayError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                        f"However, your messages resulted in {tokens} tokens. Please reduce "
+                        "the length of the messages.", "context_length_exceeded", param,
+                        anthropic_message=f"prompt is too long: {tokens} tokens > "
+                        f"{max_model_len} maximum")
 
 
 OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",

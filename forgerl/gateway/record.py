@@ -122,7 +122,7 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
             logprobs=list(out.logprobs[:k]), weight_versions=list(out.weight_versions[:k]),
             weight_version=call.weight_version, finish_reason=finish, sampling=p,
             started_at=call.started_at, ended_at=ended_at,
-            extends_previous=call.plan.extends_previous)
+            extends_previous=call.plan.extends_previous, request=dict(call.conv.request))
         choices.append(Choice(i, completion, reply,
                               token_logprobs(renderer, completion) if call.conv.logprobs
                               else None, tuple(errors)))

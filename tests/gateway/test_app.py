@@ -118,8 +118,9 @@ def test_c06_raw_sse_ends_with_done(serve, tokenizer, renderer):
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    assert all(ln.startswith("data: ") for ln in lines)
-    objs = [json.loads(ln[6:]) for ln in lines[:-1]]
+    # an SSE comment opens the stream once the call is checked (its headers go out at once)
+    assert lines[0] == ": forgerl: sampling" and all(ln.startswith("data: ") for ln in lines[1:])
+    objs = [json.loads(ln[6:]) for ln in lines[1:-1]]
     assert objs[0]["choices"][0]["delta"]["role"] == "assistant"
     assert objs[-1]["choices"][0]["finish_reason"] == "stop"
     assert all("usage" not in o for o in objs)  # no include_usage → no usage chunk

@@ -14,10 +14,9 @@ per ASCII character). Pins:
 - `parallel_tool_calls: false` ends the reply (and the record) after its first call.
 - `n`: each choice is its own completion in the pool (seed + i) and its own branch of the
   session; the agent continuing from choice 1 extends choice 1's ids; streamed by index.
-- `response_format` json_object / json_schema, logit_bias, reasoning_effort, penalties and
-  vLLM's extras out of range, non-text content parts and unknown fields are 400s naming the
-  field, and record nothing; metadata fields (user, metadata, store, ...) and neutral values are
-  accepted.
+- `response_format` json_object / json_schema, logit_bias, penalties and vLLM's extras out of
+  range, non-text content parts are 400s naming the field, and record nothing; metadata fields
+  (user, metadata, store, ...) are accepted and kept with the turn, neutral values accepted.
 - sampling parameters (CASES.md C21): a request setting only temperature reaches the engine with
   every parameter explicit and neutral; top_p, the penalties and vLLM's extras top_k, min_p and
   repetition_penalty are sampled with and recorded as sent, a 200 on a training session (the
@@ -117,7 +116,6 @@ def test_logprobs_are_the_recorded_behaviour_logprobs(serve, tokenizer, renderer
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -150,6 +148,9 @@ def test_neutral_and_metadata_fields_are_accepted(serve, tokenizer, renderer):
     (rec,) = srv.pool.get_trajectory(tid).completions
     assert rec.prompt_ids == render(renderer, [{"role": "system", "content": "Be brief."}, *USER])
     assert rec.sampling.seed == 4
+    assert rec.request == {"protocol": "chat", "kept": {
+        "user": "u1", "metadata": {"run": "7"}, "store": True, "service_tier": "auto",
+        "safety_identifier": "s", "prompt_cache_key": "k"}}
 
 
 def sampled(p) -> tuple:

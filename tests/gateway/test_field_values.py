@@ -137,7 +137,7 @@ def test_malformed_field_values_on_one_keep_alive_connection(serve, tokenizer, r
                           "name": "f", "parameters": {"type": "object", "description": big}}}]}):
             err = error("/v1/chat/completions", body)
             assert err["code"] == "context_length_exceeded"
-            assert "prompt has at least" in err["message"]  # the floor: nothing was tokenized
+            assert "resulted in at least" in err["message"]  # the floor: nothing was tokenized
         # ChatML renders an earlier reply's text before </think> too: counted (a template that
         # drops it is test_templates'), so a 1 MB one is refused untokenized as well
         err = error("/v1/chat/completions", {"messages": [

@@ -6,13 +6,16 @@ Data flow: POST /v1/messages body --`parse`--> (`MessagesRequest`, `Conversation
 _delta (`text_delta`, `input_json_delta`) / _stop, message_delta, message_stop).
 POST /v1/messages/count_tokens answers the next call's `input_tokens` and records nothing.
 
-What the gateway does with each request field (honoured, ignored, refused with a 400 naming it)
-is `fields.MESSAGES`; unknown top-level fields are a 400. Content blocks: text (in a row joined by
-"\n"; an assistant's split by tool_use blocks, as its stream splits them, by nothing), tool_use,
-tool_result (string or text blocks; `is_error` renders "Error: {content}", ChatML having no error
-slot), thinking (the internal `reasoning`; its signature kept as sent, unchecked); other blocks
-(image, document, redacted_thinking, ...), server tools (type other than "custom") and a final
-assistant message (prefill) are refused here. Errors are Anthropic-shaped
+What the gateway does with each request field (honoured, kept, approximated, left out, refused
+with a 400 naming it) is `fields.MESSAGES`; a field in no row is kept (a 400 under `[gateway]
+strict`). Messages: user, assistant, and system anywhere (the mid-conversation system beta).
+Content blocks: text (in a row joined by "\n"; an assistant's split by tool_use blocks, as its
+stream splits them, by nothing), tool_use, tool_result (string or text blocks; `is_error` renders
+"Error: {content}", ChatML having no error slot), thinking (the internal `reasoning`; its
+signature kept as sent, unchecked), redacted_thinking (unreadable: dropped); other blocks
+(image, document, ...) and a final assistant message (prefill) are refused here. Server tools
+(type other than "custom") are left out and counted. `context_management.edits` are applied to
+the messages before rendering (edits.py). Errors are Anthropic-shaped
 (GatewayError.anthropic_response).
 """
 
@@ -37,12 +40,13 @@ from forgerl.gateway.conversation import (
     ToolChoice,
 )
 from forgerl.gateway.dispatch import Delta, Started
+from forgerl.gateway.edits import Edit, apply_edits
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.fields import MESSAGES, enforce
+from forgerl.gateway.fields import MESSAGES, enforce, noted, strictly
 from forgerl.gateway.record import Result
 from forgerl.gateway.sse import EventStream
 
-# ---- request schema (blocks allow extra fields such as cache_control; the top level forbids) --
+# ---- request schema (fields the gateway does not read are kept in `model_extra`) ------------
 
 
 class TextBlock(Loose):
@@ -89,15 +93,15 @@ ToolResultBlock.model_rebuild()
 
 
 class MessageIn(Loose):  # a string `content` is one text block
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: list[Block]
 
     _blocks = field_validator("content", mode="before")(
         lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)
 
 
-class ToolDecl(Loose):  # custom tools (type absent or "custom") need input_schema
-    name: str
+class ToolDecl(Loose):  # custom tools (type absent or "custom") need a name and input_schema
+    name: str = ""  # server tools may have none (mcp_toolset)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
@@ -113,8 +117,12 @@ class ThinkingConfig(Loose):
     type: str
 
 
+class ContextManagement(Loose):
+    edits: list[Edit] = Field(default_factory=list)
+
+
 class PromptRequest(BaseModel):  # POST /v1/messages/count_tokens: what renders the prompt
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[MessageIn] = Field(min_length=1)
@@ -122,11 +130,8 @@ class PromptRequest(BaseModel):  # POST /v1/messages/count_tokens: what renders 
     tools: list[ToolDecl] | None = None
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingConfig | None = None
-    cache_control: dict[str, Any] | None = None
-    speed: str | None = None
     output_config: dict[str, Any] | None = None
-    mcp_servers: list[Any] | None = None
-    context_management: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(PromptRequest):
@@ -139,13 +144,6 @@ class MessagesRequest(PromptRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stream: bool | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    inference_geo: str | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
-    container: Any = None
-    diagnostics: dict[str, Any] | None = None
 
 
 # ---- request -> Conversation ----------------------------------------------------------------
@@ -194,7 +192,7 @@ def _assistant(m: MessageIn, where: str) -> Message:
             calls.append(ToolCall(b.name, json.dumps(b.input, ensure_ascii=False), b.id))
         elif isinstance(b, ThinkingBlock) and not thinking:
             thinking.append(b)
-        else:
+        elif b.type != "redacted_thinking":  # unreadable (encrypted): nothing to render
             why = ("one thinking block per assistant message (one reasoning field)"
                    if isinstance(b, ThinkingBlock) else f"block {b.type!r} is not read")
             raise unsupported(f"{where}.content.{j}.type", why)
@@ -216,26 +214,35 @@ def _messages(req: PromptRequest) -> tuple[Message, ...]:
         if not m.content or any(isinstance(b, TextBlock) and not b.text for b in m.content):
             raise GatewayError(400, f"{where}: all messages must have non-empty content, and "
                                "text content blocks non-empty text", "invalid_value", where)
+        if m.role == "system":
+            out.append(Message("system", _text(m.content, f"{where}.content")))
+            continue
         out += _user(m, where) if m.role == "user" else [_assistant(m, where)]
     return tuple(out)
 
 
-def _tools(req: PromptRequest) -> tuple[Tool, ...]:
+def _tools(req: PromptRequest, notes: dict[str, Any], strict: bool) -> tuple[Tool, ...]:
+    """The custom tools; server tools are left out, named in `notes["left_out"]` (a 400 when
+    `strict`)."""
     tools = []
     for i, t in enumerate(req.tools or ()):
         if t.type not in (None, "custom"):
-            raise unsupported(f"tools.{i}.type", f"server tool {t.type!r} ({t.name!r}): the "
-                              "gateway runs no server tools; declare a custom tool")
+            if strict:
+                raise strictly(f"tools.{i}.type", f"server tool {t.type!r} is left out")
+            notes["left_out"].append(f"{t.type}:{t.name}" if t.name else t.type)
+            continue
         if t.input_schema is None:
             raise unsupported(f"tools.{i}.input_schema", f"tool {t.name!r} needs input_schema")
         tools.append(Tool(t.name, t.description, t.input_schema))
     return tuple(tools)
 
 
-def to_conversation(req: PromptRequest) -> Conversation:
-    """The internal form of a validated request. Raises GatewayError 400 for a refused field or
-    block (`fields.MESSAGES`; module docstring)."""
-    enforce(MESSAGES, req)
+def to_conversation(req: PromptRequest, strict: bool = False,
+                    count: Callable[[Conversation], int] | None = None) -> Conversation:
+    """The internal form of a validated request, its context edits applied (`count`: the
+    prompt tokens of a conversation, for `edits.apply_edits`). Raises GatewayError 400 for a
+    refused field or block (`fields.MESSAGES`, `strict`: see fields.enforce)."""
+    notes = enforce(MESSAGES, req, strict, "messages")
     choice: ToolChoice = "auto"
     tc = req.tool_choice
     if tc is not None and tc.type == "tool":
@@ -247,22 +254,28 @@ def to_conversation(req: PromptRequest) -> Conversation:
     sampling = Sampling(req.temperature, req.top_p, req.max_tokens, tuple(
         req.stop_sequences or ()), top_k=req.top_k) if isinstance(req, MessagesRequest) else (
         Sampling())
-    return Conversation(
-        model=req.model, messages=_messages(req), tools=_tools(req), tool_choice=choice,
-        parallel_tool_calls=not (tc and tc.disable_parallel_tool_use), sampling=sampling,
-        param_names={"stop": "stop_sequences", "parameters": "input_schema"})
+    conv = Conversation(
+        model=req.model, messages=_messages(req), tools=_tools(req, notes, strict),
+        tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use),
+        sampling=sampling, param_names={"stop": "stop_sequences", "parameters": "input_schema"},
+        request=noted(notes))
+    edits = req.context_management.edits if req.context_management else []
+    return apply_edits(conv, edits, count or (lambda c: 0))
 
 
-def parse(raw: bytes) -> tuple[MessagesRequest, Conversation]:
-    """Validate a POST /v1/messages body and translate it; raises GatewayError 400."""
+def parse(raw: bytes, strict: bool = False, count: Callable[[Conversation], int] | None = None
+          ) -> tuple[MessagesRequest, Conversation]:
+    """Validate a POST /v1/messages body and translate it (`to_conversation`); raises
+    GatewayError 400."""
     req = parse_body(raw, MessagesRequest)
-    return req, to_conversation(req)
+    return req, to_conversation(req, strict, count)
 
 
-def parse_prompt(raw: bytes) -> Conversation:
+def parse_prompt(raw: bytes, strict: bool = False,
+                 count: Callable[[Conversation], int] | None = None) -> Conversation:
     """Validate a POST /v1/messages/count_tokens body and translate it (no sampling fields);
     raises GatewayError 400. Its count is `Gateway.prompt_tokens` of the result."""
-    return to_conversation(parse_body(raw, PromptRequest))
+    return to_conversation(parse_body(raw, PromptRequest), strict, count)
 
 
 # ---- Result -> response ---------------------------------------------------------------------

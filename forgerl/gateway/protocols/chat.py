@@ -5,10 +5,9 @@ Data flow: POST /v1/chat/completions body --`parse`--> (`ChatRequest`, `Conversa
 `chat.completion` object; with `stream: true`, `Gateway.stream` --`respond_stream`-->
 `chat.completion.chunk` SSE events, each sent as soon as the engine sampled its tokens.
 
-Every request field of the official API is honoured, ignored or refused with a 400 naming it,
-as its row in `fields.CHAT` says; a field the official API does not know is a 400 too
-("Unrecognized request argument supplied", as OpenAI answers). Non-text content parts are
-refused here, where messages are translated.
+What the gateway does with each request field (honoured, kept, approximated, left out, refused
+with a 400 naming it) is its row in `fields.CHAT`; a field in no row is kept (a 400 under
+`[gateway] strict`). Non-text content parts are refused here, where messages are translated.
 """
 
 from __future__ import annotations
@@ -33,11 +32,11 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.fields import CHAT, enforce
+from forgerl.gateway.fields import CHAT, enforce, noted
 from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sse import EventStream
 
-# ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
+# ---- request schema (fields the gateway does not read are kept in `model_extra`) ------------
 
 
 class ContentPart(Loose):
@@ -119,7 +118,7 @@ class ChatRequest(BaseModel):
     wins over `max_tokens`; max tokens are clamped to the context left after the prompt.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -145,20 +144,6 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     modalities: list[str] | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
 
 
 # ---- request -> Conversation ----------------------------------------------------------------
@@ -192,10 +177,10 @@ def _message(m: ChatMessage, i: int) -> Message:
                    m.reasoning_content if m.reasoning_content is not None else m.reasoning)
 
 
-def to_conversation(req: ChatRequest) -> Conversation:
+def to_conversation(req: ChatRequest, strict: bool = False) -> Conversation:
     """The internal form of a validated chat request. Raises GatewayError 400 for a refused
-    field (`fields.CHAT`) or a non-text content part."""
-    enforce(CHAT, req)
+    field (`fields.CHAT`; `strict`: see fields.enforce) or a non-text content part."""
+    notes = enforce(CHAT, req, strict, "chat")
     choice: ToolChoice = "auto"
     if isinstance(req.tool_choice, NamedToolChoice):
         choice = ForcedTool(req.tool_choice.function.name)
@@ -218,13 +203,14 @@ def to_conversation(req: ChatRequest) -> Conversation:
         top_logprobs=req.top_logprobs or 0,
         param_names={"max_tokens": "max_completion_tokens" if req.max_completion_tokens
                      else "max_tokens"},
+        request=noted(notes),
     )
 
 
-def parse(raw: bytes) -> tuple[ChatRequest, Conversation]:
+def parse(raw: bytes, strict: bool = False) -> tuple[ChatRequest, Conversation]:
     """Validate a body and translate it; raises GatewayError 400 (see `parse_body`)."""
     req = parse_body(raw, ChatRequest)
-    return req, to_conversation(req)
+    return req, to_conversation(req, strict)
 
 
 def messages(raw: list[dict[str, Any]]) -> list[Message]:
@@ -281,6 +267,11 @@ def chat_response(cid: str, model: str, result: Result) -> dict[str, Any]:
             "model": model, "choices": choices, "usage": usage_json(result)}
 
 
+OPENED = ": forgerl: sampling\n\n"
+"""An SSE comment (clients skip it) that opens a stream once the call passed every check, so
+its HTTP headers arrive before the engine samples the first token."""
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -293,10 +284,10 @@ def error_event(e: GatewayError) -> str:
 
 async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delta | Result],
                       include_usage: bool) -> AsyncIterator[str]:
-    """SSE lines of a `chat.completion.chunk` stream from `Gateway.stream` events: per choice
-    its role (with its first delta), content deltas (each with the logprobs of its new
-    tokens), each tool call as one chunk (id, name, whole arguments), and its finish (with
-    the logprobs not sent yet); then usage when asked; then `[DONE]`."""
+    """SSE lines of a `chat.completion.chunk` stream from `Gateway.stream` events: `OPENED` at
+    `Started`; per choice its role (with its first delta), content deltas (each with the
+    logprobs of its new tokens), each tool call as one chunk (id, name, whole arguments), and
+    its finish (with the logprobs not sent yet); then usage when asked; then `[DONE]`."""
     created = 0
     opened: set[int] = set()
     sent: dict[int, int] = {}
@@ -316,8 +307,9 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
 
     async with contextlib.aclosing(events) as stream:
         async for ev in stream:
-            if isinstance(ev, Started):
+            if isinstance(ev, Started):  # checked and dispatched: the headers go out now
                 created = int(ev.started_at)
+                yield OPENED
             elif isinstance(ev, Delta) and ev.tool_call is not None:
                 call = ev.tool_call  # whole once its block closed: one chunk per call
                 yield delta(ev.index, {"tool_calls": [{

@@ -18,10 +18,10 @@ prompt starts a new branch, counted in `prefix_misses`. A text prompt is encoded
 re-encoding sampled text may give other ids (CASES.md C01), so a text client extends only when
 the encoding happens to reproduce them; token-native clients send ids.
 
-What the gateway does with each request field (honoured, ignored, neutral values only,
-refused with a 400 naming it) is `fields.COMPLETIONS`; unknown fields are a 400. Several prompts in
-one request, an empty prompt, ids outside the vocabulary and prompts of max_model_len tokens or
-more are refused here (`prompt_ids`).
+What the gateway does with each request field (honoured, kept, neutral values only, refused
+with a 400 naming it) is `fields.COMPLETIONS`; a field in no row is kept (a 400 under `[gateway]
+strict`). Several prompts in one request, an empty prompt, ids outside the vocabulary and
+prompts of max_model_len tokens or more are refused here (`prompt_ids`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from forgerl.gateway.conversation import Conversation, Sampling
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, parse_body, unsupported
-from forgerl.gateway.fields import COMPLETIONS, enforce
+from forgerl.gateway.fields import COMPLETIONS, enforce, noted
 from forgerl.gateway.prepare import refuse_surely_too_long
-from forgerl.gateway.protocols.chat import error_event, usage_json
+from forgerl.gateway.protocols.chat import OPENED, error_event, usage_json
 from forgerl.gateway.record import Choice, Result
 from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.sessions import PromptPlan, Session
@@ -61,7 +61,7 @@ class StreamOptions(BaseModel):
 class CompletionRequest(BaseModel):
     """POST /v1/completions body; `fields.COMPLETIONS` says what the gateway does with each."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     prompt: Prompt
@@ -83,7 +83,6 @@ class CompletionRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     return_token_ids: bool | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -150,12 +149,13 @@ def plan(session: Session, ids: list[int]) -> PromptPlan:
     return PromptPlan(list(ids), parent, parent is not None)
 
 
-def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> CompletionCall:
+def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int,
+          strict: bool = False) -> CompletionCall:
     """Validate a body, build its prompt ids and plan; raises GatewayError 400 (module
-    docstring; `max_len`: the engine's max_model_len, see `prompt_ids`). The core raises the
-    rest: model, logprobs > 0, context length."""
+    docstring; `max_len`: the engine's max_model_len, see `prompt_ids`; `strict`: see
+    fields.enforce). The core raises the rest: model, logprobs > 0, context length."""
     req = parse_body(raw, CompletionRequest)
-    enforce(COMPLETIONS, req)
+    notes = enforce(COMPLETIONS, req, strict, "completions")
     ids = prompt_ids(req.prompt, renderer, max_len)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     conv = Conversation(
@@ -166,8 +166,7 @@ def parse(raw: bytes, session: Session, renderer: Renderer, max_len: int) -> Com
                           req.frequency_penalty),
         n=req.n or 1,
         top_logprobs=req.logprobs or 0,
-        param_names={"messages": "prompt", "top_logprobs": "logprobs"},
-    )
+        param_names={"messages": "prompt", "top_logprobs": "logprobs"}, request=noted(notes))
     return CompletionCall(req, conv, plan(session, ids))
 
 
@@ -224,10 +223,11 @@ def _choices(call: CompletionCall, result: Result, renderer: Renderer, head: str
 async def completion_chunks(call: CompletionCall, cid: str,
                             events: AsyncIterator[Started | Delta | Result],
                             renderer: Renderer) -> AsyncIterator[str]:
-    """SSE lines of a `text_completion` stream from `Gateway.stream` events: each text delta
-    as the engine samples it (the echoed prompt before a choice's first), then per choice a
-    finish chunk carrying that choice's logprobs and token ids when asked (all of them: the
-    legacy `text_offset`s are known once the text is); then usage when asked; then `[DONE]`."""
+    """SSE lines of a `text_completion` stream from `Gateway.stream` events: `chat.OPENED` at
+    `Started`, each text delta as the engine samples it (the echoed prompt before a choice's
+    first), then per choice a finish chunk carrying that choice's logprobs and token ids when
+    asked (all of them: the legacy `text_offset`s are known once the text is); then usage when
+    asked; then `[DONE]`."""
     req, created, opened, head = call.request, 0, set(), _echo(call, renderer)
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
@@ -239,6 +239,7 @@ async def completion_chunks(call: CompletionCall, cid: str,
         async for ev in stream:
             if isinstance(ev, Started):
                 created = int(ev.started_at)
+                yield OPENED
             elif isinstance(ev, Delta) and (ev.text or (req.echo and ev.index not in opened)):
                 text = ev.text if ev.index in opened else head + ev.text
                 opened.add(ev.index)

@@ -15,10 +15,10 @@ Items: `message` (text parts), `function_call`, `function_call_output` (an unkno
 400 naming it), `reasoning` (content, else summary text; `encrypted_content` is unreadable here).
 Consecutive assistant-side items are one assistant message, so a re-sent reply matches its
 recorded turn and its ids are reused (TITO). What the gateway does with each request field
-(honoured, ignored, refused with a 400 naming it) is `fields.RESPONSES`, which also lists the
-accepted fields outside the schema; any other unknown field is a 400 "Unrecognized request
-argument". Hosted tools, other tool_choice types, non-text parts and other item types are
-refused here, where the input is translated.
+(honoured, kept, approximated, left out, refused with a 400 naming it) is `fields.RESPONSES`; a
+field in no row is kept (a 400 under `[gateway] strict`). Tools other than functions (hosted
+tools such as web_search, namespaces, mcp, custom) are left out of the rendering and counted;
+other tool_choice types, non-text parts and other item types are refused here.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.fields import RESPONSES, enforce
+from forgerl.gateway.fields import RESPONSES, enforce, noted, strictly
 from forgerl.gateway.protocols.chat import token_json
 from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sessions import Session, message_key
 from forgerl.gateway.sse import EventStream
 
-# ---- request schema (nested objects allow extra fields; the top level forbids unknown ones) --
+# ---- request schema (fields the gateway does not read are kept in `model_extra`) ------------
 
 
 class Part(Loose):
@@ -90,16 +90,15 @@ class TextFormat(Loose):
 
 
 class TextOptions(Loose):
-    """`text`: the output format and verbosity (only format "text" and no verbosity are served)."""
+    """`text`: the output format (only "text" is served) and verbosity (approximated)."""
 
     format: TextFormat | None = None
-    verbosity: str | None = None
 
 
 class ResponsesRequest(BaseModel):
     """POST /v1/responses body; `fields.RESPONSES` says what the gateway does with each field."""
 
-    model_config = ConfigDict(extra="allow")  # extras: rows of fields.RESPONSES, else unknown
+    model_config = ConfigDict(extra="allow")
 
     model: str
     input: str | list[Item]
@@ -116,9 +115,6 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     stream: bool | None = None
     text: TextOptions | None = None
-    reasoning: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -233,12 +229,17 @@ def _messages(items: str | list[Item], known: set[str]) -> list[Message]:
     return out
 
 
-def _tools(req: ResponsesRequest) -> tuple[Tool, ...]:
+def _tools(req: ResponsesRequest, notes: dict[str, Any], strict: bool) -> tuple[Tool, ...]:
+    """The function tools; the others are left out, named in `notes["left_out"]` (a 400 when
+    `strict`)."""
     tools = []
     for i, t in enumerate(req.tools or ()):
-        if t.type != "function":
-            raise unsupported(f"tools.{i}.type", f"{t.type!r} tools are not served (functions are)")
-        tools.append(Tool(_need(t.name, f"tools.{i}.name"), t.description, t.parameters))
+        if t.type == "function":
+            tools.append(Tool(_need(t.name, f"tools.{i}.name"), t.description, t.parameters))
+        elif strict:
+            raise strictly(f"tools.{i}.type", f"{t.type!r} tools are left out")
+        else:
+            notes["left_out"].append(f"{t.type}:{t.name}" if t.name else t.type)
     return tuple(tools)
 
 
@@ -252,10 +253,12 @@ def _tool_choice(req: ResponsesRequest) -> ToolChoice:
     return ForcedTool(_need(choice.get("name"), "tool_choice.name"))
 
 
-def to_conversation(req: ResponsesRequest, session: Session) -> Conversation:
+def to_conversation(req: ResponsesRequest, session: Session, strict: bool = False
+                    ) -> Conversation:
     """The internal form of a validated Responses request on `session`. Raises GatewayError 400
-    for a refused field, an unknown previous_response_id or call_id, a missing item field."""
-    enforce(RESPONSES, req)
+    for a refused field (`strict`: see fields.enforce), an unknown previous_response_id or
+    call_id, a missing item field."""
+    notes = enforce(RESPONSES, req, strict, "responses")
     stored = previous_context(session, req.previous_response_id) if req.previous_response_id \
         else []
     known = {c.id for m in stored for c in m.tool_calls}
@@ -264,17 +267,19 @@ def to_conversation(req: ResponsesRequest, session: Session) -> Conversation:
     if not msgs:
         raise GatewayError(400, "input: at least one item is needed", "invalid_value", "input")
     sampling = Sampling(req.temperature, req.top_p, req.max_output_tokens)
+    tools = _tools(req, notes, strict)
     return Conversation(
-        req.model, tuple(msgs), _tools(req), _tool_choice(req),
-        req.parallel_tool_calls is not False, sampling, 1,
-        "message.output_text.logprobs" in (req.include or ()), req.top_logprobs or 0,
-        param_names={"messages": "input", "max_tokens": "max_output_tokens"})
+        req.model, tuple(msgs), tools, _tool_choice(req), req.parallel_tool_calls is not False,
+        sampling, 1, "message.output_text.logprobs" in (req.include or ()),
+        req.top_logprobs or 0, {"messages": "input", "max_tokens": "max_output_tokens"},
+        noted(notes))
 
 
-def parse(raw: bytes, session: Session) -> tuple[ResponsesRequest, Conversation]:
+def parse(raw: bytes, session: Session, strict: bool = False
+          ) -> tuple[ResponsesRequest, Conversation]:
     """Validate a body and translate it; raises GatewayError 400 (see `parse_body`)."""
     req = parse_body(raw, ResponsesRequest)
-    return req, to_conversation(req, session)
+    return req, to_conversation(req, session, strict)
 
 
 # ---- Result -> response ---------------------------------------------------------------------
@@ -319,7 +324,7 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None,
         "temperature": req.temperature, "top_p": req.top_p,
         "tool_choice": req.tool_choice or "auto",
         "tools": [t.model_dump() for t in req.tools or ()], "text": {"format": {"type": "text"}},
-        "truncation": req.truncation or "disabled", "metadata": req.metadata or {},
+        "truncation": "disabled", "metadata": req.metadata or {},
         "user": req.user, "reasoning": {"effort": None, "summary": None},
         "usage": usage if result else None,
     }

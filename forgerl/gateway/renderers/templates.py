@@ -8,6 +8,7 @@ sends: tools as `{"type": "function", "function": {name, description, parameters
 tool calls with `arguments` as an object (the client-visible message keeps the JSON text,
 CASES.md C15) and reasoning as `reasoning_content`. Control-token strings inside messages and
 tools are encoded as plain text (`sanitize_control_tokens`), so content never forges a turn.
+A template that takes a system message only first gets the others as `fit_system` writes them.
 
 Token-in-token-out (sessions.py): `continuation` renders the history with and without the new
 messages and appends the difference after the recorded ids only when each rendering extends the
@@ -17,6 +18,7 @@ history) gives None, and the session starts a counted new branch instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +40,21 @@ def template_text(tokenizer: PreTrainedTokenizerBase) -> str:
     """The tokenizer's chat template source ("" when it has none; named templates joined)."""
     t = tokenizer.chat_template
     return "\n".join(t.values()) if isinstance(t, dict) else (t or "")
+
+
+SYSTEM_AS_USER = "[system] "
+"""Prefix of a later system message rendered as a user message (`fit_system`)."""
+
+
+def fit_system(messages: Sequence[Message]) -> list[Message]:
+    """System messages as a template that takes one only first renders them: the leading ones
+    merged into one (joined by a blank line), each later one a user message starting with
+    `SYSTEM_AS_USER`. Message by message, so the rendering of a longer conversation still
+    extends the shorter one's (token-in-token-out, `continuation`)."""
+    lead = next((k for k, m in enumerate(messages) if m.role != "system"), len(messages))
+    head = [Message("system", "\n\n".join(m.content for m in messages[:lead]))] if lead else []
+    return head + [Message("user", SYSTEM_AS_USER + m.content) if m.role == "system" else m
+                   for m in messages[lead:]]
 
 
 def template_message(m: Message) -> dict[str, Any]:
@@ -93,11 +110,28 @@ class HFTemplateRenderer(Renderer):
         kept = [i for i in ids if i not in self.stop_ids]
         return self.tokenizer.decode(kept, skip_special_tokens=False)
 
+    @functools.cached_property
+    def late_system(self) -> bool:
+        """Whether the template renders a system message that is not first (templates that take
+        one only first refuse or drop it): probed once."""
+        probe = "q7x9zs"
+        try:
+            return probe in self.tokenizer.decode(self._render(
+                [Message("user", "a"), Message("system", probe), Message("user", "b")]))
+        except GatewayError:  # the template refuses it
+            return False
+
     def render(self, messages: Sequence[Message], tools: Sequence[Tool] = (),
                add_generation_prompt: bool = True) -> list[int]:
         """`tokenizer.apply_chat_template` ids of the conversation (control strings in content
-        are plain text). Raises GatewayError 400 when the template refuses it (its
-        `raise_exception`) or tools are given to a template without a tool section."""
+        are plain text), its system messages fitted (`fit_system`) unless `late_system`.
+        Raises GatewayError 400 when the template refuses it (its `raise_exception`) or tools
+        are given to a template without a tool section."""
+        fitted = messages if self.late_system else fit_system(messages)
+        return self._render(fitted, tools, add_generation_prompt)
+
+    def _render(self, messages: Sequence[Message], tools: Sequence[Tool] = (),
+                add_generation_prompt: bool = True) -> list[int]:
         if tools and "tools" not in self.template:
             raise unsupported("tools", "this model's chat template has no tool section")
         try:
