@@ -76,11 +76,12 @@ class Live:
 @pytest.fixture
 def live(tmp_path, tokenizer) -> Iterator[Callable[..., Live]]:
     """Factory: live(engine, **gateway_kwargs) -> Live (a ChatML gateway on a SQLite pool,
-    served under StatusLog on 127.0.0.1, one open session); stopped at teardown."""
+    served under StatusLog on 127.0.0.1, one open session); server and engine stopped at
+    teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    started: list[tuple[GatewayServer, SQLitePool]] = []
+    started: list[tuple[GatewayServer, SQLitePool, object]] = []
 
     def _live(engine, **kw) -> Live:
         pool = SQLitePool(tmp_path / f"pool-{len(started)}.sqlite")
@@ -88,13 +89,14 @@ def live(tmp_path, tokenizer) -> Iterator[Callable[..., Live]]:
         log = StatusLog(create_app(gateway))
         server = GatewayServer(log, "127.0.0.1", 0)
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-        started.append((server, pool))
+        started.append((server, pool, engine))
         tid, key = gateway.open_session()
         return Live(gateway, f"http://127.0.0.1:{server.port}", tid, key, log)
 
     yield _live
-    for server, pool in started:
+    for server, pool, engine in started:
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
         pool.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
@@ -175,3 +177,23 @@ def _other(srv: Live) -> int:
     """Answered requests that are no model call (GET /v1/models, count_tokens)."""
     return sum(1 for _, path, _ in srv.log.seen
                if not path.endswith(("/messages", "/chat/completions", "/responses")))
+
+
+
+@pytest.mark.parametrize("api", clis.APIS["pi"])
+def test_cli_against_the_tiny_model(api, live, tiny_model, tmp_path):
+    """The real LocalEngine (random tiny model, byte tokenizer) answers the CLI's call 200 and
+    the CLI exits on its own; each call is recorded with 1..max_tokens sampled ids.
+
+    Pi only: its prompt is about 6.5k byte-tokenizer tokens. OpenCode's (31k), Codex's (45k)
+    and Claude Code's (80k) prompts take minutes to prefill on the tiny model on CPU (the
+    engine's masked prefill attention is quadratic in memory), beyond a suite test's budget."""
+    from forgerl.engines.local import LocalEngine  # lazy: the torch engine, this test only
+
+    srv = live(LocalEngine(tiny_model, max_model_len=16384, max_batch_size=4), max_tokens=8)
+    run = clis.run("pi", api, srv.root_url, srv.key, tmp_path)
+    out = f"exit {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-2000:]}"
+    assert srv.errors() == [] and srv.log.seen, out
+    records = srv.completions()
+    assert len(records) == len(srv.log.seen) - _other(srv), out
+    assert all(0 < len(c.completion_ids) <= 8 for c in records), out
