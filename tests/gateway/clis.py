@@ -1,7 +1,7 @@
 """The four coding-agent CLIs, unmodified, pointed at a gateway (tests/gateway/test_cli_*.py).
 
 Each CLI is configured only with a base URL, a session key, a model name and its offline /
-telemetry switches, in a fresh HOME: exactly what docs/harnesses/clis.md tells a user. The
+telemetry switches, in a fresh HOME: exactly what docs/coding-clis.md tells a user. The
 binaries are the pinned ones scripts/setup.sh installs (harnesses/package.json); nothing is
 downloaded at run time. `WRITE` is each CLI's own file-writing tool call (names and argument keys
 as the CLIs declare them in their tool lists) for the task `TASK`.

@@ -1,5 +1,5 @@
 """The four coding-agent CLIs (Claude Code, Codex CLI, OpenCode, Pi), unmodified, through the real
-gateway served over HTTP (issue 46 item 6; configuration in clis.py, docs/harnesses/clis.md).
+gateway served over HTTP (issue 46 item 6; configuration in clis.py, docs/coding-clis.md).
 
 Scripted engine: each CLI runs a full two-turn tool loop on every API it speaks. The engine
 answers by reading the prompt, so parallel side calls (OpenCode's title generator) get their own
