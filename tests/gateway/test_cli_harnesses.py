@@ -158,6 +158,8 @@ def test_cli_two_turn_tool_loop(cli, api, live, tokenizer, tmp_path):
     out = f"exit {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-2000:]}"
     assert srv.errors() == [], out
     assert run.returncode == 0, out
+    if cli == "claude":  # its reachability check on the base URL, before the model calls
+        assert srv.log.seen[0] == ("HEAD", "/", 200)
     assert (workdir / clis.FILE).read_text() == clis.CONTENT, out
     records = srv.completions()
     assert len(records) == len(engine.prompts) == len(srv.log.seen) - _other(srv)
