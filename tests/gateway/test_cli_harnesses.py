@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
+from forgerl.engines.local import LocalEngine
 from forgerl.gateway.app import Gateway, create_app
 from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.gateway.server import GatewayServer
@@ -181,7 +182,6 @@ def _other(srv: Live) -> int:
                if not path.endswith(("/messages", "/chat/completions", "/responses")))
 
 
-
 @pytest.mark.parametrize("api", clis.APIS["pi"])
 def test_cli_against_the_tiny_model(api, live, tiny_model, tmp_path):
     """The real LocalEngine (random tiny model, byte tokenizer) answers the CLI's call 200 and
@@ -190,8 +190,6 @@ def test_cli_against_the_tiny_model(api, live, tiny_model, tmp_path):
     Pi only: its prompt is about 6.5k byte-tokenizer tokens. OpenCode's (31k), Codex's (45k)
     and Claude Code's (80k) prompts take minutes to prefill on the tiny model on CPU (the
     engine's masked prefill attention is quadratic in memory), beyond a suite test's budget."""
-    from forgerl.engines.local import LocalEngine  # lazy: the torch engine, this test only
-
     srv = live(LocalEngine(tiny_model, max_model_len=16384, max_batch_size=4), max_tokens=8)
     run = clis.run("pi", api, srv.root_url, srv.key, tmp_path)
     out = f"exit {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-2000:]}"
