@@ -6,6 +6,7 @@ protocol module (wire JSON or SSE) --> agent. Routes are a few lines each; nothi
 
 Endpoints: POST /v1/chat/completions (plain and `stream: true`), POST /v1/messages (Anthropic,
 plain and `stream: true`; auth also by `x-api-key`), POST /v1/messages/count_tokens, GET /v1/models,
+GET and HEAD / (a reachability check),
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
 negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened);
 both need `Authorization: Bearer <admin_key>` when the gateway has one; POST
@@ -170,9 +171,15 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
 
 
 def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:
-    """GET /v1/models and /v1/models/{id}: the served model, then its untrained names."""
+    """GET /v1/models and /v1/models/{id}: the served model, then its untrained names; GET and
+    HEAD /: 200."""
     cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "forgerl"}
              for name in [gateway.model_name, *sorted(gateway.untrained_models)]}
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, str]:
+        """Reachability check on the base URL (Claude Code sends `HEAD /` before its calls)."""
+        return {"status": "ok", "model": gateway.model_name}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
