@@ -150,6 +150,12 @@ class GatewayConfig(_Section):
     section (SmolLM2); "hf_template" = the model folder's own chat template; "auto" =
     chatml_hermes when the tokenizer has <|im_start|>/<|im_end|> and its template no tool
     section, else hf_template."""
+    request_log: bool | Annotated[str, Field(min_length=1)] = True
+    """A JSON-lines line per HTTP request (GET /metrics excepted; fields: docs/observability.md):
+    true = RUN_DIR/requests.jsonl, a path = that file (appended to), false = no log."""
+    metrics: bool = True
+    """GET /metrics in Prometheus text format, without a key (counts only: no keys, ids or
+    text); false = 404."""
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     """The tool-call format replies are parsed in; "auto" reads it from the chat template
     (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""

@@ -22,15 +22,17 @@ server server.py's.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forgerl.gateway import core
 from forgerl.gateway.errors import GatewayError, parse_body
+from forgerl.gateway.observe import Metrics, Observer, RequestLog
 from forgerl.gateway.protocols import anthropic, chat, completions, responses
 from forgerl.gateway.server import GatewayServer
 from forgerl.gateway.sessions_api import (
@@ -61,12 +63,17 @@ raw body themselves (so errors keep the OpenAI/Anthropic shapes, never FastAPI's
 class Gateway(core.Gateway):
     """The gateway core (core.py) that can serve itself over HTTP (this module's app)."""
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> GatewayServer:
-        """Start the HTTP app inside the running event loop; port 0 picks a free port."""
+    async def serve(self, host: str = "127.0.0.1", port: int = 0,
+                    request_log: str | Path | None = None, metrics: bool = True) -> GatewayServer:
+        """Start the HTTP app inside the running event loop; port 0 picks a free port.
+        `request_log`: the JSON-lines file of every request (observe.py; None: none), closed
+        when the server stops. `metrics`: serve GET /metrics."""
         timeout = self.session_idle_timeout_s
-        server = GatewayServer(create_app(self), host, port,
+        log = None if request_log is None else RequestLog(request_log)
+        server = GatewayServer(create_app(self, log, metrics), host, port,
                                sweep=None if timeout is None else self.expire_idle,
-                               sweep_every_s=min(1.0, (timeout or 1.0) / 4))
+                               sweep_every_s=min(1.0, (timeout or 1.0) / 4),
+                               on_stop=None if log is None else log.close)
         await server.start()
         return server
 
@@ -80,13 +87,24 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return error_response(request, GatewayError(e.status_code, str(e.detail), code))
 
 
-def create_app(gateway: core.Gateway) -> FastAPI:
-    """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
+def create_app(gateway: core.Gateway, request_log: RequestLog | None = None,
+               metrics: bool = True) -> FastAPI:
+    """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors); each request
+    logged to `request_log` and counted in GET /metrics (when `metrics`; observe.py)."""
     app = FastAPI(title="ForgeRL gateway")
     declare_bodies(app, BODIES)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(InternalErrors)
+    counted = Metrics(gateway) if metrics else None
+    if request_log is not None or counted is not None:  # added last: the outermost
+        app.add_middleware(Observer, log=request_log, metrics=counted)
+    if counted is not None:
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            """Prometheus text format; no key needed (counts only: no keys, ids or text)."""
+            return Response(counted.render(), media_type="text/plain; version=0.0.4")
     add_protocol_routes(app, gateway)
     add_model_routes(app, gateway)
     add_session_routes(app, gateway)

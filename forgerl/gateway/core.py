@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine
+from forgerl.gateway import telemetry
 from forgerl.gateway.conversation import Conversation, Tool
 from forgerl.gateway.dispatch import Delta, Started, choice_events, generate, merged, reply_stream
 from forgerl.gateway.errors import GatewayError
@@ -242,7 +243,10 @@ class Gateway:
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
         choices = build_choices(self.renderer, self.counters, call, outs, streamed)
         await record(self.pool, self.commits, self.counters, session, call, choices)
-        return Result(choices, len(call.prompt_ids), call.started_at)
+        result = Result(choices, len(call.prompt_ids), call.started_at)
+        telemetry.note(prompt_tokens=result.prompt_tokens,
+                       completion_tokens=result.completion_tokens)
+        return result
 
     async def stream(
         self, session: Session, conv: Conversation, plan: PromptPlan | None = None
@@ -283,5 +287,7 @@ class Gateway:
                         outs[item[0]] = item[1]
         except (asyncio.CancelledError, GeneratorExit):
             self.counters["client_disconnects"] += 1
+            telemetry.note(error="client disconnected; the stream was aborted",
+                           code="client_disconnected")
             raise
         yield await self.finish(session, call, [o for o in outs if o is not None], states)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from forgerl.gateway import telemetry
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.sessions import Session
@@ -79,6 +80,7 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
     if session is None:
         msg = "missing API key" if not authorization else "unknown or closed API key"
         raise GatewayError(401, msg, "invalid_api_key")
+    telemetry.note(session=session.trajectory_id)
     return session
 
 
@@ -102,6 +104,7 @@ def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
     `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise."""
     key = headers.get("x-api-key")
     if key is not None and (session := gateway.sessions.get(key.strip())) is not None:
+        telemetry.note(session=session.trajectory_id)
         return session
     if key is not None and headers.get("authorization") is None:
         raise GatewayError(401, "unknown or closed API key", "invalid_api_key")
@@ -127,6 +130,7 @@ def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:
         req.task_index, req.rollout_index, req.temperature, req.max_tokens
     )
     gateway.external.add(trajectory_id)
+    telemetry.note(session=trajectory_id)
     return trajectory_id, api_key
 
 
@@ -137,6 +141,7 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> None
     whether its session is open, closed or its trajectory ended), 409 (already ended).
     Nothing in the pool changes when it raises.
     """
+    telemetry.note(session=trajectory_id)
     if trajectory_id not in gateway.external:
         try:
             gateway.pool.get_trajectory(trajectory_id)

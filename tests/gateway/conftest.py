@@ -158,8 +158,9 @@ def renderer(tokenizer) -> ChatMLRenderer:
 
 @pytest.fixture
 def serve(tmp_path) -> Iterator[Callable[..., Served]]:
-    """Factory: serve(engine, tokenizer, renderer=None, **gateway_kwargs) -> Served (a
-    ChatMLRenderer of `tokenizer` unless `renderer` is given); stopped at teardown."""
+    """Factory: serve(engine, tokenizer, renderer=None, request_log=None, **gateway_kwargs) ->
+    Served (a ChatMLRenderer of `tokenizer` unless `renderer` is given; `request_log`: the
+    request log's path, `Gateway.serve`); stopped at teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -167,13 +168,14 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     pools: list[SQLitePool] = []
 
     def _serve(engine, tokenizer, default_system: str | None = None, renderer=None,
-               **kw) -> Served:
+               request_log=None, **kw) -> Served:
         kw.setdefault("model_name", "tiny")
         pool = SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
         pools.append(pool)
         renderer = renderer or ChatMLRenderer(tokenizer, default_system)
         gateway = Gateway(renderer, engine, pool, **kw)
-        server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
+        server = asyncio.run_coroutine_threadsafe(
+            gateway.serve("127.0.0.1", 0, request_log=request_log), loop).result(30)
         servers.append(server)
         return Served(gateway, server.base_url, loop, server)
 
