@@ -138,8 +138,9 @@ class GatewayConfig(_Section):
     model_name: str = Field("policy", min_length=1)
     """The model id the gateway serves at /v1/models and accepts in requests."""
     admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
-    """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
-    <admin_key>` (else 401); the sessions' own keys still authenticate model calls. Printable
+    """The key POST /v1/sessions and the reward endpoint need (`Authorization: Bearer
+    <admin_key>`, else 401); the sessions' own keys authenticate model calls. None: a random
+    key, written once to RUN_DIR/admin_key (those routes never answer without a key). Printable
     ASCII without spaces: HTTP headers carry no other text intact."""
     session_idle_timeout_s: float | None = Field(None, gt=0)
     """Seconds without a model call after which a session opened over HTTP expires: its

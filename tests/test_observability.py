@@ -4,7 +4,8 @@
 Pins: RUN_DIR/requests.jsonl gets one line per request, every line of a cleanly stopped gateway
 included; /metrics answers without a key while the sessions API needs one; a max_model_len above
 the model's max_position_embeddings (the tiny model: 2048) is warned about once, at start, in the
-process's output; at or below it, nothing.
+process's output; at or below it, nothing. Without `[gateway] admin_key` the sessions API takes
+the key written to RUN_DIR/admin_key (CASES.md C26).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_forgerl_gateway_logs_every_request_and_stops_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     config = tmp_path / "c.toml"
     config.write_text(f"run_dir = '{run_dir}'\n[model]\npath = 'tiny'\nmax_model_len = 4096\n"
-                      f"[gateway]\nadmin_key = '{ADMIN}'\n[rollout]\nmax_tokens = 4\n"
+                      "[rollout]\nmax_tokens = 4\n"
                       "[tasks]\neval_size = 0\n")
     proc = subprocess.Popen([sys.executable, "-m", "forgerl", "gateway", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,8 +48,11 @@ def test_forgerl_gateway_logs_every_request_and_stops_cleanly(tmp_path):
         line = proc.stdout.readline()
         assert line.startswith("ForgeRL gateway at http://127.0.0.1:"), line
         base = line.split()[3]
-        assert line.strip().endswith(f"metrics at {base.removesuffix('/v1')}/metrics")
-        admin = {"Authorization": f"Bearer {ADMIN}"}
+        assert line.strip().endswith(f"; admin key in {run_dir / 'admin_key'}; metrics at "
+                                     f"{base.removesuffix('/v1')}/metrics")
+        assert (run_dir / "admin_key").stat().st_mode & 0o777 == 0o600  # C26: never keyless
+        assert httpx.post(f"{base}/sessions", json={}, timeout=30).status_code == 401
+        admin = {"Authorization": f"Bearer {(run_dir / 'admin_key').read_text()}"}
         opened = httpx.post(f"{base}/sessions", json={}, headers=admin, timeout=30).json()
         chat = httpx.post(f"{base}/chat/completions", timeout=60, json={
             "model": "policy", "messages": [{"role": "user", "content": "Hi"}]},
@@ -68,7 +72,8 @@ def test_forgerl_gateway_logs_every_request_and_stops_cleanly(tmp_path):
     assert stderr.count(WARNING) == 1, stderr
     log = _lines(run_dir / "requests.jsonl")
     assert [(x["path"], x["status"]) for x in log] == [
-        ("/v1/sessions", 200), ("/v1/chat/completions", 200)]
+        ("/v1/sessions", 401), ("/v1/sessions", 200), ("/v1/chat/completions", 200)]
+    log = log[1:]
     usage = chat.json()["usage"]
     assert log[0]["session"] == log[1]["session"] == opened["session_id"]
     assert (log[1]["prompt_tokens"], log[1]["completion_tokens"]) == (

@@ -31,7 +31,7 @@ from forgerl.controller.rollouts import (
     preload_of,
     start_forkserver,
 )
-from forgerl.controller.rundir import open_run_dir, resume, save_config
+from forgerl.controller.rundir import admin_key, open_run_dir, resume, save_config
 from forgerl.controller.services import Services
 from forgerl.controller.tasks import make_task_sets
 from forgerl.datapool.sqlite import SQLitePool
@@ -127,7 +127,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens,
-                      controller_tasks=training, admin_key=config.gateway.admin_key,
+                      controller_tasks=training, admin_key=gc.admin_key or admin_key(run_dir),
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s)
     log = gc.request_log if isinstance(gc.request_log, str) else (
         run_dir / "requests.jsonl" if gc.request_log else None)

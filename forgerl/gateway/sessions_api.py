@@ -85,12 +85,15 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
 
 
 def require_admin(gateway: Gateway, authorization: str | None) -> None:
-    """Check `Authorization: Bearer <admin_key>` when the gateway has an `admin_key`.
+    """Check `Authorization: Bearer <admin_key>`; fails closed (CASES.md C26).
 
-    Raises GatewayError 401 `invalid_api_key` (missing or wrong key); nothing recorded then.
+    Raises GatewayError 403 `permission_denied` when the gateway has no `admin_key` (the
+    sessions API is closed; `forgerl gateway` and `forgerl train` always set one), 401
+    `invalid_api_key` for a missing or wrong key; nothing recorded then.
     """
     if gateway.admin_key is None:
-        return
+        raise GatewayError(403, "the sessions API is closed: this gateway has no admin key "
+                           "([gateway] admin_key)", "permission_denied")
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(
             key.strip().encode(), gateway.admin_key.encode()):
@@ -101,14 +104,19 @@ def require_admin(gateway: Gateway, authorization: str | None) -> None:
 
 def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
     """The session named by `x-api-key: <api_key>` (Anthropic clients) or by
-    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise."""
-    key = headers.get("x-api-key")
-    if key is not None and (session := gateway.sessions.get(key.strip())) is not None:
-        telemetry.note(session=session.trajectory_id)
-        return session
-    if key is not None and headers.get("authorization") is None:
+    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise, and 400
+    `conflicting_api_keys` when both headers are sent with different keys (CASES.md C26)."""
+    key, authorization = headers.get("x-api-key"), headers.get("authorization")
+    scheme, _, bearer = (authorization or "").partition(" ")
+    if key is not None and scheme.lower() == "bearer" and bearer.strip() != key.strip():
+        raise GatewayError(400, "x-api-key and Authorization: Bearer name different keys; "
+                           "send one key", "conflicting_api_keys")
+    if key is None:
+        return authenticate(gateway, authorization)
+    if (session := gateway.sessions.get(key.strip())) is None:
         raise GatewayError(401, "unknown or closed API key", "invalid_api_key")
-    return authenticate(gateway, headers.get("authorization"))
+    telemetry.note(session=session.trajectory_id)
+    return session
 
 
 def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:

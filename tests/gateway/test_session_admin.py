@@ -62,10 +62,21 @@ def test_admin_key_required_for_sessions_api(serve, tokenizer):
     assert (t.status, t.reward, len(t.completions)) == ("finished", 1.0, 1)
 
 
-def test_no_admin_key_keeps_the_api_open(serve, tokenizer):
-    srv = serve(ScriptedEngine([]), tokenizer)
-    r = httpx.post(f"{srv.base_url}/sessions", json={})
-    assert r.status_code == 200, r.text
+def test_no_admin_key_closes_the_sessions_api(serve, tokenizer):
+    """CASES.md C26: admin routes never answer 200 without a configured key, whatever is sent
+    (`forgerl gateway` and `forgerl train` always configure one: RUN_DIR/admin_key)."""
+    srv = serve(ScriptedEngine([]), tokenizer, admin_key=None)
+    tid, key = srv.session()
+    before = srv.pool.stats()
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer None"},
+                    {"Authorization": f"Bearer {key}"}):
+        r = httpx.post(f"{srv.base_url}/sessions", json={}, headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+        r = httpx.post(f"{srv.base_url}/sessions/{tid}/reward", json={"reward": 1.0},
+                       headers=headers)
+        assert r.status_code == 403, r.text
+    assert srv.pool.stats() == before and len(srv.gateway.sessions) == 1
+    assert srv.pool.get_trajectory(tid).status == "running"
 
 
 def _wait(cond, limit_s: float = 5.0) -> bool:
@@ -80,7 +91,7 @@ def _wait(cond, limit_s: float = 5.0) -> bool:
 def test_idle_session_expires(serve, tokenizer):
     renderer = ChatMLRenderer(tokenizer)
     srv = serve(ScriptedEngine([reply(renderer, "5")]), tokenizer, session_idle_timeout_s=1.0)
-    r = httpx.post(f"{srv.base_url}/sessions", json={})
+    r = httpx.post(f"{srv.base_url}/sessions", json={}, headers=srv.admin)
     sid, key = r.json()["session_id"], r.json()["api_key"]
     assert _chat(srv, key).status_code == 200
     assert _wait(lambda: srv.pool.get_trajectory(sid).status != "running")
@@ -89,7 +100,8 @@ def test_idle_session_expires(serve, tokenizer):
                                                          1)
     assert "unknown or closed API key" in _unauthorized(_chat(srv, key))
     assert srv.gateway.counters["sessions_expired"] == 1
-    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 1.0})
+    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 1.0},
+                   headers=srv.admin)
     assert r.status_code == 409, r.text  # ended: the late reward is refused, the record kept
     assert srv.pool.get_trajectory(sid).status == "failed"
 
@@ -98,7 +110,7 @@ def test_active_and_controller_sessions_do_not_expire(serve, tokenizer):
     renderer = ChatMLRenderer(tokenizer)
     srv = serve(ScriptedEngine([reply(renderer, "5") for _ in range(12)]), tokenizer,
                 session_idle_timeout_s=1.0)  # generous: a loaded CI core may stall a call
-    r = httpx.post(f"{srv.base_url}/sessions", json={})
+    r = httpx.post(f"{srv.base_url}/sessions", json={}, headers=srv.admin)
     sid, key = r.json()["session_id"], r.json()["api_key"]
     own_tid, own_key = srv.gateway.open_session(0, 0)  # a controller rollout, not over HTTP
     for _ in range(8):  # > 1.6 s of calls, each well within the timeout of the previous
