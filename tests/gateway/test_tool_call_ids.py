@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from .conftest import ScriptedEngine, reply
-from .test_templates import WEATHER, scripted, serve_hf
+from .test_templates import WEATHER, serve_hf
 
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "Local time in a city",
