@@ -21,11 +21,12 @@ BUDGETS: dict[str, int] = {
     "controller": 1_200,
     "datapool": 540,
     "engines": 1_550,
-    "gateway": 4_400,
+    "gateway": 4_640,  # +240 (issue 46 item 5): observe.py (request log, /metrics), C22/C26
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_850,
-    "core": 1_850,  # the top-level modules: types, config, models, weights, cli, cluster, ...
+    "core": 1_860,  # the top-level modules: types, config, models, weights, cli, cluster, ...
+    # +10 (issue 46 item 5): [gateway] request_log and metrics
 }
 
 
