@@ -1,16 +1,18 @@
 """Gateway overhead: ForgeRL's gateway (recording on) against a bare FastAPI stub, same bytes.
 
-Run: `.venv/bin/python benchmarks/gateway.py [--quick]` (about a minute on 2 cores; --quick:
-a fifth of the requests). Both servers run in their own process on 127.0.0.1, the client in
+Run: `.venv/bin/python benchmarks/gateway.py [--quick]` (about two minutes on 2 cores; --quick:
+a fifth of the requests). Each server runs in its own process on 127.0.0.1, the client in
 this one:
 
 - gateway: `Gateway` over `InstantEngine` (a rollout engine that returns a fixed 44-token
   completion at once, no decoding), the byte tokenizer (forgerl.models), recording into a real
-  SQLitePool (WAL, synchronous=FULL) in a temporary folder; served by `Gateway.serve`.
+  SQLitePool (WAL, synchronous=FULL) in a temporary folder; served by `Gateway.serve`, twice:
+  "off" (no request log, no GET /metrics) and "on" (every request logged to requests.jsonl and
+  counted for /metrics, as `forgerl gateway` and `forgerl train` run by default).
 - stub: a bare FastAPI app under uvicorn that answers each route with the bytes the gateway
   answered to the same request (captured at start-up): the floor any Python ASGI server has.
 
-Workloads, each run against the stub, then the gateway:
+Workloads, each run against the stub, then the gateway off, then on:
 - sequential: 500 chat calls with the official `openai` client on one keep-alive connection:
   50 sessions x 10 turns, each turn extending the last (TITO reuse); p50 / p99 latency, and
   p50 of 500 GET /v1/models.
@@ -26,28 +28,12 @@ Workloads, each run against the stub, then the gateway:
 - sessions: 200 clients at once, each opening a session (POST /v1/sessions) and making 3 calls
   on it; wall seconds, and errors (any status but 200, or an exception), which must be 0.
 
-Prints one table: the stub's value, the gateway's, and gateway - stub (latency: ms added) or
-gateway / stub (rates). Numbers are from one run on a shared machine: compare the two columns,
-not runs. One run here (2 cores shared by the client, the servers and other jobs; ~35 s):
-
-| metric                         |  stub | gateway | gateway vs stub |
-|--------------------------------|-------|---------|-----------------|
-| sequential p50 (ms)            |  2.42 |    3.36 |        +0.94 ms |
-| sequential p99 (ms)            |  5.58 |    9.19 |        +3.60 ms |
-| GET /v1/models p50 (ms)        |  0.89 |    0.87 |        -0.02 ms |
-| requests/s, 64 clients         |  1561 |     856 |           x0.55 |
-| stream chunks/s, 16 clients    | 16401 |   22547 |           x1.37 |
-| 200 sessions x 3 turns (s)     |  0.66 |    0.95 |         +0.29 s |
-
-streamed token, sampled -> client: p50 0.12 ms, p99 0.70 ms (2,150 tokens).
-
-Most of the stub's 2.3 ms sequential p50 is the official `openai` client (the same calls with a
-bare httpx client take about 1 ms).
-Of the gateway's own time per call (about 0.7 ms in-process), the pool's durable commit is the
-largest part (about 0.3 ms, one fsync per completion). The stub streams slower than the gateway
-because Starlette reads its plain list of events through a thread-pool hop per event; both are
-bounded by the 16 httpx clients parsing SSE lines on the same 2 cores. The issue's targets:
->= 5,000 streamed chunks/s and <= 2 ms from sampling to the client.
+Prints one table: the stub's value, the gateway's off and on, off - stub and on - off (latency:
+ms added) or off / stub and on / off (rates); then the request log's size and GET /metrics'
+latency after the workloads. Numbers are from one run on a shared machine: compare columns, not
+runs. Reports: benchmarks/results/2026-12-01-gateway-overhead.md (the first), and
+2026-12-06-gateway-request-log.md (off vs on). The issue's targets: <= 2 ms added p50, >= 1,000
+requests/s at 64 clients, >= 5,000 streamed chunks/s, <= 2 ms from sampling to the client.
 """
 
 from __future__ import annotations
