@@ -4,8 +4,8 @@ Every POST route declares its JSON body (app.py `BODIES`), so schemathesis gener
 and schema-violating bodies for each operation (30 in all, against the ASGI app in-process, with
 a fresh session's bearer key (the admin key on the sessions API), the served model's name and a
 scripted engine that answers every call) and checks `not_a_server_error`.
-`FORGERL_FUZZ_EXAMPLES=500` runs a longer hunt (a debug switch). Schemathesis' own pytest loader (`from_fixture`) fails under pytest 9, so each
-operation runs as a plain hypothesis test.
+`FORGERL_FUZZ_EXAMPLES=500` runs a longer hunt (a debug switch). Schemathesis' own pytest
+loader (`from_fixture`) fails under pytest 9, so each operation runs as a plain hypothesis test.
 """
 
 from __future__ import annotations
