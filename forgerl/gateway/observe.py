@@ -35,6 +35,7 @@ COUNTERS = {
     "completion_tokens": "sampled tokens recorded in the pool",
     "prefix_hits": "calls whose prompt extended an earlier turn's ids (TITO reuse)",
     "prefix_misses": "calls of a session with turns whose prompt extended none (a new branch)",
+    "traces": "traces started (a call that extends no earlier turn of its session)",
     "context_overflows": "calls refused because the session's context outgrew max_model_len",
     "tool_parse_errors": "tool calls kept as text (bad JSON, undeclared tool, unclosed block)",
     "engine_errors": "engine failures answered as 500",
@@ -74,9 +75,9 @@ class Metrics:
     forgerl_gateway_http_request_seconds{protocol} (histogram), forgerl_gateway_tokens_total
     {protocol, kind = prompt | completion}, forgerl_gateway_errors_total{protocol, code},
     forgerl_gateway_field_notes_total{protocol, kind = ignored | approximated | left_out |
-    refused} (one per field or tool named), forgerl_gateway_traces_total (traces started: a
-    session's trace index seen for the first time). Read at scrape time (`Live`): every core
-    counter as forgerl_gateway_<name>_total, the sessions gauges and the engine's queue.
+    refused} (one per field or tool named). Read at scrape time (`Live`): every core counter
+    as forgerl_gateway_<name>_total (traces started among them), the sessions gauges and the
+    engine's queue.
     """
 
     def __init__(self, gateway: core.Gateway) -> None:
@@ -95,11 +96,7 @@ class Metrics:
         self.notes = Counter("forgerl_gateway_field_notes", "fields accepted without effect, "
                              "applied approximately, tools left out, fields refused",
                              ["protocol", "kind"], registry=r)
-        self.traces = Counter("forgerl_gateway_traces", "traces started (a session's trace "
-                              "index logged for the first time)", registry=r)
-        self.live = Live(gateway, self)
-        r.register(self.live)
-        self._seen: dict[str, int] = {}  # session -> traces seen (highest index + 1)
+        r.register(Live(gateway))
         self._children: dict[tuple[str, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -123,13 +120,6 @@ class Metrics:
                 self._child(self.notes, protocol, kind).inc(n)
         if line.get("refused"):
             self._child(self.notes, protocol, "refused").inc()
-        trace, session = line.get("trace"), line.get("session")
-        if isinstance(trace, int) and session and trace >= self._seen.get(session, 0):
-            self.traces.inc(trace + 1 - self._seen.get(session, 0))
-            self._seen[session] = trace + 1
-            if len(self._seen) > 4096:  # forget ended sessions
-                open_ = {s.trajectory_id for s in self.live.gateway.sessions.open()}
-                self._seen = {k: v for k, v in self._seen.items() if k in open_}
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
@@ -143,8 +133,8 @@ class Live:
     forgerl_engine_weight_version and, for an engine with `load()` (local, vllm, a router of
     them), forgerl_engine_requests{state = running | waiting}."""
 
-    def __init__(self, gateway: core.Gateway, metrics: Metrics) -> None:
-        self.gateway, self.metrics = gateway, metrics
+    def __init__(self, gateway: core.Gateway) -> None:
+        self.gateway = gateway
 
     def collect(self) -> Iterator[Metric]:
         g = self.gateway

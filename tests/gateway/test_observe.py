@@ -4,8 +4,8 @@ Pins: one JSON line per request (GET /metrics excepted) with the session's traje
 protocol, status, method, path and latency, and token counts equal to the recorded completion's
 (streamed calls too, stamped when the stream ended); a 401, a refused field (400 naming it), a
 context overflow and an unknown route each give one line with the error; /metrics counts the same
-requests by protocol and status, the tokens, prefix hits and misses, overflows, open sessions and
-traces, in the Prometheus text format; the local engine's queue (running, waiting) is a gauge.
+requests by protocol and status, the tokens, prefix hits and misses, overflows and open sessions,
+in the Prometheus text format; the local engine's queue (running, waiting) is a gauge.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from forgerl.engines.local import LocalEngine
-from forgerl.gateway.observe import Metrics
 from forgerl.types import SamplingParams
 
 from .conftest import ScriptedEngine, reply
@@ -128,14 +127,6 @@ def test_off_means_no_log_and_no_metrics_route(tokenizer, tmp_path):
     assert "/metrics" in {r.path for r in on.routes}
     assert "/metrics" not in {r.path for r in off.routes} and not off.user_middleware[1:]
     pool.close()
-
-
-def test_traces_are_counted_once_per_session_and_index():
-    metrics = Metrics(type("G", (), {"counters": {}})())  # only `count` is used
-    for session, trace in [("a", 0), ("a", 0), ("a", 1), ("b", 0), ("a", 1), ("b", 2)]:
-        metrics.count({"protocol": "chat", "status": 200, "session": session, "trace": trace},
-                      0.001)
-    assert metrics.traces._value.get() == 5  # a: 0, 1; b: 0, 1, 2 (index 2 implies 1)
 
 
 def test_local_engine_reports_running_and_waiting(tiny_model):
