@@ -21,7 +21,7 @@ BUDGETS: dict[str, int] = {
     "controller": 1_200,
     "datapool": 540,
     "engines": 1_550,
-    "gateway": 4_640,  # +240 (issue 46 item 5): observe.py (request log, /metrics), C22/C26
+    "gateway": 4_630,  # +230 (issue 46 item 5): observe.py (request log, /metrics), C22/C26
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_850,
