@@ -13,6 +13,7 @@ GET /metrics itself is neither logged nor counted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -24,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from forgerl.gateway import core, telemetry
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/responses": "responses", "/v1/messages": "messages",
@@ -54,12 +57,20 @@ class RequestLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.failed = False
 
     def write(self, entry: dict[str, Any]) -> None:
-        """Append `entry` (values JSON-encodable; anything else as its str) as one line."""
+        """Append `entry` (values JSON-encodable; anything else as its str) as one line. A
+        failed write (disk full) is logged once and the line dropped: the request is answered."""
         if self._fd is not None:
             line = json.dumps(entry, ensure_ascii=False, separators=(",", ":"), default=str)
-            os.write(self._fd, (line + "\n").encode())
+            try:
+                os.write(self._fd, (line + "\n").encode())
+            except OSError as e:
+                if not self.failed:
+                    log.warning("request log %s: write failed (%s); lines are dropped", self.path,
+                                e.strerror or e)
+                self.failed = True
 
     def close(self) -> None:
         """Close the file; later writes are dropped. Idempotent."""

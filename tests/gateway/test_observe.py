@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import anthropic
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from forgerl.engines.local import LocalEngine
+from forgerl.gateway.observe import RequestLog
 from forgerl.types import SamplingParams
 
 from .conftest import ScriptedEngine, reply
@@ -150,3 +152,13 @@ def test_local_engine_reports_running_and_waiting(tiny_model):
     loaded, closed = asyncio.run(main())
     assert loaded == {"running": 1, "waiting": 2}
     assert closed == {"running": 0, "waiting": 0}
+
+
+def test_a_failed_write_is_logged_once_and_the_request_goes_on(caplog):
+    log = RequestLog("/dev/full")  # every write fails with ENOSPC
+    with caplog.at_level(logging.WARNING, logger="forgerl.gateway.observe"):
+        log.write({"path": "/v1/models"})
+        log.write({"path": "/v1/models"})
+    log.close()
+    assert [r.message for r in caplog.records] == [
+        "request log /dev/full: write failed (No space left on device); lines are dropped"]
