@@ -1,16 +1,18 @@
 """Gateway overhead: ForgeRL's gateway (recording on) against a bare FastAPI stub, same bytes.
 
-Run: `.venv/bin/python benchmarks/gateway.py [--quick]` (about a minute on 2 cores; --quick:
-a fifth of the requests). Both servers run in their own process on 127.0.0.1, the client in
+Run: `.venv/bin/python benchmarks/gateway.py [--quick]` (about two minutes on 2 cores; --quick:
+a fifth of the requests). Each server runs in its own process on 127.0.0.1, the client in
 this one:
 
 - gateway: `Gateway` over `InstantEngine` (a rollout engine that returns a fixed 44-token
   completion at once, no decoding), the byte tokenizer (forgerl.models), recording into a real
-  SQLitePool (WAL, synchronous=FULL) in a temporary folder; served by `Gateway.serve`.
+  SQLitePool (WAL, synchronous=FULL) in a temporary folder; served by `Gateway.serve`, twice:
+  "off" (no request log, no GET /metrics) and "on" (every request logged to requests.jsonl and
+  counted for /metrics, as `forgerl gateway` and `forgerl train` run by default).
 - stub: a bare FastAPI app under uvicorn that answers each route with the bytes the gateway
   answered to the same request (captured at start-up): the floor any Python ASGI server has.
 
-Workloads, each run against the stub, then the gateway:
+Workloads, each run against the stub, then the gateway off, then on:
 - sequential: 500 chat calls with the official `openai` client on one keep-alive connection:
   50 sessions x 10 turns, each turn extending the last (TITO reuse); p50 / p99 latency, and
   p50 of 500 GET /v1/models.
@@ -26,28 +28,12 @@ Workloads, each run against the stub, then the gateway:
 - sessions: 200 clients at once, each opening a session (POST /v1/sessions) and making 3 calls
   on it; wall seconds, and errors (any status but 200, or an exception), which must be 0.
 
-Prints one table: the stub's value, the gateway's, and gateway - stub (latency: ms added) or
-gateway / stub (rates). Numbers are from one run on a shared machine: compare the two columns,
-not runs. One run here (2 cores shared by the client, the servers and other jobs; ~35 s):
-
-| metric                         |  stub | gateway | gateway vs stub |
-|--------------------------------|-------|---------|-----------------|
-| sequential p50 (ms)            |  2.42 |    3.36 |        +0.94 ms |
-| sequential p99 (ms)            |  5.58 |    9.19 |        +3.60 ms |
-| GET /v1/models p50 (ms)        |  0.89 |    0.87 |        -0.02 ms |
-| requests/s, 64 clients         |  1561 |     856 |           x0.55 |
-| stream chunks/s, 16 clients    | 16401 |   22547 |           x1.37 |
-| 200 sessions x 3 turns (s)     |  0.66 |    0.95 |         +0.29 s |
-
-streamed token, sampled -> client: p50 0.12 ms, p99 0.70 ms (2,150 tokens).
-
-Most of the stub's 2.3 ms sequential p50 is the official `openai` client (the same calls with a
-bare httpx client take about 1 ms).
-Of the gateway's own time per call (about 0.7 ms in-process), the pool's durable commit is the
-largest part (about 0.3 ms, one fsync per completion). The stub streams slower than the gateway
-because Starlette reads its plain list of events through a thread-pool hop per event; both are
-bounded by the 16 httpx clients parsing SSE lines on the same 2 cores. The issue's targets:
->= 5,000 streamed chunks/s and <= 2 ms from sampling to the client.
+Prints one table: the stub's value, the gateway's off and on, off - stub and on - off (latency:
+ms added) or off / stub and on / off (rates); then the request log's size and GET /metrics'
+latency after the workloads. Numbers are from one run on a shared machine: compare columns, not
+runs. Reports: benchmarks/results/2026-12-01-gateway-overhead.md (the first), and
+2026-12-06-gateway-request-log.md (off vs on). The issue's targets: <= 2 ms added p50, >= 1,000
+requests/s at 64 clients, >= 5,000 streamed chunks/s, <= 2 ms from sampling to the client.
 """
 
 from __future__ import annotations
@@ -74,6 +60,8 @@ from forgerl.engines.base import TokenEvent
 from forgerl.types import GenerateOutput, SamplingParams
 
 MODEL = "bench"
+ADMIN_KEY = "bench-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 REPLY = "The answer is 42. Tell me if you need more."
 HERE = Path(__file__).resolve()
 
@@ -120,9 +108,10 @@ class InstantEngine:
 # ---- servers (child processes) ---------------------------------------------------------------
 
 
-async def serve_gateway(pool_dir: str, paced: bool = False) -> None:
+async def serve_gateway(pool_dir: str, paced: bool = False, observed: bool = False) -> None:
     """Child process: the gateway with recording on; prints `PORT n` once it accepts.
-    `paced`: the engine samples a token every 5 ms and logs when (the latency workload)."""
+    `paced`: the engine samples a token every 5 ms and logs when (the latency workload).
+    `observed`: the request log (POOL_DIR/requests.jsonl) and GET /metrics on; else both off."""
     from forgerl.datapool.sqlite import SQLitePool
     from forgerl.gateway.app import Gateway
     from forgerl.gateway.renderers.renderer import ChatMLRenderer
@@ -132,9 +121,12 @@ async def serve_gateway(pool_dir: str, paced: bool = False) -> None:
     ids = [*renderer.encode(REPLY), renderer.end_of_turn_id]
     engine = InstantEngine(ids, interval_s=0.005, log=Path(pool_dir) / "sampled.jsonl") if paced \
         else InstantEngine(ids)
-    pool = SQLitePool(Path(pool_dir) / ("paced.sqlite" if paced else "pool.sqlite"))
-    gateway = Gateway(renderer, engine, pool, MODEL)
-    server = await gateway.serve("127.0.0.1", 0)
+    name = "paced" if paced else "observed" if observed else "pool"
+    pool = SQLitePool(Path(pool_dir) / f"{name}.sqlite")
+    gateway = Gateway(renderer, engine, pool, MODEL, admin_key=ADMIN_KEY)
+    server = await gateway.serve("127.0.0.1", 0, metrics=observed,
+                                 request_log=Path(pool_dir) / "requests.jsonl" if observed
+                                 else None)
     print(f"PORT {server.port}", flush=True)
     await asyncio.Event().wait()
 
@@ -217,7 +209,8 @@ def sequential(base_url: str, sessions: int, turns: int) -> dict[str, float]:
 async def _keys(base_url: str, n: int) -> list[str]:
     """n API keys from POST /v1/sessions (untimed set-up)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        return [(await client.post("/sessions", json={})).json()["api_key"] for _ in range(n)]
+        return [(await client.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
+                for _ in range(n)]
 
 
 async def _conversation(client: httpx.AsyncClient, key: str, turns: int, stream: bool,
@@ -282,7 +275,7 @@ async def many_sessions(base_url: str, sessions: int, turns: int) -> dict[str, f
 
     async def one(client: httpx.AsyncClient) -> None:
         try:
-            key = (await client.post("/sessions", json={})).json()["api_key"]
+            key = (await client.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
         except (httpx.HTTPError, KeyError, ValueError):
             return
         await _conversation(client, key, turns, False, counts)
@@ -297,7 +290,7 @@ async def many_sessions(base_url: str, sessions: int, turns: int) -> dict[str, f
 def capture(base_url: str) -> dict[str, Any]:
     """The gateway's bytes for each route, for the stub to replay."""
     with httpx.Client(base_url=base_url, timeout=30) as client:
-        session = client.post("/sessions", json={})
+        session = client.post("/sessions", json={}, headers=ADMIN)
         auth = {"Authorization": f"Bearer {session.json()['api_key']}"}
         body = {"model": MODEL, "messages": FIRST}
         chat = client.post("/chat/completions", json=body, headers=auth)
@@ -360,7 +353,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve:
         kind, arg = args.serve
-        asyncio.run(serve_stub(arg) if kind == "stub" else serve_gateway(arg, kind == "paced"))
+        asyncio.run(serve_stub(arg) if kind == "stub" else
+                    serve_gateway(arg, kind == "paced", kind == "observed"))
         return
     scale = 0.2 if args.quick else 1.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -368,32 +362,53 @@ def main() -> None:
         bodies = Path(tmp) / "bodies.json"
         bodies.write_text(json.dumps(capture(gateway_url)))
         stub, stub_url = start("stub", str(bodies))
+        observed, observed_url = start("observed", tmp)
         paced, paced_url = start("paced", tmp)
         try:
             t0 = time.perf_counter()
             base = measure(stub_url, scale)
-            ours = measure(gateway_url, scale)
+            off = measure(gateway_url, scale)
+            on = measure(observed_url, scale)
+            scrape = metrics_scrape(observed_url, Path(tmp) / "requests.jsonl")
             latency = stream_latency(paced_url, Path(tmp) / "sampled.jsonl",
                                      max(5, int(50 * scale)))
         finally:
-            for proc in (gateway, stub, paced):
+            for proc in (gateway, stub, observed, paced):
                 proc.kill()
                 proc.wait()
-    print(f"\ngateway vs bare FastAPI stub, loopback, {os.cpu_count()} cores, "
-          f"{time.perf_counter() - t0:.0f} s\n")
-    print(f"| {'metric':30} | {'stub':>9} | {'gateway':>9} | {'gateway vs stub':>16} |")
-    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 11}|{'-' * 18}|")
+    print(f"\ngateway (request log and /metrics off, then on) vs bare FastAPI stub, loopback, "
+          f"{os.cpu_count()} cores, {time.perf_counter() - t0:.0f} s\n")
+    print(f"| {'metric':30} | {'stub':>9} | {'off':>9} | {'on':>9} | {'off vs stub':>12} "
+          f"| {'on vs off':>10} |")
+    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 14}|{'-' * 12}|")
     for name, b in base.items():
-        o = ours[name]
-        if "(ms)" in name or "(s)" in name:
-            rel = f"+{o - b:.2f}" + (" ms" if "ms" in name else " s")
-        elif "errors" in name or "per" in name:
-            rel = ""
-        else:
-            rel = f"x{o / b:.2f}"
-        print(f"| {name:30} | {b:9.2f} | {o:9.2f} | {rel:>16} |")
-    print(f"\nstreamed token, sampled -> client (ms), {latency['tokens']} tokens: "
+        print(f"| {name:30} | {b:9.2f} | {off[name]:9.2f} | {on[name]:9.2f} | "
+              f"{_versus(name, b, off[name]):>12} | {_versus(name, off[name], on[name]):>10} |")
+    print(f"\nrequest log: {scrape['lines']} lines, {scrape['bytes_per_line']:.0f} bytes each; "
+          f"GET /metrics p50 {scrape['p50']:.2f} ms ({scrape['bytes']} bytes)")
+    print(f"streamed token, sampled -> client (ms), {latency['tokens']} tokens: "
           f"p50 {latency['p50']:.2f}, p99 {latency['p99']:.2f}")
+
+
+def _versus(name: str, before: float, after: float) -> str:
+    """after - before (latency, seconds) or after / before (rates); "" for counts."""
+    if "(ms)" in name or "(s)" in name:
+        return f"{after - before:+.2f}" + (" ms" if "ms" in name else " s")
+    return "" if "errors" in name or "per" in name else f"x{after / before:.2f}"
+
+
+def metrics_scrape(base_url: str, log: Path, scrapes: int = 50) -> dict[str, float]:
+    """GET /metrics latency (p50 ms) and size after the workloads; the request log's size."""
+    url = base_url.removesuffix("/v1") + "/metrics"
+    with httpx.Client(timeout=30) as client:
+        ms, body = [], b""
+        for _ in range(scrapes):
+            t0 = time.perf_counter()
+            body = client.get(url).content
+            ms.append(1e3 * (time.perf_counter() - t0))
+    lines = log.read_bytes().count(b"\n")
+    return {"p50": statistics.median(ms), "bytes": len(body), "lines": lines,
+            "bytes_per_line": log.stat().st_size / max(lines, 1)}
 
 
 if __name__ == "__main__":

@@ -164,9 +164,11 @@ class GatewayConfig(_Section):
             raise ValueError(f"untrained_models names model_name ({self.model_name!r})")
         return self
     admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
-    """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
-    <admin_key>` (else 401); the sessions' own keys still authenticate model calls. Printable
-    ASCII without spaces: HTTP headers carry no other text intact."""
+    """The key POST /v1/sessions and the reward endpoint need (`Authorization: Bearer
+    <admin_key>`, else 401); the sessions' own keys authenticate model calls. None: a random
+    key, written once to RUN_DIR/admin_key, and POST /v1/sessions also opens a session for a
+    loopback client that sends no key (the reward endpoint never answers without the key).
+    Printable ASCII without spaces: HTTP headers carry no other text intact."""
     session_idle_timeout_s: float | None = Field(None, gt=0)
     """Seconds without a model call after which a session opened over HTTP expires: its
     trajectory is failed, its key stops working. None: never. Controller rollouts never expire
@@ -176,6 +178,12 @@ class GatewayConfig(_Section):
     section (SmolLM2); "hf_template" = the model folder's own chat template; "auto" =
     chatml_hermes when the tokenizer has <|im_start|>/<|im_end|> and its template no tool
     section, else hf_template."""
+    request_log: bool | Annotated[str, Field(min_length=1)] = True
+    """A JSON-lines line per HTTP request (GET /metrics excepted; fields: docs/observability.md):
+    true = RUN_DIR/requests.jsonl, a path = that file (appended to), false = no log."""
+    metrics: bool = True
+    """GET /metrics in Prometheus text format, without a key (counts only: no keys, ids or
+    text); false = 404."""
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     """The tool-call format replies are parsed in; "auto" reads it from the chat template
     (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""

@@ -21,14 +21,15 @@ BUDGETS: dict[str, int] = {
     "controller": 1_200,
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
-    "gateway": 4_660,  # +260 (issue 46): traces, trace rules, untrained models; sampling params;
-    # the request policy (kept/approximated/left out, edits.py)
+    "gateway": 4_930,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
+    # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
+    # /metrics), C22/C26
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_890,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context
-    "core": 1_920,  # top-level modules: types, config, ...; +70 (issue 46): trace settings,
-    # SamplingParams' top_k, min_p, penalties, check() and transforms()
+    "core": 1_930,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
+    # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics
 }
 
 

@@ -91,5 +91,9 @@ def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
 async def serve_gateway(config: Config) -> None:
     """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
     async with start_services(config, training=False) as s:
-        print(f"ForgeRL gateway at {s.server.base_url} (model {config.gateway.model_name!r})")
+        gc = config.gateway
+        print(f"ForgeRL gateway at {s.server.base_url} (model {gc.model_name!r})"
+              + ("" if gc.admin_key else f"; admin key in {s.run_dir / 'admin_key'}")
+              + (f"; metrics at {s.server.base_url.removesuffix('/v1')}/metrics"
+                 if gc.metrics else ""), flush=True)
         await asyncio.Event().wait()

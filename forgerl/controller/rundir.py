@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,20 @@ def resume(run_dir: Path, trainer: Any, model_path: str) -> dict | None:
                           "--run_dir") from e
     log.info("resumed from %s at step %d", ckpt, trainer.step)
     return extra.get("scheduler")
+
+
+def admin_key(run_dir: Path) -> str:
+    """The sessions API's key when `[gateway] admin_key` is unset (CASES.md C26: that API never
+    answers without one): RUN_DIR/admin_key, written once (mode 0600, 32 random characters) and
+    kept by a resumed run."""
+    path = run_dir / "admin_key"
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_urlsafe(24).encode())
+        finally:
+            os.close(fd)
+    return path.read_text().strip()
 
 
 def save_config(run_dir: Path, config: Config) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable
@@ -31,7 +32,7 @@ from forgerl.controller.rollouts import (
     preload_of,
     start_forkserver,
 )
-from forgerl.controller.rundir import open_run_dir, resume, save_config
+from forgerl.controller.rundir import admin_key, open_run_dir, resume, save_config
 from forgerl.controller.services import Services
 from forgerl.controller.tasks import make_task_sets
 from forgerl.datapool.sqlite import SQLitePool
@@ -39,6 +40,8 @@ from forgerl.metrics import MetricsLogger
 from forgerl.rewards.scoring import submit
 from forgerl.scheduler.policies import Scheduler
 from forgerl.trainer.checkpoint import checkpoint_step
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -104,6 +107,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     cores = single_threaded_caller() if _shares_cpu(config) else None
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
+    warn_positions(config.model.max_model_len, model.config)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
     # demonstrations are read (and refused) before anything is written; not once the run's
@@ -124,12 +128,15 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens, strict=config.gateway.strict,
-                      controller_tasks=training, admin_key=config.gateway.admin_key,
+                      controller_tasks=training, admin_key=gc.admin_key or admin_key(run_dir),
+                      loopback_sessions=gc.admin_key is None,
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s,
                       untrained_models=frozenset(gc.untrained_models),
                       untrained_traces=tuple(map(re.compile, gc.untrained_traces)))
+    log = gc.request_log if isinstance(gc.request_log, str) else (
+        run_dir / "requests.jsonl" if gc.request_log else None)
     try:
-        server = await gateway.serve(config.gateway.host, config.gateway.port)
+        server = await gateway.serve(gc.host, gc.port, request_log=log, metrics=gc.metrics)
     except OSError as e:  # a taken port, a host that does not resolve (socket.gaierror)
         raise ConfigError(f"gateway.host / gateway.port: cannot listen on {config.gateway.host}:"
                           f"{config.gateway.port} ({e.strerror or e})") from e
@@ -142,6 +149,19 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
     return services, cluster
+
+
+def warn_positions(max_model_len: int, model_config: Any) -> str | None:
+    """Warn (log once, at start) when `max_model_len` exceeds the positions the model was
+    trained on (HF config `max_position_embeddings`; SmolLM2: 8192): positions past them are
+    extrapolated and replies degrade. Returns the warning, None when there is none."""
+    trained = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(trained, int) or max_model_len <= trained:
+        return None
+    message = (f"model.max_model_len ({max_model_len}) exceeds the {trained} positions the model "
+               f"was trained on (max_position_embeddings): longer contexts may degrade")
+    log.warning(message)
+    return message
 
 
 @contextlib.asynccontextmanager

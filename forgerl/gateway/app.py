@@ -24,6 +24,7 @@ server server.py's.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forgerl.gateway import core
 from forgerl.gateway.conversation import Conversation
 from forgerl.gateway.errors import GatewayError, parse_body
+from forgerl.gateway.observe import Metrics, Observer, RequestLog
 from forgerl.gateway.protocols import anthropic, chat, completions, responses
 from forgerl.gateway.server import GatewayServer
 from forgerl.gateway.sessions_api import (
@@ -45,6 +47,7 @@ from forgerl.gateway.sessions_api import (
     authenticate_key,
     open_external,
     require_admin,
+    require_opener,
     reward_external,
 )
 from forgerl.gateway.web import InternalErrors, declare_bodies, error_response, unless_disconnected
@@ -65,12 +68,17 @@ raw body themselves (so errors keep the OpenAI/Anthropic shapes, never FastAPI's
 class Gateway(core.Gateway):
     """The gateway core (core.py) that can serve itself over HTTP (this module's app)."""
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> GatewayServer:
-        """Start the HTTP app inside the running event loop; port 0 picks a free port."""
+    async def serve(self, host: str = "127.0.0.1", port: int = 0,
+                    request_log: str | Path | None = None, metrics: bool = True) -> GatewayServer:
+        """Start the HTTP app inside the running event loop; port 0 picks a free port.
+        `request_log`: the JSON-lines file of every request (observe.py; None: none), closed
+        when the server stops. `metrics`: serve GET /metrics."""
         timeout = self.session_idle_timeout_s
-        server = GatewayServer(create_app(self), host, port,
+        log = None if request_log is None else RequestLog(request_log)
+        server = GatewayServer(create_app(self, log, metrics), host, port,
                                sweep=None if timeout is None else self.expire_idle,
-                               sweep_every_s=min(1.0, (timeout or 1.0) / 4))
+                               sweep_every_s=min(1.0, (timeout or 1.0) / 4),
+                               on_stop=None if log is None else log.close)
         await server.start()
         return server
 
@@ -92,13 +100,24 @@ def noted(response: R, conversation: Conversation) -> R:
     return response
 
 
-def create_app(gateway: core.Gateway) -> FastAPI:
-    """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors)."""
+def create_app(gateway: core.Gateway, request_log: RequestLog | None = None,
+               metrics: bool = True) -> FastAPI:
+    """The FastAPI app over `gateway` (thin handlers, OpenAI-shaped errors); each request
+    logged to `request_log` and counted in GET /metrics (when `metrics`; observe.py)."""
     app = FastAPI(title="ForgeRL gateway")
     declare_bodies(app, BODIES)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(InternalErrors)
+    counted = Metrics(gateway) if metrics else None
+    if request_log is not None or counted is not None:  # added last: the outermost
+        app.add_middleware(Observer, log=request_log, metrics=counted)
+    if counted is not None:
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            """Prometheus text format; no key needed (counts only: no keys, ids or text)."""
+            return Response(counted.render(), media_type="text/plain; version=0.0.4")
     add_protocol_routes(app, gateway)
     add_model_routes(app, gateway)
     add_session_routes(app, gateway)
@@ -201,7 +220,8 @@ def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, str]:
         """Open a session for an external agent: {session_id, api_key}."""
-        require_admin(gateway, request.headers.get("authorization"))
+        require_opener(gateway, request.headers.get("authorization"),
+                       request.client.host if request.client else None)
         body = parse_body(await request.body(), SessionRequest)
         trajectory_id, api_key = open_external(gateway, body)
         return {"session_id": trajectory_id, "api_key": api_key}

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine
+from forgerl.gateway import telemetry
 from forgerl.gateway.conversation import Conversation, Tool
 from forgerl.gateway.dispatch import Delta, Started, choice_events, generate, merged, reply_stream
 from forgerl.gateway.errors import GatewayError
@@ -102,7 +103,12 @@ class Gateway:
     sessions take negative (ad-hoc) indices. False (`forgerl gateway`): any index is accepted."""
     admin_key: str | None = None
     """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
-    <admin_key>` (401 `invalid_api_key` otherwise); session keys still authenticate model calls."""
+    <admin_key>` (401 `invalid_api_key` otherwise); session keys still authenticate model calls.
+    None: both routes are closed (403, CASES.md C26)."""
+    loopback_sessions: bool = False
+    """True when `admin_key` was generated, not configured: POST /v1/sessions without an
+    Authorization header is then also accepted from a loopback client (the machine's own user,
+    as `forgerl gateway` served before admin keys); the reward endpoint still needs the key."""
     session_idle_timeout_s: float | None = None
     """When set (> 0), a session opened over HTTP with no model call for this many seconds is
     expired (`expire_idle`): trajectory failed, session closed. Controller sessions never are."""
@@ -263,7 +269,10 @@ class Gateway:
         place = session.place(call.plan, call.conv.messages,
                               call.conv.model not in self.untrained_models, self.untrained_traces)
         await record(self.pool, self.commits, self.counters, session, call, choices, place)
-        return Result(choices, len(call.prompt_ids), call.started_at)
+        result = Result(choices, len(call.prompt_ids), call.started_at)
+        telemetry.note(prompt_tokens=result.prompt_tokens,
+                       completion_tokens=result.completion_tokens)
+        return result
 
     async def stream(
         self, session: Session, conv: Conversation, plan: PromptPlan | None = None
@@ -304,5 +313,7 @@ class Gateway:
                         outs[item[0]] = item[1]
         except (asyncio.CancelledError, GeneratorExit):
             self.counters["client_disconnects"] += 1
+            telemetry.note(error="client disconnected; the stream was aborted",
+                           code="client_disconnected")
             raise
         yield await self.finish(session, call, [o for o in outs if o is not None], states)

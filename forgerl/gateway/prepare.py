@@ -112,8 +112,9 @@ def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: in
     exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
     top_logprobs > 0 (engines return only the sampled token's logprob), an empty stop
     string, a tool that is not valid (`tool_problem`: 400 `invalid_tool` naming it,
-    CASES.md C15), or a tool_choice that forces a tool without tools / names an undeclared
-    one.
+    CASES.md C15), a tool result whose call id no earlier assistant message made in a
+    conversation that made calls (C22), or a tool_choice that forces a tool without tools /
+    names an undeclared one.
     """
     if strict_model and conv.model != model_name:
         raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
@@ -126,6 +127,13 @@ def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: in
         raise unsupported(conv.param("stop"), "stop strings must not be empty")
     refuse_surely_too_long(renderer, surely_rendered(conv, renderer.keeps_think_text),
                            max_model_len, conv.param("messages"))
+    called: set[str] = set()
+    for m in conv.messages:  # C22: a result answers a call made earlier in the conversation
+        called.update(c.id for c in m.tool_calls)  # (C01's tool text after no call at all: kept)
+        if m.role == "tool" and called and m.tool_call_id not in called:
+            raise GatewayError(400, f"a tool result answers call id {m.tool_call_id!r}, which "
+                               "no earlier assistant message made", "invalid_value",
+                               conv.param("messages"))
     choice = conv.tool_choice
     names = [t.name for t in conv.tools]
     repeated = {n for n, k in collections.Counter(names).items() if k > 1}

@@ -108,6 +108,14 @@ class Router:
                     out[k] = out.get(k, 0) + v
         return out | self.state.stats()
 
+    def load(self) -> dict[str, int]:
+        """The instances' `load()` summed ({} when none has one)."""
+        out: dict[str, int] = {}
+        for e in self.instances:
+            for k, v in (e.load() if callable(getattr(e, "load", None)) else {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """The last item of `stream(prompt_ids, params)` (RolloutEngine.generate)."""
         *_, out = [item async for item in self.stream(prompt_ids, params)]

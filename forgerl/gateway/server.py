@@ -54,10 +54,12 @@ class GatewayServer:
 
     The socket is bound here, before serving, so `port` is known (port 0 = a free port) and a
     taken address raises OSError at once; every accepted connection has TCP_NODELAY (`listen`).
+    `on_stop` is called once the server has stopped (the request log's close).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 sweep: Callable[[], Any] | None = None, sweep_every_s: float = 1.0):
+                 sweep: Callable[[], Any] | None = None, sweep_every_s: float = 1.0,
+                 on_stop: Callable[[], Any] | None = None):
         self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
@@ -65,6 +67,7 @@ class GatewayServer:
         self._task: asyncio.Task[None] | None = None
         self._sweep, self._sweep_every_s = sweep, sweep_every_s
         self._sweeper: asyncio.Task[None] | None = None
+        self._on_stop = on_stop
 
     async def _sweeping(self) -> None:
         """Call `sweep` (e.g. `Gateway.expire_idle`) every `sweep_every_s` seconds; a failure
@@ -93,7 +96,7 @@ class GatewayServer:
             self._sweeper = asyncio.create_task(self._sweeping())
 
     async def stop(self) -> None:
-        """Stop serving and wait for open requests to end; idempotent."""
+        """Stop serving, wait for open requests to end, then call `on_stop`; idempotent."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -103,3 +106,5 @@ class GatewayServer:
             self.server.should_exit = True
             await self._task
             self._task = None
+            if self._on_stop is not None:
+                self._on_stop()

@@ -10,11 +10,14 @@ the pool changes then.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import secrets
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from forgerl.gateway import telemetry
 from forgerl.gateway.core import Gateway
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.sessions import Session
@@ -79,16 +82,20 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
     if session is None:
         msg = "missing API key" if not authorization else "unknown or closed API key"
         raise GatewayError(401, msg, "invalid_api_key")
+    telemetry.note(session=session.trajectory_id)
     return session
 
 
 def require_admin(gateway: Gateway, authorization: str | None) -> None:
-    """Check `Authorization: Bearer <admin_key>` when the gateway has an `admin_key`.
+    """Check `Authorization: Bearer <admin_key>`; fails closed (CASES.md C26).
 
-    Raises GatewayError 401 `invalid_api_key` (missing or wrong key); nothing recorded then.
+    Raises GatewayError 403 `permission_denied` when the gateway has no `admin_key` (the
+    sessions API is closed; `forgerl gateway` and `forgerl train` always set one), 401
+    `invalid_api_key` for a missing or wrong key; nothing recorded then.
     """
     if gateway.admin_key is None:
-        return
+        raise GatewayError(403, "the sessions API is closed: this gateway has no admin key "
+                           "([gateway] admin_key)", "permission_denied")
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(
             key.strip().encode(), gateway.admin_key.encode()):
@@ -97,15 +104,32 @@ def require_admin(gateway: Gateway, authorization: str | None) -> None:
                            "<admin_key>", "invalid_api_key")
 
 
+def require_opener(gateway: Gateway, authorization: str | None, host: str | None) -> None:
+    """`require_admin` for POST /v1/sessions, except that a gateway with `loopback_sessions`
+    also opens a session for a loopback client (`host`, 127.0.0.0/8 or ::1) that sends no
+    Authorization header."""
+    if gateway.loopback_sessions and authorization is None and host is not None:
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(host).is_loopback:
+                return
+    require_admin(gateway, authorization)
+
+
 def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
     """The session named by `x-api-key: <api_key>` (Anthropic clients) or by
-    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise."""
-    key = headers.get("x-api-key")
-    if key is not None and (session := gateway.sessions.get(key.strip())) is not None:
-        return session
-    if key is not None and headers.get("authorization") is None:
+    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise, and 400
+    `conflicting_api_keys` when both headers are sent with different keys (CASES.md C26)."""
+    key, authorization = headers.get("x-api-key"), headers.get("authorization")
+    scheme, _, bearer = (authorization or "").partition(" ")
+    if key is not None and scheme.lower() == "bearer" and bearer.strip() != key.strip():
+        raise GatewayError(400, "x-api-key and Authorization: Bearer name different keys; "
+                           "send one key", "conflicting_api_keys")
+    if key is None:
+        return authenticate(gateway, authorization)
+    if (session := gateway.sessions.get(key.strip())) is None:
         raise GatewayError(401, "unknown or closed API key", "invalid_api_key")
-    return authenticate(gateway, headers.get("authorization"))
+    telemetry.note(session=session.trajectory_id)
+    return session
 
 
 def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:
@@ -127,6 +151,7 @@ def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:
         req.task_index, req.rollout_index, req.temperature, req.max_tokens
     )
     gateway.external.add(trajectory_id)
+    telemetry.note(session=trajectory_id)
     return trajectory_id, api_key
 
 
@@ -138,6 +163,7 @@ def reward_external(gateway: Gateway, trajectory_id: str, reward: float) -> str:
     whether its session is open, closed or its trajectory ended), 409 (already ended).
     Nothing in the pool changes when it raises.
     """
+    telemetry.note(session=trajectory_id)
     if trajectory_id not in gateway.external:
         try:
             gateway.pool.get_trajectory(trajectory_id)

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from forgerl.gateway import telemetry
 from forgerl.gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,14 @@ class EventStream(Response):
                 await send({"type": "http.response.body", "body": event.encode(),
                             "more_body": True})
         except GatewayError as e:
+            telemetry.note(error=e.message, code=e.code)
             await send({"type": "http.response.body", "body": self.error_event(e).encode(),
                         "more_body": True})
         except Exception as e:
             log.exception("stream failed")
             error = GatewayError(500, f"internal error ({type(e).__name__}); the gateway log "
                                  "has the details", "internal_error", type="server_error")
+            telemetry.note(error=error.message, code=error.code)
             await send({"type": "http.response.body", "body": self.error_event(error).encode(),
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

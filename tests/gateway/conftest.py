@@ -120,6 +120,10 @@ def reply(renderer: ChatMLRenderer, text: str, end: bool = True) -> Scripted:
     return Scripted(ids, [-0.01 * (i + 1) for i in range(len(ids))])
 
 
+ADMIN_KEY = "test-admin-key"
+"""The admin key `serve` gives each gateway unless told otherwise (the sessions API needs one)."""
+
+
 @dataclass
 class Served:
     """A gateway served over HTTP: base_url for clients, the gateway and its parts."""
@@ -141,6 +145,11 @@ class Served:
     def renderer(self) -> ChatMLRenderer:
         return self.gateway.renderer
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """The admin key's header, for POST /v1/sessions and the reward endpoint."""
+        return {"Authorization": f"Bearer {self.gateway.admin_key}"}
+
     def session(self, task_index: int = 0, **kw) -> tuple[str, str]:
         """(trajectory_id, api_key) of a new session."""
         return self.gateway.open_session(task_index=task_index, **kw)
@@ -158,8 +167,10 @@ def renderer(tokenizer) -> ChatMLRenderer:
 
 @pytest.fixture
 def serve(tmp_path) -> Iterator[Callable[..., Served]]:
-    """Factory: serve(engine, tokenizer, renderer=None, **gateway_kwargs) -> Served (a
-    ChatMLRenderer of `tokenizer` unless `renderer` is given); stopped at teardown."""
+    """Factory: serve(engine, tokenizer, renderer=None, request_log=None, **gateway_kwargs) ->
+    Served (a ChatMLRenderer of `tokenizer` unless `renderer` is given; `request_log`: the
+    request log's path, `Gateway.serve`; admin_key `ADMIN_KEY` unless given); stopped at
+    teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -167,13 +178,15 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     pools: list[SQLitePool] = []
 
     def _serve(engine, tokenizer, default_system: str | None = None, renderer=None,
-               **kw) -> Served:
+               request_log=None, **kw) -> Served:
         kw.setdefault("model_name", "tiny")
+        kw.setdefault("admin_key", ADMIN_KEY)
         pool = SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
         pools.append(pool)
         renderer = renderer or ChatMLRenderer(tokenizer, default_system)
         gateway = Gateway(renderer, engine, pool, **kw)
-        server = asyncio.run_coroutine_threadsafe(gateway.serve("127.0.0.1", 0), loop).result(30)
+        server = asyncio.run_coroutine_threadsafe(
+            gateway.serve("127.0.0.1", 0, request_log=request_log), loop).result(30)
         servers.append(server)
         return Served(gateway, server.base_url, loop, server)
 

@@ -193,12 +193,13 @@ def test_models_and_session_endpoints(serve, tokenizer, renderer):
         srv.client("unused").models.retrieve("gpt-4o")
     assert e.value.code == "model_not_found" and "'gpt-4o' does not exist" in e.value.body[
         "message"]
-    r = httpx.post(f"{srv.base_url}/sessions", json={"task_index": 4, "temperature": 0.5})
+    r = httpx.post(f"{srv.base_url}/sessions", json={"task_index": 4, "temperature": 0.5},
+                   headers=srv.admin)
     assert r.status_code == 200
     sid, key = r.json()["session_id"], r.json()["api_key"]
     srv.client(key).chat.completions.create(model="tiny", messages=USER)
     assert srv.engine.calls[0][1].temperature == 0.5
-    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 1.0})
+    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 1.0}, headers=srv.admin)
     assert r.status_code == 200
     traj = srv.pool.get_trajectory(sid)
     assert (traj.task_index, traj.status, traj.reward, len(traj.completions)) == (
@@ -214,10 +215,11 @@ def test_models_and_session_endpoints(serve, tokenizer, renderer):
         headers={"Authorization": f"Bearer {key}"},
     )
     assert bad.status_code == 401 and len(srv.pool.get_trajectory(sid).completions) == 1
-    again = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 0.0})
+    again = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 0.0},
+                       headers=srv.admin)
     assert again.status_code == 409 and again.json()["error"]["code"] == "trajectory_not_running"
     assert srv.pool.get_trajectory(sid).reward == 1.0
-    r = httpx.post(f"{srv.base_url}/sessions/nope/reward", json={"reward": 1.0})
+    r = httpx.post(f"{srv.base_url}/sessions/nope/reward", json={"reward": 1.0}, headers=srv.admin)
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
 
 

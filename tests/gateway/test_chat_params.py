@@ -374,5 +374,5 @@ def test_a_value_of_the_wrong_json_type_is_a_400(serve, tokenizer, renderer, pat
         assert r.json()["error"]["param"].startswith(param) and \
             r.json()["error"]["code"] == "invalid_type"
     assert srv.engine.calls == [] and srv.pool.get_trajectory(tid).completions == []
-    session = httpx.post(f"{srv.base_url}/sessions", json={"task_index": "3"})
+    session = httpx.post(f"{srv.base_url}/sessions", json={"task_index": "3"}, headers=srv.admin)
     assert session.status_code == 400 and session.json()["error"]["param"] == "task_index"

@@ -37,18 +37,18 @@ def test_http_session_cannot_join_a_training_group(serve, tokenizer):
     tid, _ = srv.gateway.open_session(3, 0)  # the controller's own rollout 0 of task 3
     stats, group = srv.pool.stats(), srv.pool.get_group(3)
     for body in ({"task_index": 3, "rollout_index": 1, "temperature": 0.2}, {"task_index": 0}):
-        r = httpx.post(f"{srv.base_url}/sessions", json=body)
+        r = httpx.post(f"{srv.base_url}/sessions", json=body, headers=srv.admin)
         message = _error(r, 403, "permission_denied", "task_index")
         assert message.startswith(f"task_index {body['task_index']}: task indices >= 0 are")
     assert srv.pool.stats() == stats and srv.pool.get_group(3) == group
     assert [t.id for t in group.trajectories] == [tid]
     assert srv.pool.missing_rollouts(3, 2) == [0, 1] and srv.gateway.external == set()
     # an ad-hoc session (negative index) works end to end and stays out of task 3's group
-    r = httpx.post(f"{srv.base_url}/sessions", json={"temperature": 0.2})
+    r = httpx.post(f"{srv.base_url}/sessions", json={"temperature": 0.2}, headers=srv.admin)
     assert r.status_code == 200, r.text
     sid, key = r.json()["session_id"], r.json()["api_key"]
     srv.client(key).chat.completions.create(model="tiny", messages=USER)
-    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 5.0})
+    r = httpx.post(f"{srv.base_url}/sessions/{sid}/reward", json={"reward": 5.0}, headers=srv.admin)
     assert r.status_code == 200, r.text
     outside = srv.pool.get_trajectory(sid)
     assert (outside.task_index, outside.status, outside.reward) == (-1, "finished", 5.0)
@@ -57,7 +57,8 @@ def test_http_session_cannot_join_a_training_group(serve, tokenizer):
 
 def test_without_a_controller_any_task_index_is_accepted(serve, tokenizer):
     srv = serve(ScriptedEngine([]), tokenizer)  # `forgerl gateway`: controller_tasks=False
-    r = httpx.post(f"{srv.base_url}/sessions", json={"task_index": 3, "rollout_index": 1})
+    r = httpx.post(f"{srv.base_url}/sessions", json={"task_index": 3, "rollout_index": 1},
+                   headers=srv.admin)
     assert r.status_code == 200, r.text
     traj = srv.pool.get_trajectory(r.json()["session_id"])
     assert (traj.task_index, traj.rollout_index, traj.status) == (3, 1, "running")
@@ -75,7 +76,7 @@ def test_http_reward_for_a_controller_rollout_is_refused(serve, tokenizer, state
     if state == "ended":
         srv.pool.finish_trajectory(tid, "finished", reward=1.0)
     before, stats = srv.pool.get_trajectory(tid), srv.pool.stats()
-    r = httpx.post(f"{srv.base_url}/sessions/{tid}/reward", json={"reward": 9.0})
+    r = httpx.post(f"{srv.base_url}/sessions/{tid}/reward", json={"reward": 9.0}, headers=srv.admin)
     message = _error(r, 403, "permission_denied", "session_id")
     assert message == (f"session {tid!r} was not opened by POST /v1/sessions; the controller "
                        "scores its rollout")
@@ -88,7 +89,8 @@ def test_http_reward_for_a_controller_rollout_is_refused(serve, tokenizer, state
         after = srv.pool.get_trajectory(tid)
         assert (after.status, after.reward, after.completions) == (
             "finished", 0.5, before.completions)
-    r = httpx.post(f"{srv.base_url}/sessions/not-a-session/reward", json={"reward": 9.0})
+    r = httpx.post(f"{srv.base_url}/sessions/not-a-session/reward", json={"reward": 9.0},
+                   headers=srv.admin)
     _error(r, 404, "session_not_found", "session_id")
 
 
@@ -105,7 +107,7 @@ OUT_OF_RANGE = [
 def test_out_of_range_indices_are_400(serve, tokenizer, body, param):
     srv = serve(ScriptedEngine([]), tokenizer)
     stats = srv.pool.stats()
-    r = httpx.post(f"{srv.base_url}/sessions", json=body)
+    r = httpx.post(f"{srv.base_url}/sessions", json=body, headers=srv.admin)
     message = _error(r, 400, "invalid_value", param)
     assert message.startswith(f"{param}: Input should be")
     assert srv.pool.stats() == stats and srv.gateway.external == set()
@@ -115,7 +117,7 @@ def test_out_of_range_indices_are_400(serve, tokenizer, body, param):
 def test_64_bit_extremes_are_stored_exactly(serve, tokenizer, task_index):
     srv = serve(ScriptedEngine([]), tokenizer)
     r = httpx.post(f"{srv.base_url}/sessions",
-                   json={"task_index": task_index, "rollout_index": 2**63 - 1})
+                   json={"task_index": task_index, "rollout_index": 2**63 - 1}, headers=srv.admin)
     assert r.status_code == 200, r.text
     traj = srv.pool.get_trajectory(r.json()["session_id"])
     assert (traj.task_index, traj.rollout_index) == (task_index, 2**63 - 1)

@@ -2,10 +2,10 @@
 
 Every POST route declares its JSON body (app.py `BODIES`), so schemathesis generates schema-valid
 and schema-violating bodies for each operation (30 in all, against the ASGI app in-process, with
-a fresh session's bearer key, the served model's name and a scripted engine that answers every
-call) and checks `not_a_server_error`. `FORGERL_FUZZ_EXAMPLES=500` runs a longer hunt (a
-debug switch). Schemathesis' own pytest loader (`from_fixture`) fails under pytest 9, so each
-operation runs as a plain hypothesis test.
+a fresh session's bearer key (the admin key on the sessions API), the served model's name and a
+scripted engine that answers every call) and checks `not_a_server_error`.
+`FORGERL_FUZZ_EXAMPLES=500` runs a longer hunt (a debug switch). Schemathesis' own pytest
+loader (`from_fixture`) fails under pytest 9, so each operation runs as a plain hypothesis test.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def gateway(tmp_path, tokenizer):
     renderer = ChatMLRenderer(tokenizer)
     engine = ScriptedEngine([reply(renderer, "Fine.")] * 100_000, max_model_len=1 << 16)
     pool = SQLitePool(tmp_path / "pool.sqlite")
-    yield Gateway(renderer, engine, pool, model_name="tiny")
+    yield Gateway(renderer, engine, pool, model_name="tiny", admin_key="admin")
     pool.close()
 
 
@@ -50,7 +50,8 @@ def test_no_server_errors(gateway, path):
         if case.path_parameters:  # the reward route: a session opened as POST /v1/sessions does
             gateway.external.add(tid)
             case.path_parameters["session_id"] = tid
-        case.call_and_validate(headers={"Authorization": f"Bearer {key}"},
+        admin = path == "/v1/sessions" or path.endswith("/reward")  # the admin key's routes
+        case.call_and_validate(headers={"Authorization": f"Bearer {'admin' if admin else key}"},
                                checks=[not_a_server_error])
 
     fuzz()

@@ -27,12 +27,14 @@ async def _with_gateway(tmp_path, body, gateway_ref: list | None = None):
     torch.set_num_threads(1)
     engine = LocalEngine(build_tiny_model(), max_model_len=256, max_batch_size=2)
     pool = SQLitePool(tmp_path / "pool.sqlite")
-    gateway = Gateway(ChatMLRenderer(build_byte_tokenizer()), engine, pool, "tiny", max_tokens=2)
+    gateway = Gateway(ChatMLRenderer(build_byte_tokenizer()), engine, pool, "tiny", max_tokens=2,
+                      admin_key="admin")
     server = await gateway.serve()
     if gateway_ref is not None:
         gateway_ref.append(gateway)
-    try:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+    try:  # the admin key by default; model calls send their session's key
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30,
+                                     headers={"Authorization": "Bearer admin"}) as client:
             return await body(client)
     finally:
         await server.stop()

@@ -96,6 +96,13 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
 
     # ---- public API (event-loop side) ---------------------------------------------------------
 
+    def load(self) -> dict[str, int]:
+        """{"running": rows in the decode batch, "waiting": requests queued behind
+        max_batch_size or not yet taken by the worker}, read without a lock (a gauge)."""
+        batch = self._batch
+        return {"running": len(batch.rows) if batch is not None else 0,
+                "waiting": len(self._waiting) + self._inbox.qsize()}
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """Generate one completion; concurrent calls share decode steps.
 
