@@ -3,8 +3,8 @@
 Every field of the pydantic tree under `forgerl.config.Config`: its dotted name, type, default
 and the attribute docstring written under it in the source (pydantic's
 `use_attribute_docstrings` makes it the field's description). A discriminated union (`engine`,
-`scheduler.policy`, `trainer.loss`) gets one table per variant. `tests/test_docs.py` checks that the committed
-file equals this script's output, so the reference cannot drift from the code.
+`scheduler.policy`, `trainer.loss`) gets one table per variant. `tests/test_docs.py` checks
+that the committed file equals this script's output, so the reference cannot drift from the code.
 
     .venv/bin/python scripts/config_reference.py            # rewrite docs/reference/config.md
     .venv/bin/python scripts/config_reference.py --check    # exit 1 if the file is stale
