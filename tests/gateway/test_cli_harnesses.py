@@ -7,22 +7,25 @@ answer whatever the order: no tool section -> a title; a tool result present -> 
 else -> the CLI's own write-file tool call in the served renderer's (hermes) format.
 Pins: exit code 0; the file the task asked for holds the content the scripted call wrote; the
 task's turn 2 prompt extends turn 1's prompt + completion id for id; no 4xx/5xx was answered;
-a side call is a trace of its own. Tiny model: each CLI's calls are answered 200 by the real
-LocalEngine and the CLI exits.
+a side call is a trace of its own; statuses are read from the gateway's own request log.
+Tiny model (Pi): its calls are answered 200 by the real LocalEngine and the CLI exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.app import Gateway, create_app
+from forgerl.gateway.observe import RequestLog
 from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.gateway.server import GatewayServer
 from forgerl.types import Completion
@@ -34,50 +37,34 @@ from .test_tito import tool_call_text
 FINAL, TITLE = "Done.", "Hello file"
 
 
-class StatusLog:
-    """ASGI wrapper that keeps (method, path, status) of every answered HTTP request.
-
-    Test-only stand-in for the gateway's request log (`<run_dir>/requests.jsonl`, `status`).
-    """
-
-    def __init__(self, app):
-        self.app = app
-        self.seen: list[tuple[str, str, int]] = []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                self.seen.append((scope["method"], scope["path"], message["status"]))
-            await send(message)
-
-        await self.app(scope, receive, send_status)
-
-
 @dataclass
 class Live:
-    """A gateway served over HTTP for one CLI run: root URL (no /v1), session, statuses."""
+    """A gateway served over HTTP for one CLI run: root URL (no /v1), session, request log."""
 
     gateway: Gateway
     root_url: str
     trajectory_id: str
     key: str
-    log: StatusLog
+    log: Path
     calls: list[str] = field(default_factory=list)
+
+    @property
+    def seen(self) -> list[tuple[str, str, int]]:
+        """(method, path, status) of every request in the gateway's request log, in order."""
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return [(e["method"], e["path"], e["status"]) for e in map(json.loads, lines)]
 
     def completions(self) -> list[Completion]:
         return self.gateway.pool.get_trajectory(self.trajectory_id).completions
 
     def errors(self) -> list[tuple[str, str, int]]:
-        return [s for s in self.log.seen if s[2] >= 400]
+        return [s for s in self.seen if s[2] >= 400]
 
 
 @pytest.fixture
 def live(tmp_path, tokenizer) -> Iterator[Callable[..., Live]]:
     """Factory: live(engine, **gateway_kwargs) -> Live (a ChatML gateway on a SQLite pool,
-    served under StatusLog on 127.0.0.1, one open session); server and engine stopped at
+    served on 127.0.0.1 with its request log, one open session); server and engine stopped at
     teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -87,8 +74,8 @@ def live(tmp_path, tokenizer) -> Iterator[Callable[..., Live]]:
     def _live(engine, **kw) -> Live:
         pool = SQLitePool(tmp_path / f"pool-{len(started)}.sqlite")
         gateway = Gateway(ChatMLRenderer(tokenizer), engine, pool, model_name=clis.MODEL, **kw)
-        log = StatusLog(create_app(gateway))
-        server = GatewayServer(log, "127.0.0.1", 0)
+        log = tmp_path / f"requests-{len(started)}.jsonl"
+        server = GatewayServer(create_app(gateway, RequestLog(log)), "127.0.0.1", 0)
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
         started.append((server, pool, engine))
         tid, key = gateway.open_session()
@@ -160,10 +147,10 @@ def test_cli_two_turn_tool_loop(cli, api, live, tokenizer, tmp_path):
     assert srv.errors() == [], out
     assert run.returncode == 0, out
     if cli == "claude":  # its reachability check on the base URL, before the model calls
-        assert srv.log.seen[0] == ("HEAD", "/", 200)
+        assert srv.seen[0] == ("HEAD", "/", 200)
     assert (workdir / clis.FILE).read_text() == clis.CONTENT, out
     records = srv.completions()
-    assert len(records) == len(engine.prompts) == len(srv.log.seen) - _other(srv)
+    assert len(records) == len(engine.prompts) == len(srv.seen) - _other(srv)
     first, second = task_turns(records, renderer.decode)
     head = first.prompt_ids + first.completion_ids
     assert second.prompt_ids[: len(head)] == head
@@ -178,7 +165,7 @@ def test_cli_two_turn_tool_loop(cli, api, live, tokenizer, tmp_path):
 
 def _other(srv: Live) -> int:
     """Answered requests that are no model call (GET /v1/models, count_tokens)."""
-    return sum(1 for _, path, _ in srv.log.seen
+    return sum(1 for _, path, _ in srv.seen
                if not path.endswith(("/messages", "/chat/completions", "/responses")))
 
 
@@ -193,7 +180,7 @@ def test_cli_against_the_tiny_model(api, live, tiny_model, tmp_path):
     srv = live(LocalEngine(tiny_model, max_model_len=16384, max_batch_size=4), max_tokens=8)
     run = clis.run("pi", api, srv.root_url, srv.key, tmp_path)
     out = f"exit {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-2000:]}"
-    assert srv.errors() == [] and srv.log.seen, out
+    assert srv.errors() == [] and srv.seen, out
     records = srv.completions()
-    assert len(records) == len(srv.log.seen) - _other(srv), out
+    assert len(records) == len(srv.seen) - _other(srv), out
     assert all(0 < len(c.completion_ids) <= 8 for c in records), out
