@@ -170,6 +170,10 @@ UNDELIVERED = "undelivered"
 (it never received the answer): `samples.drop_retry_orphans` keeps such turns out of training."""
 
 
+NO_CALL = "no recorded call"
+"""Error of a trajectory whose session ended without any recorded call: failed, never trained."""
+
+
 @dataclass
 class Trajectory:
     """The ordered completions of one rollout plus its reward and status.

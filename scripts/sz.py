@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 # Package → most lines (code and docstrings). STYLE.md §2 has the v1 targets these started from.
 BUDGETS: dict[str, int] = {
     "agents": 720,
-    "controller": 1_200,
+    "controller": 1_220,  # +20 (issue 46): the generated admin key, the request log wiring
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
     "gateway": 4_930,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;

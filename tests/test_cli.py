@@ -159,3 +159,15 @@ def test_a_taken_port_and_a_file_as_run_dir_are_one_line_exit_2(tmp_path):
     result = _run("train", str(config), "--run_dir", "/proc/forgerl_run")  # cannot be made
     assert last_error_line(result) == (
         "forgerl: error: run_dir /proc/forgerl_run: cannot be created (No such file or directory)")
+
+
+def test_the_cli_module_imports_neither_torch_nor_transformers():
+    """`forgerl --help` and a stop while starting stay fast and clean: importing forgerl.cli
+    loads no torch or transformers (a module-level import of the gateway core from the
+    controller once did, so SIGTERM during that import exited 1 and the hub's progress bars
+    were on before the CLI turned them off)."""
+    code = ("import sys, forgerl.cli; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]"

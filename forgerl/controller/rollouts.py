@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import run_agent
 from forgerl.config import AgentConfig, ConfigError
-from forgerl.gateway.core import NO_CALL
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
+from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
     from forgerl.types import Trajectory

@@ -61,11 +61,9 @@ from forgerl.gateway.record import Result, build_choices, record
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore
-from forgerl.types import GenerateOutput
+from forgerl.types import NO_CALL, GenerateOutput
 
 log = logging.getLogger(__name__)
-NO_CALL = "no recorded call"
-"""The error of a trajectory whose session ended without a recorded call (never trained)."""
 
 
 @dataclass
