@@ -28,6 +28,7 @@ Run by hand against a running `forgerl gateway` (with a session key from POST /v
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tasks  # noqa: E402  (the task file next to this script)
+import tasks  # the task file next to this script
 
 REPO_PI = Path(__file__).resolve().parents[2] / "harnesses" / "node_modules" / ".bin" / "pi"
 FIXED_WORK: Path | None = Path(tempfile.gettempdir()) / "forgerl-coding-cli" / "work"
@@ -121,6 +122,9 @@ def run_pi(question: str, work: Path, config_dir: Path, model: str, max_turns: i
                       file=sys.stderr)
             elif event.get("type") == "turn_end":
                 turns += 1
+                message = event.get("message") or {}
+                if message.get("stopReason") == "error":  # e.g. the server's 4xx, as Pi saw it
+                    print(f"pi: {str(message.get('errorMessage'))[:300]}", file=sys.stderr)
                 if turns >= max_turns:
                     killed = True
                     _kill_group(proc.pid)
@@ -132,10 +136,8 @@ def run_pi(question: str, work: Path, config_dir: Path, model: str, max_turns: i
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def check(question: str, work: Path, script_dir: Path) -> tuple[bool, str]:
