@@ -15,7 +15,8 @@ It imports nothing from ForgeRL. One episode:
    print `pass` or `fail` as the last stdout line (the reward, by the task file's `score`);
 5. remove the temporary directory.
 
-A summary line goes to stderr: `turns N tool_calls M pi_exit X check pass|fail: reason`.
+A summary line goes to stderr: `turns N tool_calls M pi (exit C|max_turns|timeout) check
+pass|fail: reason`.
 
 Environment: OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL (default "policy"),
 FORGERL_MAX_TURNS (default 3), FORGERL_MAX_TOKENS (Pi's maxTokens, default 128),
@@ -86,10 +87,11 @@ def private_mount(work: Path) -> Path | None:
 
 
 def run_pi(question: str, work: Path, config_dir: Path, model: str, max_turns: int,
-           timeout_s: float) -> tuple[int, int, int | None]:
+           timeout_s: float) -> tuple[int, int, str]:
     """Run `pi -p question` on the files in `work` (at `private_mount(work)` when there is one)
     until it exits, `max_turns` turns have ended or `timeout_s` passed (then its process group
-    is killed). Returns (turns, tool calls, exit code; None when killed)."""
+    is killed). Returns (turns, tool calls, how Pi ended: "exit N", "max_turns" or
+    "timeout")."""
     env = {**os.environ, "PI_CODING_AGENT_DIR": str(config_dir), "PI_OFFLINE": "1",
            "PI_TELEMETRY": "0", "PI_SKIP_VERSION_CHECK": "1"}
     command = [pi_executable(), "--provider", "forgerl", "--model", model, "--no-session",
@@ -105,10 +107,11 @@ def run_pi(question: str, work: Path, config_dir: Path, model: str, max_turns: i
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    timer = threading.Timer(timeout_s, _kill_group, (proc.pid,))
+    timed_out = threading.Event()
+    timer = threading.Timer(timeout_s, lambda: (timed_out.set(), _kill_group(proc.pid)))
     timer.start()
     turns = calls = 0
-    killed = False
+    stopped = False
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -126,13 +129,14 @@ def run_pi(question: str, work: Path, config_dir: Path, model: str, max_turns: i
                 if message.get("stopReason") == "error":  # e.g. the server's 4xx, as Pi saw it
                     print(f"pi: {str(message.get('errorMessage'))[:300]}", file=sys.stderr)
                 if turns >= max_turns:
-                    killed = True
+                    stopped = True
                     _kill_group(proc.pid)
     finally:
         timer.cancel()
         code = proc.wait()
         _kill_group(proc.pid)  # no leftover children
-    return turns, calls, None if killed or code < 0 else code
+    return turns, calls, ("max_turns" if stopped else "timeout" if timed_out.is_set()
+                          else f"exit {code}")
 
 
 def _kill_group(pgid: int) -> None:
@@ -162,9 +166,9 @@ def episode(question: str, base_url: str, api_key: str, model: str, max_turns: i
         for name, text in tasks.workspace(question).items():
             (work / name).write_text(text)
         write_pi_config(root / "pi", base_url, api_key, model, max_tokens)
-        turns, calls, code = run_pi(question, work, root / "pi", model, max_turns, timeout_s)
+        turns, calls, ended = run_pi(question, work, root / "pi", model, max_turns, timeout_s)
         passed, reason = check(question, work, root)
-        print(f"turns {turns} tool_calls {calls} pi_exit {code} check "
+        print(f"turns {turns} tool_calls {calls} pi {ended} check "
               f"{'pass' if passed else 'fail'}: {reason}", file=sys.stderr)
         return passed
     finally:

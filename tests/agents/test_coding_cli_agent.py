@@ -131,7 +131,7 @@ def test_pi_runs_one_task_through_the_gateway(serve, tokenizer, tmp_path):  # no
                           text=True, timeout=90, input=json.dumps({"question": CREATE}),
                           env={**os.environ, **env})
     assert done.stdout.splitlines()[-1] == "pass", done.stderr
-    assert "turns 2 tool_calls 1 pi_exit 0 check pass" in done.stderr
+    assert "turns 2 tool_calls 1 pi exit 0 check pass" in done.stderr
     first, second = srv.pool.get_trajectory(tid).completions
     assert [first.completion_ids, second.completion_ids] == [s.ids for s in script]
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
