@@ -1,13 +1,15 @@
 """Benchmark: prefix-tree merging vs plain packing vs a per-sample padded batch (Forge §3.2).
 
     python benchmarks/prefix_tree.py [--model tiny|smollm2] [--model-path DIR] [--quick]
-                                     [--threads 1]
+                                     [--threads 1] [--pool RUN/pool.sqlite --tasks 4,5]
 
 Workloads are agent-shaped: G rollouts x T turns on one shared prompt (random ids), one training
 sample per turn (the turn's whole context + completion, loss on that turn's completion tokens,
 as a per-completion trainer such as TRL builds them). Turn k+1's context extends turn k's.
 `rewrite` rewrites the context after turn T/2: later turns restart from prompt + a summary,
-so each rollout branches into two paths after the prompt.
+so each rollout branches into two paths after the prompt. `--pool` replaces them with real
+traffic: the recorded turns of a run's finished training trajectories (`--tasks`: the groups'
+task indices, e.g. one step's), one sample per turn in the same way.
 
 Methods, each one forward+backward over the whole batch with loss = mean policy logprob over
 trained tokens (the same number for all three, printed as a check):
@@ -81,6 +83,22 @@ def make_samples(
     return sequences, needed
 
 
+def pool_samples(path: str, task_indices: list[int]) -> tuple[list[list[int]], list[list[bool]]]:
+    """Per-turn samples of the finished trajectories of these groups in a run's SQLite pool:
+    each turn's prompt_ids + completion_ids, loss on its completion ids."""
+    from forgerl.datapool.sqlite import SQLitePool
+
+    pool = SQLitePool(path)
+    sequences, needed = [], []
+    for index in task_indices:
+        for traj in pool.get_group(index).trajectories:
+            for c in traj.completions if traj.status == "finished" else []:
+                sequences.append(c.prompt_ids + c.completion_ids)
+                needed.append([False] * len(c.prompt_ids) + [True] * len(c.completion_ids))
+    pool.close()
+    return sequences, needed
+
+
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
     if args.model_path:
         from forgerl.models import load_pretrained
@@ -149,7 +167,8 @@ def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
     if torch.cuda.is_available():
         model = model.cuda()
     model.train()
-    sequences, needed = make_samples(workload, model.config.vocab_size)
+    sequences, needed = (pool_samples(args.pool, args.tasks) if workload.name == "pool"
+                         else make_samples(workload, model.config.vocab_size))
     info = {"seqs": len(sequences), "input": sum(map(len, sequences))}
     if method == "padded":
         mb = args.micro_batch
@@ -191,7 +210,10 @@ def measure(args: argparse.Namespace, workload: Workload, method: str) -> dict:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    """extend / rewrite at the default (or --quick) lengths; --prompt-tokens etc. override."""
+    """extend / rewrite at the default (or --quick) lengths; --prompt-tokens etc. override;
+    with --pool only the recorded one ("pool"; its shape fields unused)."""
+    if args.pool:
+        return [Workload("pool", 0, 0, 0, 0, 0, rewrite=False)]
     lengths = (384, 24, 8) if args.quick else (1536, 128, 64)
     prompt, completion, observation = (
         given or default
@@ -231,6 +253,9 @@ def main() -> None:
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     for name in ("prompt", "completion", "observation"):
         parser.add_argument(f"--{name}-tokens", type=int, default=None, help="override length")
+    parser.add_argument("--pool", default=None, help="a run's pool.sqlite: real turns")
+    parser.add_argument("--tasks", type=lambda t: [int(i) for i in t.split(",")], default=[0],
+                        help="--pool: comma list of training task indices (groups)")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 1 / 3)")
     parser.add_argument("--methods", default="padded,packed,tree-dense,tree",
                         help="comma list; speedup is against the first one run")
@@ -241,9 +266,11 @@ def main() -> None:
     print(
         f"model={args.model_path or args.model} reps={args.reps} warmup={args.warmup} "
         f"micro_batch={args.micro_batch} "
-        f"max_row_tokens={args.max_row_tokens} G={w0.group_size} turns={w0.turns} "
-        f"prompt/completion/observation tokens={w0.prompt_tokens}/{w0.completion_tokens}/"
-        f"{w0.observation_tokens} device={'cuda' if torch.cuda.is_available() else 'cpu'} "
+        f"max_row_tokens={args.max_row_tokens} "
+        + (f"pool={args.pool} tasks={args.tasks} " if args.pool else
+           f"G={w0.group_size} turns={w0.turns} prompt/completion/observation tokens="
+           f"{w0.prompt_tokens}/{w0.completion_tokens}/{w0.observation_tokens} ")
+        + f"device={'cuda' if torch.cuda.is_available() else 'cpu'} "
         f"threads={args.threads or torch.get_num_threads()}"
     )
     header = (
