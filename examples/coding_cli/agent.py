@@ -8,8 +8,9 @@ It imports nothing from ForgeRL. One episode:
    provider whose base URL, key and model are OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL,
    spoken over Chat Completions; `settings.json` with compaction's reserve fitted to an 8k
    window, Pi's retries off);
-3. run `pi --mode json -p QUESTION` in `work/` (its own process group), counting the turns and
-   tool calls in Pi's JSON event stream; after FORGERL_MAX_TURNS turns, or FORGERL_PI_TIMEOUT_S
+3. run `pi --mode json -p QUESTION` on `work/` (bind-mounted at FIXED_WORK where `unshare`
+   allows, so every rollout's Pi sees the same directory; its own process group), counting
+   turns and tool calls in Pi's JSON event stream; after FORGERL_MAX_TURNS turns, or FORGERL_PI_TIMEOUT_S
    seconds, the group is killed (the files stay as Pi left them);
 4. run the task's check script (`tasks.check_script`) with `work/` as its current directory and
    print `pass` or `fail` as the last stdout line (the reward, by the task file's `score`);
@@ -23,7 +24,8 @@ FORGERL_MAX_TURNS (default 3), FORGERL_MAX_TOKENS (Pi's maxTokens, default 128),
 FORGERL_PI_TIMEOUT_S (default 240), FORGERL_PI (the pi executable; default the repository's
 harnesses/node_modules/.bin/pi, else `pi` on PATH).
 
-Run by hand against a running `forgerl gateway` (with a session key from POST /v1/sessions):
+Run by hand against a running `forgerl gateway` (OPENAI_BASE_URL = its /v1 URL, OPENAI_API_KEY
+= a session key from POST /v1/sessions):
     echo '{"question": "Delete the file old.txt."}' | python examples/coding_cli/agent.py
 """
 
