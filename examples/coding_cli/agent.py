@@ -10,8 +10,8 @@ It imports nothing from ForgeRL. One episode:
    window, Pi's retries off);
 3. run `pi --mode json -p QUESTION` on `work/` (bind-mounted at FIXED_WORK where `unshare`
    allows, so every rollout's Pi sees the same directory; its own process group), counting
-   turns and tool calls in Pi's JSON event stream; after FORGERL_MAX_TURNS turns, or FORGERL_PI_TIMEOUT_S
-   seconds, the group is killed (the files stay as Pi left them);
+   turns and tool calls in Pi's JSON event stream; after FORGERL_MAX_TURNS turns, or
+   FORGERL_PI_TIMEOUT_S seconds, the group is killed (the files stay as Pi left them);
 4. run the task's check script (`tasks.check_script`) with `work/` as its current directory and
    print `pass` or `fail` as the last stdout line (the reward, by the task file's `score`);
 5. remove the temporary directory.
