@@ -198,8 +198,9 @@ class DataParallelTrainer(Trainer):
                              loss_fn: LossFn | None = None) -> dict[str, float]:
         """Forward + backward of this worker's rows (with `loss_fn`, default the trainer's),
         then the all-reduced gradient sum: one flat fp32 buffer of shape (Σ numel of the
-        parameters + 3,) (the gradients, then the loss, Σ ratio and Σ clipped over this worker's
-        loss tokens), summed over workers, and ratio_max reduced with MAX. Each parameter's
+        parameters + 5 + samples,) (the gradients, then the loss, Σ ratio, Σ clipped, kept and
+        non-finite token counts over this worker's loss tokens, then the per-sample entropy
+        sums), summed over workers, and ratio_max reduced with MAX. Each parameter's
         .grad becomes its slice of that buffer."""
         rows = [r for r in batch.tree.rows if r.pred_pos.numel()]
         shares = balance_rows([r.input_ids.numel() for r in rows], dist.get_world_size())
@@ -208,16 +209,23 @@ class DataParallelTrainer(Trainer):
         if self._sharded and batch.num_loss_tokens and missing:
             idle = replace(batch.tree, rows=[rows[0]] * missing)
             super().accumulate_gradients(  # zero loss and gradient, the same collectives
-                replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages)), loss_fn)
+                replace(batch, tree=idle, advantages=torch.zeros_like(batch.advantages),
+                        entropy_sums=None), loss_fn)
         local = super().accumulate_gradients(replace(batch, tree=replace(batch.tree, rows=mine)),
                                              loss_fn)
         params = [] if self._sharded else [p for g in self.optimizer.param_groups
                                            for p in g["params"]]
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        n = max(batch.num_loss_tokens, 1)  # the base class divides sums by the global N
-        stats = torch.tensor([local["loss"], local["ratio_mean"] * n, local["clip_frac"] * n],
-                             device=self.device)
-        flat = torch.cat([*(g.reshape(-1).float() for g in grads), stats])
+        before = batch.metrics.get("nonfinite_tokens", 0.0)  # dropped in `pack`, on every rank
+        mine_n = sum(r.pred_pos.numel() for r in mine)  # this rank's loss tokens
+        dropped = local.get("nonfinite_tokens", before) - before  # by the loss, here
+        kept = float(mine_n) - dropped
+        stats = torch.tensor([local["loss"], local["ratio_mean"] * kept,
+                              local["clip_frac"] * kept, kept, dropped], device=self.device)
+        sums = (batch.entropy_sums if batch.entropy_sums is not None
+                else torch.zeros(len(batch.samples), dtype=torch.float64))
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), stats,
+                          sums.to(self.device, torch.float32)])
         dist.all_reduce(flat)
         ratio_max = torch.tensor([local["ratio_max"]], device=self.device)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
@@ -225,9 +233,13 @@ class DataParallelTrainer(Trainer):
         for p, g in zip(params, grads, strict=True):
             p.grad = flat[offset:offset + g.numel()].view_as(g).to(g.dtype)
             offset += g.numel()
-        loss, ratio_sum, clipped = flat[offset:].tolist()
-        return {"loss": loss, "ratio_mean": ratio_sum / n, "ratio_max": ratio_max.item(),
-                "clip_frac": clipped / n, "rows_per_worker_max": float(max(map(len, shares)))}
+        loss, ratio_sum, clipped, kept, dropped = flat[offset:offset + 5].tolist()
+        if batch.entropy_sums is not None:
+            batch.entropy_sums.copy_(flat[offset + 5:].double().cpu())
+        return {"loss": loss, "ratio_mean": ratio_sum / max(kept, 1.0),
+                "ratio_max": ratio_max.item(), "clip_frac": clipped / max(kept, 1.0),
+                "nonfinite_tokens": before + dropped,
+                "rows_per_worker_max": float(max(map(len, shares)))}
 
 
 class TrainerWorkers:

@@ -10,8 +10,18 @@ All inputs are 1-D tensors of shape (K,) over the K loss tokens in the call; onl
 `policy_logprobs` carries gradient. Ratios are r = exp(policy_logprobs - behavior_logprobs).
 Clip bounds are deltas from 1 (STYLE.md): the ratio is clipped to [1 - eps_low, 1 + eps_high].
 Each function returns (loss, stats) with loss a 0-dim tensor and stats plain floats:
-ratio_mean, ratio_max, clip_frac (fraction of the K tokens whose weight was clipped), and
-num_tokens (K), so callers can aggregate stats over rows weighted by num_tokens.
+ratio_mean, ratio_max, clip_frac (fraction of the kept tokens whose weight was clipped),
+num_tokens (the kept tokens, so callers can aggregate stats over rows weighted by it) and
+nonfinite_tokens.
+
+Non-finite rule (one for every loss): a token whose policy logprob, behavior logprob or
+advantage is NaN or ±inf is dropped from the loss and counted in `nonfinite_tokens`: it is
+replaced by zeros BEFORE any exp or product (so no `0 * inf` or `exp(inf)` NaN reaches the loss
+or the gradient), contributes 0 to the loss, gets a zero gradient and is left out of the ratio
+statistics; N is not changed (it is fixed before the forward, C07; the trainer already takes
+tokens with a non-finite recorded logprob or advantage out of N, `Trainer.pack`). Finite but
+extreme logprobs are safe too: the log-ratio is clamped to ±LOG_RATIO_BOUND before exp, so
+no ratio overflows (beyond the bound a ratio carries no gradient).
 """
 
 from __future__ import annotations
@@ -22,16 +32,36 @@ import torch
 from torch import Tensor
 
 
-def _ratio_stats(ratio: Tensor, clipped: Tensor) -> dict[str, float]:
-    k = ratio.numel()
+LOG_RATIO_BOUND = 20.0
+"""|log r| is clamped to this before exp (r <= 4.9e8), as verl bounds its log-ratios."""
+
+
+def _ratio_stats(ratio: Tensor, clipped: Tensor, keep: Tensor) -> dict[str, float]:
+    """Ratio statistics over the kept tokens (`keep`, bool (K,))."""
+    k, dropped = int(keep.sum()), float((~keep).sum())
     if k == 0:
-        return {"ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0, "num_tokens": 0.0}
+        return {"ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0, "num_tokens": 0.0,
+                "nonfinite_tokens": dropped}
     return {
-        "ratio_mean": ratio.mean().item(),
-        "ratio_max": ratio.max().item(),
-        "clip_frac": clipped.float().mean().item(),
+        "ratio_mean": ratio[keep].mean().item(),
+        "ratio_max": ratio[keep].max().item(),
+        "clip_frac": clipped[keep].float().mean().item(),
         "num_tokens": float(k),
+        "nonfinite_tokens": dropped,
     }
+
+
+def _finite(policy: Tensor, behavior: Tensor, advantages: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(policy, behavior, advantages with dropped tokens zeroed, log-ratio clamped to
+    ±LOG_RATIO_BOUND, keep): the module's non-finite rule, applied before any exp."""
+    keep = (policy.detach().isfinite() & behavior.isfinite() & advantages.isfinite())
+    zero = torch.zeros((), dtype=policy.dtype, device=policy.device)
+    policy = torch.where(keep, policy, zero)  # gradient 0 (never NaN) at dropped tokens
+    behavior = torch.where(keep, behavior.detach(), zero)
+    advantages = torch.where(keep, advantages.detach(), zero)
+    log_ratio = (policy - behavior).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return policy, behavior, advantages, log_ratio, keep
 
 
 def _check(policy: Tensor, behavior: Tensor, advantages: Tensor, num_loss_tokens: int) -> None:
@@ -67,10 +97,11 @@ def cispo_loss(
     No deviation from the paper except the delta convention for the bounds.
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs - behavior_logprobs).detach()  # (K,)
+    policy, _, adv, log_ratio, keep = _finite(policy_logprobs, behavior_logprobs, advantages)
+    ratio = torch.exp(log_ratio).detach()  # (K,)
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = -(weight * advantages.detach() * policy_logprobs).sum() / num_loss_tokens
-    return loss, _ratio_stats(ratio, weight != ratio)
+    loss = -(weight * adv * policy).sum() / num_loss_tokens
+    return loss, _ratio_stats(ratio, weight != ratio, keep)
 
 
 def ppo_clip_loss(
@@ -88,13 +119,13 @@ def ppo_clip_loss(
     For comparison with CISPO (same signature; defaults follow DAPO's clip-higher 0.2 / 0.28).
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ratio = torch.exp(policy_logprobs - behavior_logprobs.detach())  # (K,)
+    _, _, adv, log_ratio, keep = _finite(policy_logprobs, behavior_logprobs, advantages)
+    ratio = torch.exp(log_ratio)  # (K,)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    adv = advantages.detach()
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     loss = -surrogate.sum() / num_loss_tokens
     r = ratio.detach()
-    return loss, _ratio_stats(r, (clipped.detach() * adv) < (r * adv))
+    return loss, _ratio_stats(r, (clipped.detach() * adv) < (r * adv), keep)
 
 
 def tis_loss(
@@ -129,5 +160,7 @@ def nll_loss(
     both). Ratio statistics are reported as 1 (no importance weight).
     """
     _check(policy_logprobs, behavior_logprobs, advantages, num_loss_tokens)
-    ones = torch.ones_like(policy_logprobs.detach())
-    return -policy_logprobs.sum() / num_loss_tokens, _ratio_stats(ones, ones != ones)
+    policy, _, _, _, keep = _finite(policy_logprobs, torch.zeros_like(behavior_logprobs),
+                                    torch.zeros_like(advantages))
+    ones = torch.ones_like(policy.detach())
+    return -policy.sum() / num_loss_tokens, _ratio_stats(ones, ones != ones, keep)

@@ -37,10 +37,10 @@ from forgerl.trainer.samples import (
 )
 from forgerl.trainer.tree_forward import (
     checked_attn_implementation,
-    forward_logprobs,
+    forward_logprobs_entropy,
     supports_chunked_logprobs,
 )
-from forgerl.types import Group, RewardWeights
+from forgerl.types import Group, RewardWeights, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class PreparedBatch:
     advantages: Tensor
     weight_versions: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    entropy_sums: Tensor | None = None
+    """(len(samples),) float64: Σ policy entropy over each sample's loss tokens, filled by
+    `accumulate_gradients`."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -106,6 +109,8 @@ class Trainer:
             own eager attention with a dense mask; `tree_forward.checked_attn_implementation`),
             set only around the trainer's own forwards (the engine's copy keeps its attention).
 
+    Attribute `domain_of` (default None): task_index -> [[domains]] name, set by the
+    controller; the step's metrics then hold `domain_<name>_entropy`.
     Attribute `cpu_share` (default None): a `forgerl.cpu_share.CpuShare` that the controller
     sets beside a local CPU engine; a step then runs as "trainer", each row at half of the
     CPU's threads while the engine decodes.
@@ -166,6 +171,7 @@ class Trainer:
         self.mask_truncated = mask_truncated
         self.traces: TraceMode = traces
         self.cpu_share: CpuShare | None = None  # set by the controller beside a local engine
+        self.domain_of: Callable[[int], str] | None = None  # set by the controller: [[domains]]
         self.step = 0
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -184,7 +190,13 @@ class Trainer:
         reward's per-member means over the step's groups (reward_outcome_mean,
         reward_process_mean summed over turns, reward_completion_time_mean,
         rollout_seconds_mean), events_<kind> (summed event values), step_seconds,
-        tokens_per_second (tree tokens through forward+backward per second).
+        tokens_per_second (tree tokens through forward+backward per second), entropy_mean (the
+        mean over loss tokens of the policy's entropy, in nats, of the distribution each token
+        was sampled from, i.e. at its sampling temperature: `tree_forward.entropy_of`) and,
+        with `domain_of`, domain_<name>_entropy; nonfinite_tokens (loss tokens dropped by the
+        non-finite rule: a NaN/inf recorded logprob or advantage, `pack`, or policy logprob,
+        `losses`) and nonfinite_rewards (group members dropped from baseline and loss for a
+        NaN/inf reward).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged:
         so it is for NonFiniteStep, a NaN or infinite loss or gradient norm (e.g. rewards of
@@ -209,6 +221,7 @@ class Trainer:
                 batch = build()
                 metrics = dict(batch.metrics)
                 metrics.update(self.accumulate_gradients(batch, loss_fn))
+                metrics.update(self._entropy_metrics(batch))
                 if batch.num_loss_tokens > 0:
                     params = [p for g in self.optimizer.param_groups for p in g["params"]]
                     clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
@@ -239,12 +252,14 @@ class Trainer:
         samples: list[TrainingSample] = []
         rewards: list[float] = []
         skipped = extensions = branches = greedy = transformed = orphans = truncated = masked = 0
-        traces = untrained = 0
+        traces = untrained = nonfinite = 0
         parts: dict[str, float] = {}
         events: dict[str, float] = {}
         for recorded in groups:
-            rewards += [t.reward for t in recorded.trajectories if t.reward is not None]
-            cleaned = [drop_retry_orphans(t) for t in recorded.trajectories]
+            finite = [t for t in recorded.trajectories if _finite_rewards(t)]
+            nonfinite += len(recorded.trajectories) - len(finite)
+            rewards += [t.reward for t in finite if t.reward is not None]
+            cleaned = [drop_retry_orphans(t) for t in finite]
             orphans += sum(n for _, n in cleaned)
             group = replace(recorded, trajectories=[t for t, _ in cleaned])
             trajs = group_members(group, self.failed_reward)
@@ -285,6 +300,7 @@ class Trainer:
             "retry_orphans": float(orphans),
             "traces_per_trajectory": traces / max(parts.get("members", 0.0), 1.0),
             "traces_untrained": float(untrained),
+            "nonfinite_rewards": float(nonfinite),
             **{name: parts.get(key, 0.0) / max(parts.get("members", 0.0), 1.0) for name, key in (
                 ("reward_outcome_mean", "outcome"), ("reward_process_mean", "process"),
                 ("reward_completion_time_mean", "completion_time"),
@@ -294,8 +310,11 @@ class Trainer:
 
     def pack(self, samples: list[TrainingSample], metrics: dict[str, float]) -> PreparedBatch:
         """Samples → their prefix tree and flat per-token tensors; `metrics` gets the token
-        counts and off-policy lag added. Raises ValueError for a sample longer than
-        max_row_tokens."""
+        counts and off-policy lag added. A loss token whose recorded behavior logprob or
+        advantage is NaN or ±inf leaves the loss (loss_mask 0, out of N) and is counted in
+        nonfinite_tokens (`losses`' non-finite rule). Raises ValueError for a sample longer
+        than max_row_tokens."""
+        samples, dropped = _drop_nonfinite_tokens(samples)
         for s in samples:  # a sample is as long as its last turn's prompt + completion
             if len(s.input_ids) > self.max_row_tokens:
                 raise ValueError(
@@ -325,6 +344,7 @@ class Trainer:
             "tokens_after_merge": float(tree.num_tree_tokens),
             "token_off_policy_lag_mean": lag.mean().item() if num_loss_tokens else 0.0,
             "token_off_policy_lag_max": lag.max().item() if num_loss_tokens else 0.0,
+            "nonfinite_tokens": float(dropped),
         }
         return PreparedBatch(
             samples=samples,
@@ -335,6 +355,7 @@ class Trainer:
             advantages=advantages,
             weight_versions=versions,
             metrics=metrics,
+            entropy_sums=torch.zeros(len(samples), dtype=torch.float64),
         )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -351,7 +372,7 @@ class Trainer:
         summed row losses and their gradients equal the single-pass token-mean loss whatever
         the row split (CASES.md C07). Returns loss and the ratio statistics aggregated over all
         loss tokens."""
-        total_loss, ratio_sum, ratio_max, clipped = 0.0, 0.0, 0.0, 0.0
+        total_loss, ratio_sum, ratio_max, clipped, kept, nonfinite = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         if batch.num_loss_tokens == 0:
             return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
         for row in batch.tree.rows:
@@ -363,8 +384,8 @@ class Trainer:
             # the backward too: activation checkpointing recomputes layers, with this attention
             with attn_implementation(self.model, self.attn_implementation):
                 with self._autocast():
-                    policy_logprobs = forward_logprobs(self.model, row,
-                                                       self.logprob_chunk_tokens)
+                    policy_logprobs, entropy = forward_logprobs_entropy(
+                        self.model, row, self.logprob_chunk_tokens)
                 loss, stats = (loss_fn or self.loss_fn)(
                     policy_logprobs,
                     batch.behavior_logprobs[flat].to(self.device),
@@ -376,13 +397,32 @@ class Trainer:
             ratio_sum += stats["ratio_mean"] * stats["num_tokens"]
             ratio_max = max(ratio_max, stats["ratio_max"])
             clipped += stats["clip_frac"] * stats["num_tokens"]
-        n = batch.num_loss_tokens
+            kept += stats["num_tokens"]
+            nonfinite += stats["nonfinite_tokens"]
+            if batch.entropy_sums is not None:
+                entropy = torch.where(entropy.isfinite(), entropy, 0.0).double().cpu()
+                batch.entropy_sums.index_add_(0, row.sample_idx, entropy)
         return {
             "loss": total_loss,
-            "ratio_mean": ratio_sum / n,
+            "ratio_mean": ratio_sum / max(kept, 1.0),
             "ratio_max": ratio_max,
-            "clip_frac": clipped / n,
+            "clip_frac": clipped / max(kept, 1.0),
+            "nonfinite_tokens": batch.metrics.get("nonfinite_tokens", 0.0) + nonfinite,
         }
+
+    def _entropy_metrics(self, batch: PreparedBatch) -> dict[str, float]:
+        """entropy_mean over all loss tokens and, with `domain_of`, domain_<name>_entropy over
+        each domain's (from `batch.entropy_sums`; 0.0 without loss tokens)."""
+        if batch.entropy_sums is None or batch.num_loss_tokens == 0:
+            return {"entropy_mean": 0.0}
+        sums: dict[str, list[float]] = {}
+        for s, total in zip(batch.samples, batch.entropy_sums.tolist(), strict=True):
+            name = self.domain_of(s.task_index) if self.domain_of else ""
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + total, acc[1] + sum(s.loss_mask)
+        out = {"entropy_mean": float(batch.entropy_sums.sum()) / batch.num_loss_tokens}
+        return out | {f"domain_{d}_entropy": a / n for d, (a, n) in sorted(sums.items())
+                      if d and n}
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(model state dict, optimizer state dict) to save in a checkpoint."""
@@ -392,6 +432,31 @@ class Trainer:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
         trainer's device; `LocalEngine.update_weights` copies across devices)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _finite_rewards(traj: Trajectory) -> bool:
+    """Whether `traj`'s reward and turn rewards are all finite (or absent)."""
+    values = [traj.reward if traj.reward is not None else 0.0, *(traj.turn_rewards or ())]
+    return all(map(math.isfinite, values))
+
+
+def _drop_nonfinite_tokens(samples: list[TrainingSample]) -> tuple[list[TrainingSample], int]:
+    """`samples` with every loss token whose behavior logprob or advantage is not finite moved
+    out of the loss (mask 0, the context values of `samples._append`), and how many."""
+    out, dropped = [], 0
+    for s in samples:
+        bad = [t for t, m in enumerate(s.loss_mask) if m and not (
+            math.isfinite(s.behavior_logprobs[t]) and math.isfinite(s.advantages[t]))]
+        if bad:
+            s = replace(s, loss_mask=list(s.loss_mask), behavior_logprobs=list(
+                s.behavior_logprobs), advantages=list(s.advantages),
+                weight_versions=list(s.weight_versions), temperatures=list(s.temperatures))
+            for t in bad:
+                s.loss_mask[t], s.behavior_logprobs[t], s.advantages[t] = 0, 0.0, 0.0
+                s.weight_versions[t], s.temperatures[t] = -1, 1.0
+        out.append(s)
+        dropped += len(bad)
+    return out, dropped
 
 
 def set_activation_checkpointing(model: torch.nn.Module, mode: str, every: int) -> None:

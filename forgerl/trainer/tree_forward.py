@@ -27,7 +27,19 @@ from forgerl.trainer.prefix_tree import TreeRow, build_tree_batch
 
 
 def forward_logprobs(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0) -> torch.Tensor:
-    """Policy logprobs of a row's predictions: one forward over the row (differentiable).
+    """`forward_logprobs_entropy`'s logprobs alone."""
+    return forward_logprobs_entropy(model, row, chunk_tokens)[0]
+
+
+def forward_logprobs_entropy(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(policy logprobs, entropies) of a row's predictions; entropies: (K,) fp32, detached,
+    prediction k's H = -Σ_v p_v log p_v (nats, >= 0) of the same distribution
+    log_softmax(logits[pred_pos[k]] / temperature[k]) its logprob is taken from (the sampling
+    distribution), computed from the logits of the forward below in chunks of at most
+    ENTROPY_CHUNK (or chunk_tokens) rows, so no second full (U, V) tensor is made.
+
+    Policy logprobs of a row's predictions: one forward over the row (differentiable).
 
     Returns (K,) fp32 on the model's device: prediction k's
     log_softmax(logits[pred_pos[k]] / temperature[k])[target_ids[k]], the distribution the
@@ -49,7 +61,8 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0
     """
     device = next(model.parameters()).device
     if row.pred_pos.numel() == 0:
-        return torch.zeros(0, dtype=torch.float32, device=device)
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return empty, empty
     pos, temp = row.pred_pos.to(device), row.temperature.to(device)
     pairs, pair_of = torch.unique(
         torch.stack([pos.double(), temp.double()], 1), dim=0, return_inverse=True
@@ -70,7 +83,21 @@ def forward_logprobs(model: torch.nn.Module, row: TreeRow, chunk_tokens: int = 0
     )  # (P, V)
     scaled = logits[pos_of] / pairs[:, 1:].float()  # (U, V); float32 T, as the engine divides
     logprobs = torch.log_softmax(scaled, dim=-1)
-    return logprobs[pair_of, row.target_ids.to(device)]
+    entropy = torch.cat([entropy_of(logprobs[lo:lo + ENTROPY_CHUNK])
+                         for lo in range(0, len(logprobs), ENTROPY_CHUNK)])  # (U,)
+    return logprobs[pair_of, row.target_ids.to(device)], entropy[pair_of]
+
+
+ENTROPY_CHUNK = 256
+"""Rows of (pairs, vocab) log-probs turned into entropies at a time (one (256, V) temporary)."""
+
+
+@torch.no_grad()
+def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
+    """(C,) entropies -Σ_v p_v log p_v of (C, V) log-probs, clamped at 0 (rounding); a -inf
+    log-prob (p = 0) contributes 0, not 0 · -inf = NaN."""
+    lp = logprobs.detach().float()
+    return -(lp.exp() * lp.clamp(min=torch.finfo(lp.dtype).min)).sum(-1).clamp(min=0.0)
 
 
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -93,14 +120,16 @@ def _chunk_logprobs(
     model: torch.nn.Module, hidden: torch.Tensor, temp: torch.Tensor, local: torch.Tensor,
     targets: torch.Tensor,
 ) -> torch.Tensor:
-    """(k,) logprobs of `targets` at rows `local` of one chunk's (C, H) hidden states."""
+    """((k,) logprobs of `targets` at rows `local`, (C,) entropies) of one chunk's (C, H)
+    hidden states."""
     scaled = head_logits(model, hidden).float() / temp[:, None]  # (C, V)
-    return torch.log_softmax(scaled, dim=-1)[local, targets]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    return logprobs[local, targets], entropy_of(logprobs)
 
 
 def _chunked_logprobs(
     model: torch.nn.Module, row: TreeRow, pairs: torch.Tensor, pair_of: torch.Tensor, chunk: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward_logprobs` over chunks of `chunk` distinct (pred_pos, T) pairs (`pairs` (U, 2)
     float64 sorted, `pair_of` (K,) the pair of each prediction)."""
     device = pairs.device
@@ -114,13 +143,16 @@ def _chunked_logprobs(
     order = torch.argsort(pair_of, stable=True)  # predictions grouped by pair: (K,)
     targets, grouped = row.target_ids.to(device)[order], pair_of[order]
     ends = torch.cumsum(torch.bincount(pair_of, minlength=len(pairs)), 0).tolist()
-    parts = []
+    parts, entropies = [], []
     for lo in range(0, len(pairs), chunk):
         hi = min(lo + chunk, len(pairs))
         a, b = ends[lo - 1] if lo else 0, ends[hi - 1]
-        parts.append(checkpoint(_chunk_logprobs, model, at[lo:hi], temp[lo:hi],
-                                grouped[a:b] - lo, targets[a:b], use_reentrant=False))
-    return torch.cat(parts)[torch.argsort(order)]  # back to prediction order: (K,)
+        logprobs, entropy = checkpoint(_chunk_logprobs, model, at[lo:hi], temp[lo:hi],
+                                       grouped[a:b] - lo, targets[a:b], use_reentrant=False)
+        parts.append(logprobs)
+        entropies.append(entropy)
+    # back to prediction order: (K,), (K,)
+    return torch.cat(parts)[torch.argsort(order)], torch.cat(entropies)[pair_of]
 
 
 def checked_attn_implementation(model: torch.nn.Module, device: torch.device | str,
