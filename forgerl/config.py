@@ -405,6 +405,14 @@ class TrainerConfig(_Section):
     counts (error "no recorded call"). Counted per step as `rollouts_failed`."""
     failed_reward: float = Field(0.0, allow_inf_nan=False)
     """The outcome reward of a failed rollout under failed_rollouts = "penalty"."""
+    entropy_floor: float = Field(0.05, ge=0, allow_inf_nan=False)
+    """Entropy collapse warning (`metrics.EntropyWatch`): a step whose `entropy_mean` (nats per
+    loss token, at the sampling temperature) is below this counts as collapsed. 0.05 nats is
+    about a 99% top token everywhere (sampling then barely explores), far below the 0.3-1 nats
+    instruct models start RL at; 0 turns the floor off."""
+    entropy_drop_factor: float = Field(10.0, ge=1, allow_inf_nan=False)
+    """A step whose `entropy_mean` is below (mean of the first 5 steps with loss tokens) / this
+    counts as collapsed too (a 10x fall is the fast collapse entropy studies report)."""
     truncated_turns: Literal["train", "mask"] = "train"
     """A turn that ended at max_tokens (finish "length"): "train" it like any
     other turn, or "mask" it (context only, counted as truncated_turns_masked). To penalise it

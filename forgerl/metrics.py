@@ -5,6 +5,7 @@ statistics of the trained groups (`rollout_stats`: tool use, turns, prefix reuse
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -19,6 +20,8 @@ from forgerl.types import Trajectory
 
 if TYPE_CHECKING:
     from forgerl.gateway.renderers.tool_parsers import ParsedReply
+
+_log = logging.getLogger(__name__)
 
 
 def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str],
@@ -105,6 +108,44 @@ class MetricsLogger:
         self._tb.close()
 
 
+class EntropyWatch:
+    """The entropy collapse warning: `update` once per trained step with its `entropy_mean`.
+
+    A step with loss tokens is collapsed when its entropy is below `floor`, or below
+    reference / `drop_factor`, the reference being the mean entropy of the first `first`
+    steps with loss tokens. Each collapsed step is counted (`entropy_collapse_steps`, the
+    run's total so far, in every record); a one-line warning is logged at the first collapsed
+    step and then at most once per `every` steps while it lasts.
+    """
+
+    def __init__(self, floor: float, drop_factor: float, every: int = 10, first: int = 5,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.floor, self.drop_factor, self.every, self.first = floor, drop_factor, every, first
+        self.warn = warn or _log.warning
+        self.early: list[float] = []
+        self.collapsed_steps = 0
+        self.last_warned: int | None = None
+
+    def update(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """{"entropy_collapse_steps": total} after optimizer step `step` with `metrics`."""
+        entropy = metrics.get("entropy_mean")
+        if entropy is None or not metrics.get("num_loss_tokens"):
+            return {"entropy_collapse_steps": float(self.collapsed_steps)}
+        if len(self.early) < self.first:
+            self.early.append(entropy)
+        ref = sum(self.early) / len(self.early)
+        low = entropy < self.floor
+        if low or (len(self.early) == self.first and entropy < ref / self.drop_factor):
+            self.collapsed_steps += 1
+            if self.last_warned is None or step - self.last_warned >= self.every:
+                self.last_warned = step
+                why = f"below trainer.entropy_floor {self.floor}" if low else (
+                    f"{ref / max(entropy, 1e-12):.0f}x below the first steps' {ref:.3g}")
+                self.warn(f"step {step}: policy entropy {entropy:.3g} nats per loss token is "
+                          f"{why}: the policy may be collapsing (lower lr, raise eps_high)")
+        return {"entropy_collapse_steps": float(self.collapsed_steps)}
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All records of RUN_DIR/metrics.jsonl in order. Raises FileNotFoundError."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -130,14 +171,16 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 def agent_summary(metrics: dict[str, Any]) -> str:
     """The console's view of `rollout_stats` values, e.g. `tools 0.44 valid 0.88 turns 1.44
     prefix 7/0` (tool-call rate, valid-call rate or "-", model calls per rollout, prefix
-    hits/misses); "-" for any value missing."""
+    hits/misses), then ` entropy 0.77` (`entropy_mean`, nats) when the metrics have it;
+    "-" for any value missing."""
     def show(key: str, spec: str) -> str:
         value = metrics.get(key)
         return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
     return (f"tools {show('tool_call_rate', '.2f')} valid {show('tool_call_valid_rate', '.2f')} "
             f"turns {show('turns_per_trajectory', '.2f')} prefix {show('prefix_hits', '.0f')}/"
-            f"{show('prefix_misses', '.0f')}")
+            f"{show('prefix_misses', '.0f')}"
+            + (f" entropy {show('entropy_mean', '.2f')}" if "entropy_mean" in metrics else ""))
 
 
 class ProgressBar:

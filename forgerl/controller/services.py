@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.config import AgentConfig, Config
 from forgerl.controller.memory import cuda_peak_gib, peak_rss_gib, resident_gib
 from forgerl.controller.rollouts import Agent, Rollouts
+from forgerl.metrics import EntropyWatch
 from forgerl.trainer.checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Services(Rollouts):
     """`[agent] preload` → its fork server (forgerl/agents/forkserver.py), started at first use."""
     demos: list[TrainingSample] = field(default_factory=list)
     """The [warmstart] demonstrations as samples (`controller.warmstart.load_demos`)."""
+    entropy_watch: EntropyWatch | None = None
+    """The entropy collapse warning (`trainer.entropy_floor`); built at the first step."""
 
     async def train(self, task_indices: list[int]) -> dict[str, float]:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving).
@@ -88,7 +91,8 @@ class Services(Rollouts):
         Counts `failed_streak` per domain: its groups in a row in which no rollout finished
         (e.g. every agent call rejected), with the last such rollout's error in
         `last_rollout_error`; groups whose rollouts all ran before a resume do not count.
-        Adds the trained rollouts' tool use, turns and prefix reuse (`rollout_stats`).
+        Adds the trained rollouts' tool use, turns and prefix reuse (`rollout_stats`) and
+        entropy_collapse_steps (`metrics.EntropyWatch`).
         """
         groups = [self.pool.get_group(i) for i in task_indices]
         step = self.trainer.step
@@ -103,6 +107,10 @@ class Services(Rollouts):
             if errors := [t.error for t in group.trajectories if t.error]:
                 self.last_rollout_error[domain] = errors[-1]
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        if self.entropy_watch is None:
+            tc = self.config.trainer
+            self.entropy_watch = EntropyWatch(tc.entropy_floor, tc.entropy_drop_factor)
+        metrics |= self.entropy_watch.update(self.trainer.step, metrics)
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
         metrics |= self.rollout_stats([t for g in groups for t in g.trajectories])

@@ -146,6 +146,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
                         eval_tasks, agent, MetricsLogger(run_dir, trainer.step), reaper,
                         demos=demos, forkservers=forkservers)
+    if config.domains:  # per-domain entropy (`Trainer.domain_of`)
+        trainer.domain_of = services.domain_of
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
     return services, cluster

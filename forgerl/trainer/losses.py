@@ -31,7 +31,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-
 LOG_RATIO_BOUND = 20.0
 """|log r| is clamped to this before exp (r <= 4.9e8), as verl bounds its log-ratios."""
 
