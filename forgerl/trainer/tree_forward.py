@@ -97,7 +97,8 @@ def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
     """(C,) entropies -Σ_v p_v log p_v of (C, V) log-probs, clamped at 0 (rounding); a -inf
     log-prob (p = 0) contributes 0, not 0 · -inf = NaN."""
     lp = logprobs.detach().float()
-    return -(lp.exp() * lp.clamp(min=torch.finfo(lp.dtype).min)).sum(-1).clamp(min=0.0)
+    plogp = lp.exp() * lp.clamp(min=torch.finfo(lp.dtype).min)  # (C, V), <= 0
+    return (-plogp.sum(-1)).clamp(min=0.0)
 
 
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
