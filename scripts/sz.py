@@ -26,10 +26,12 @@ BUDGETS: dict[str, int] = {
     # /metrics), C22/C26
     "rewards": 300,
     "scheduler": 440,
-    "trainer": 1_890,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
-    # sampled-with-transforms turns kept as context
-    "core": 1_930,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
-    # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics
+    "trainer": 2_015,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
+    # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
+    # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
+    "core": 1_975,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
+    # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
+    # +45 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields)
 }
 
 

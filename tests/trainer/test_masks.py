@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from forgerl.metrics import EntropyWatch, agent_summary
 from forgerl.models import build_tiny_model
-from forgerl.trainer.tree_forward import entropy_of
 from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.tree_forward import entropy_of
 from forgerl.types import Group, SamplingParams
 from tests.factories import completion, trajectory
 
