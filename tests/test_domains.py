@@ -60,6 +60,11 @@ async def test_one_batch_trains_both_domains_and_logs_each(tmp_path):
         assert step[f"domain_{d}_accuracy"] == 0.5
         assert 1 <= step[f"domain_{d}_completion_tokens"] <= 8  # rollout.max_tokens
         assert step[f"domain_{d}_off_policy_lag"] == 0.0  # both groups sampled at version 0
+        assert step[f"domain_{d}_entropy"] > 0  # the values: tests/trainer/test_masks.py
+    # the step's entropy is the loss-token-weighted mean of the two domains'
+    assert min(step["domain_small_entropy"], step["domain_big_entropy"]) <= step[
+        "entropy_mean"] <= max(step["domain_small_entropy"], step["domain_big_entropy"])
+    assert step["entropy_collapse_steps"] in (0.0, 1.0) and step["nonfinite_tokens"] == 0.0
     from forgerl.plot import plot_run
 
     assert plot_run(tmp_path / "run").stat().st_size > 0
