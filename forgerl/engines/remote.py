@@ -191,20 +191,25 @@ class RemoteEngine:
             self._drained.clear()
             try:
                 async with contextlib.aclosing(self._request(prompt_ids, ids, params)) as chunks:
+                    resume = False
                     async for items, text, chunk_exact in chunks:
                         texts.append(text)
                         exact = exact and chunk_exact
-                        finish = items[-1][2] if items else finish
-                        for token, logprob, _ in items:
-                            if token is None or not exact:  # a finish without a token
+                        if not exact:  # no more TokenEvents: the text is all there is
+                            finish = items[-1][2] if items else finish
+                            continue
+                        for token, logprob, finish in items:
+                            if token is None:  # a finish reason without a token
                                 continue
                             ids.append(token)
                             lps.append(logprob)
                             versions.append(version)
                             yield TokenEvent(token, logprob, version, time.perf_counter())
-                        if (finish is None and not self._open.is_set() and resumable
-                                and exact):
-                            self.stats["resumes"] += 1
+                            if finish is None and not self._open.is_set() and resumable:
+                                self.stats["resumes"] += 1
+                                resume = True
+                                break
+                        if resume:
                             break
                 if finish is None and self._open.is_set():
                     finish = "abort"  # the server ended the stream without a finish reason
