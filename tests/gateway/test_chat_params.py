@@ -20,7 +20,9 @@ per ASCII character). Pins:
 - sampling parameters (CASES.md C21): a request setting only temperature reaches the engine with
   every parameter explicit and neutral; top_p, the penalties and vLLM's extras top_k, min_p and
   repetition_penalty are sampled with and recorded as sent, a 200 on a training session (the
-  trainer keeps such a turn as context); top_k -1 is recorded as 0 (both mean off).
+  trainer keeps such a turn as context); top_k -1 is recorded as 0 (both mean off); through a
+  RemoteEngine, on chat, Responses and Messages, the request body names all seven and the
+  stored turn holds what it named.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ as objects (CASES.md C15); a two-turn tool loop through the real app and the `op
 extends the turn-1 prompt + completion ids token for token and equals the template's own
 rendering of the whole conversation (C01, C02); a template that drops reasoning from history
 gives a counted, logged new branch, never a patched prompt; chat, Responses and Anthropic tool
-spellings give one rendering (C15); streamed replies equal non-streamed ones for every parser;
+spellings give one rendering (C15), with the schema keywords in any order, nested ones too
+(property names keep their order); streamed replies equal non-streamed ones for every parser;
 `build_renderer` keeps ChatML for SmolLM2-like tokenizers and reads the parser off the template.
 """
 
