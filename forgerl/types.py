@@ -86,12 +86,17 @@ class GenerateOutput:
     weight_versions: weight version that produced each token, length C (an update between
         decode steps splits a completion across versions: a partial rollout).
     finish_reason: "stop" (a stop id was sampled), "length" (max_tokens reached) or "abort".
+    text: None, or the reply's text when the engine answered without token ids for it (a
+        server that returns text only); the three lists are then empty, and the gateway
+        answers the text and records the turn as not token-exact, out of the loss (CASES.md
+        C01). Raises ValueError for lists of unequal lengths, or ids with a `text`.
     """
 
     completion_ids: list[int]
     logprobs: list[float]
     weight_versions: list[int]
     finish_reason: FinishReason
+    text: str | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.completion_ids) == len(self.logprobs) == len(self.weight_versions)):
@@ -99,6 +104,8 @@ class GenerateOutput:
                 f"completion_ids ({len(self.completion_ids)}), logprobs ({len(self.logprobs)}) "
                 f"and weight_versions ({len(self.weight_versions)}) must have equal lengths"
             )
+        if self.text is not None and self.completion_ids:
+            raise ValueError("a text-only GenerateOutput (text set) has no completion_ids")
 
 
 @dataclass
@@ -139,10 +146,17 @@ class Completion:
     request: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError unless len(completion_ids) == len(logprobs) ==
+        len(weight_versions): one recorded logprob per sampled id, never padded (CASES.md
+        C01). Run on construction and by the data pool before it stores a completion."""
         if len(self.completion_ids) != len(self.logprobs):
             raise ValueError(
                 f"len(completion_ids) ({len(self.completion_ids)}) != "
-                f"len(logprobs) ({len(self.logprobs)})"
+                f"len(logprobs) ({len(self.logprobs)}): a completion is stored only with one "
+                "logprob per sampled id"
             )
         if len(self.weight_versions) != len(self.completion_ids):
             raise ValueError(

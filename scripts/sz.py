@@ -20,18 +20,21 @@ BUDGETS: dict[str, int] = {
     "agents": 720,
     "controller": 1_220,  # +20 (issue 46): the generated admin key, the request log wiring
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
-    "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
-    "gateway": 4_930,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
+    "engines": 1_605,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
+    # +25 (issue 47): RemoteEngine's text-only answers (C01)
+    "gateway": 5_020,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
-    # /metrics), C22/C26
+    # /metrics), C22/C26; +90 (issue 47): untokenized answers (C01), canonical tool schemas
+    # (C15), one key per request on every route (C26)
     "rewards": 300,
     "scheduler": 440,
     "trainer": 2_015,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
-    "core": 1_975,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
+    "core": 1_990,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
-    # +45 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields)
+    # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),
+    # GenerateOutput.text and Completion.check (C01)
 }
 
 

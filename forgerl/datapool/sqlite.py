@@ -235,7 +235,8 @@ class SQLitePool:
     def add_completion(self, trajectory_id: str, completion: Completion) -> int:
         """Append one completion to a running trajectory; returns its turn index (0-based).
 
-        Raises KeyError for an unknown trajectory and ValueError if it is no longer running.
+        Raises KeyError for an unknown trajectory, ValueError if it is no longer running or the
+        completion's ids, logprobs and weight versions differ in length (`Completion.check`).
         """
         with self._tx() as db:
             return self._insert_completion(db, trajectory_id, completion)
@@ -273,6 +274,7 @@ class SQLitePool:
 
     def _insert_completion(self, db: sqlite3.Connection, trajectory_id: str,
                            c: Completion) -> int:
+        c.check()  # ValueError: ids and logprobs of unequal lengths (CASES.md C01)
         self._require_running(db, trajectory_id)
         turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
                           (trajectory_id,)).fetchone()[0]

@@ -116,8 +116,9 @@ class RemoteEngine:
         streamed chunk (a prefill included). retries: extra attempts of a request that failed
         (connection error, 5xx) before any of its tokens arrived; a failure after a token never
         retries (that would record a completion twice, CASES.md C17), it raises.
-    stats: "requests" (HTTP completions opened), "retries" and "resumes" (streams resumed after
-        a weight update). TokenEvent.sampled_at is when the token's chunk reached this process.
+    stats: "requests" (HTTP completions opened), "retries", "resumes" (streams resumed after
+        a weight update) and "untokenized" (answers that came without token ids).
+        TokenEvent.sampled_at is when the token's chunk reached this process.
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class RemoteEngine:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
         self.weight_version = 0
-        self.stats = {"requests": 0, "retries": 0, "resumes": 0}
+        self.stats = {"requests": 0, "retries": 0, "resumes": 0, "untokenized": 0}
         self._good_weights: str | None = None  # folder of the loaded weights (None: the model's)
         self._running = 0  # streams with an open HTTP request
         self._open, self._drained = asyncio.Event(), asyncio.Event()
@@ -165,6 +166,10 @@ class RemoteEngine:
         frequency penalty finishes on its weights (a resume would make its tokens prompt ids,
         which those penalties skip): a weight update waits for it.
 
+        A server that answers text without its token ids (no `token_ids`, or not one logprob
+        entry per id, in any chunk) gives a text-only GenerateOutput (`text`, no ids; counted in
+        stats "untokenized"): the gateway then records the turn as not token-exact (C01).
+
         Raises ValueError (before any HTTP call) for an empty prompt, params out of range
         (`SamplingParams.check`), or len(prompt_ids) + max_tokens > max_model_len, and for a
         request the server refuses (4xx); httpx.HTTPError when the server cannot be reached
@@ -176,6 +181,8 @@ class RemoteEngine:
         ids: list[int] = []
         lps: list[float] = []
         versions: list[int] = []
+        texts: list[str] = []
+        exact = True
         finish: FinishReason | None = None
         while finish is None and len(ids) < params.max_tokens:
             await self._open.wait()
@@ -183,16 +190,26 @@ class RemoteEngine:
             self._running += 1
             self._drained.clear()
             try:
-                async with contextlib.aclosing(self._request(prompt_ids, ids, params)) as items:
-                    async for token, logprob, finish in items:
-                        if token is None:  # a finish reason without a token
+                async with contextlib.aclosing(self._request(prompt_ids, ids, params)) as chunks:
+                    resume = False
+                    async for items, text, chunk_exact in chunks:
+                        texts.append(text)
+                        exact = exact and chunk_exact
+                        if not exact:  # no more TokenEvents: the text is all there is
+                            finish = items[-1][2] if items else finish
                             continue
-                        ids.append(token)
-                        lps.append(logprob)
-                        versions.append(version)
-                        yield TokenEvent(token, logprob, version, time.perf_counter())
-                        if finish is None and not self._open.is_set() and resumable:
-                            self.stats["resumes"] += 1
+                        for token, logprob, finish in items:
+                            if token is None:  # a finish reason without a token
+                                continue
+                            ids.append(token)
+                            lps.append(logprob)
+                            versions.append(version)
+                            yield TokenEvent(token, logprob, version, time.perf_counter())
+                            if finish is None and not self._open.is_set() and resumable:
+                                self.stats["resumes"] += 1
+                                resume = True
+                                break
+                        if resume:
                             break
                 if finish is None and self._open.is_set():
                     finish = "abort"  # the server ended the stream without a finish reason
@@ -200,6 +217,10 @@ class RemoteEngine:
                 self._running -= 1
                 if self._running == 0:
                     self._drained.set()
+            if not exact:  # no resume: the ids to resume from are unknown
+                self.stats["untokenized"] += 1
+                yield GenerateOutput([], [], [], finish or "length", text="".join(texts))
+                return
         yield GenerateOutput(ids, lps, versions, finish or "length")
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -253,9 +274,9 @@ class RemoteEngine:
 
     async def _request(
         self, prompt_ids: list[int], done: list[int], params: SamplingParams
-    ) -> AsyncIterator[tuple[int | None, float, FinishReason | None]]:
-        """Stream (id, logprob, finish reason or None) for prompt + `done` (id None: a finish
-        without a token), retrying failures that happen before this request's first token."""
+    ) -> AsyncIterator[Chunk]:
+        """Stream the `Chunk`s (`_parse_chunk`) for prompt + `done`, retrying failures that
+        happen before this request's first token."""
         resumed = len(done)  # `done` is the caller's list: it grows as tokens are yielded
         body = {
             "prompt": prompt_ids + done, "max_tokens": params.max_tokens - len(done),
@@ -275,9 +296,9 @@ class RemoteEngine:
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
-                        for item in _parse_chunk(json.loads(line[6:])):
-                            got += item[0] is not None
-                            yield item
+                        chunk = _parse_chunk(json.loads(line[6:]))
+                        got += sum(t is not None for t, _, _ in chunk[0]) or bool(chunk[1])
+                        yield chunk
                 return
             except (httpx.TransportError, httpx.HTTPStatusError) as exc:
                 if got or resumed:
@@ -297,19 +318,26 @@ class RemoteEngine:
         (await self._client.post("/reset_prefix_cache")).raise_for_status()
 
 
-def _parse_chunk(chunk: dict) -> list[tuple[int | None, float, FinishReason | None]]:
-    """(id, logprob, finish) per token of one SSE chunk, the logprob looked up by id; the last
+Chunk = tuple[list[tuple[int | None, float, FinishReason | None]], str, bool]
+"""One SSE chunk: (id, logprob, finish reason or None) per token, its text, and whether its ids
+came with one logprob entry each (False: the text is all there is)."""
+
+
+def _parse_chunk(chunk: dict) -> Chunk:
+    """The `Chunk` of one SSE chunk, each logprob looked up by its sampled id; the last token
     carries the finish reason, if any (a token-less chunk with a reason gives (None, 0, reason)).
-    """
+    A chunk with text but no `token_ids`, or with not one logprob entry per id, is not exact:
+    its tokens are left out. Raises RuntimeError for a server error or a logprob entry that
+    lacks its sampled id (CASES.md C18)."""
     if "error" in chunk:
         raise RuntimeError(f"vLLM server error: {chunk['error']}")
     choice = chunk["choices"][0]
+    text = choice.get("text") or ""
     ids = choice.get("token_ids") or []
     entries = (choice.get("logprobs") or {}).get("top_logprobs") or []
-    if len(entries) != len(ids):
-        raise RuntimeError(f"chunk has {len(ids)} token ids but {len(entries)} logprob entries")
+    exact = len(entries) == len(ids) and bool(ids or not text)
     out: list[tuple[int | None, float, FinishReason | None]] = []
-    for token, entry in zip(ids, entries, strict=True):
+    for token, entry in zip(ids, entries, strict=True) if exact else ():
         key = f"token_id:{token}"
         if key not in (entry or {}):
             raise RuntimeError(f"sampled id {token} is missing from its logprobs {entry}")
@@ -318,7 +346,7 @@ def _parse_chunk(chunk: dict) -> list[tuple[int | None, float, FinishReason | No
     if reason is not None:
         finish: FinishReason = reason if reason in ("stop", "length") else "abort"
         out[-1:] = [(*out[-1][:2], finish)] if out else [(None, 0.0, finish)]
-    return out
+    return out, text, exact
 
 
 def _save_safetensors(

@@ -5,7 +5,7 @@ Data flow: agent --HTTP--> route --> protocol module (protocols/chat.py: validat
 protocol module (wire JSON or SSE) --> agent. Routes are a few lines each; nothing here records.
 
 Endpoints: POST /v1/chat/completions (plain and `stream: true`), POST /v1/messages (Anthropic,
-plain and `stream: true`; auth also by `x-api-key`), POST /v1/messages/count_tokens, GET /v1/models,
+plain and `stream: true`), POST /v1/messages/count_tokens, GET /v1/models,
 GET and HEAD / (a reachability check),
 POST /v1/sessions (open a session for an external agent; while a controller trains, only under a
 negative task_index), POST /v1/sessions/{id}/reward (only for sessions that endpoint opened);
@@ -16,6 +16,8 @@ expire after `session_idle_timeout_s` without a model call (a sweep, `Gateway.ex
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, Anthropic-shaped on
 /v1/messages routes; no traceback body.
 A model call whose client disconnects is cancelled down to the engine and records nothing.
+Every route takes its key as `Authorization: Bearer` or `x-api-key`; both naming different keys
+is a 400 (`sessions_api.one_authorization`, CASES.md C26).
 Run in-process: `server = await gateway.serve("127.0.0.1", 0)`; `server.base_url`. Authentication
 and the sessions API are sessions_api.py's, error shapes and disconnects web.py's, the uvicorn
 server server.py's.
@@ -43,8 +45,8 @@ from forgerl.gateway.sessions_api import (
     RewardRequest,
     SessionRequest,
     add_event,
-    authenticate,
     authenticate_key,
+    one_authorization,
     open_external,
     require_admin,
     require_opener,
@@ -130,7 +132,7 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         """OpenAI chat completions (plain or SSE), recorded token-in-token-out."""
-        session = authenticate(gateway, request.headers.get("authorization"))
+        session = authenticate_key(gateway, request.headers)
         req, conversation = chat.parse(await request.body(), gateway.strict)
         if req.stream:
             return noted(chat.respond_stream(req, gateway.stream(session, conversation)),
@@ -142,7 +144,7 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Any:
         """OpenAI (legacy) completions of a text or token-id prompt, recorded as given."""
-        session = authenticate(gateway, request.headers.get("authorization"))
+        session = authenticate_key(gateway, request.headers)
         body = await request.body()
         with gateway.active(session):  # a prompt surely over max_model_len: C09's event
             call = completions.parse(body, session, gateway.renderer, gateway.engine.max_model_len,
@@ -179,7 +181,7 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/responses")
     async def responses_create(request: Request) -> Any:
         """OpenAI Responses (plain or SSE), recorded token-in-token-out."""
-        session = authenticate(gateway, request.headers.get("authorization"))
+        session = authenticate_key(gateway, request.headers)
         req, conversation = responses.parse(await request.body(), session, gateway.strict)
         if req.stream:
             return noted(responses.respond_stream(req, session, gateway.stream(
@@ -220,7 +222,7 @@ def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, str]:
         """Open a session for an external agent: {session_id, api_key}."""
-        require_opener(gateway, request.headers.get("authorization"),
+        require_opener(gateway, one_authorization(request.headers),
                        request.client.host if request.client else None)
         body = parse_body(await request.body(), SessionRequest)
         trajectory_id, api_key = open_external(gateway, body)
@@ -230,7 +232,7 @@ def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
         """Finish an externally opened session's trajectory with its reward (status "failed",
         with its error, when the session recorded no call)."""
-        require_admin(gateway, request.headers.get("authorization"))
+        require_admin(gateway, one_authorization(request.headers))
         body = parse_body(await request.body(), RewardRequest)
         if reward_external(gateway, session_id, body.reward) == "failed":
             return {"session_id": session_id, "status": "failed", "error": core.NO_CALL}
@@ -239,7 +241,7 @@ def add_session_routes(app: FastAPI, gateway: core.Gateway) -> None:
     @app.post("/v1/sessions/{session_id}/events")
     async def event(session_id: str, request: Request) -> dict[str, Any]:
         """Record a process event that the session's own agent reports (Bearer: its key)."""
-        session = authenticate(gateway, request.headers.get("authorization"))
+        session = authenticate_key(gateway, request.headers)
         body = parse_body(await request.body(), EventRequest)
         turn = add_event(gateway, session_id, session, body)
         return {"session_id": session_id, "turn": turn, "kind": body.kind, "value": body.value}

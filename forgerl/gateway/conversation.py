@@ -62,17 +62,56 @@ class Message:
     reasoning_signature: str | None = None
 
 
+SCHEMA_FIRST = ("type", "description", "properties", "required")
+"""JSON-Schema keywords that come first, in this order (`canonical_schema`); the rest sorted."""
+_SUBSCHEMA = frozenset({"items", "additionalProperties", "additionalItems", "not", "if", "then",
+                        "else", "contains", "propertyNames", "unevaluatedItems",
+                        "unevaluatedProperties", "contentSchema"})
+_SUBSCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                    "dependentSchemas", "dependencies"})
+
+
+def canonical_schema(schema: Any) -> Any:
+    """`schema` with its keywords in one order, recursively (CASES.md C15): `SCHEMA_FIRST`, then
+    the other keywords sorted, in the schema and every subschema. The names inside
+    `properties` (and `$defs`, `patternProperties`, ...) keep the client's order: it is the
+    argument order the model is shown. Lists (`required`, `enum`, `anyOf`) and values
+    (`default`, `const`, `examples`) are kept as given. Anything that is not a schema object
+    where one is expected is returned unchanged (validation reports it, prepare.tool_problem).
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    order = [k for k in SCHEMA_FIRST if k in schema] + sorted(
+        k for k in schema if k not in SCHEMA_FIRST)
+    out: dict[str, Any] = {}
+    for k in order:
+        v = schema[k]
+        if k in _NAMED and isinstance(v, Mapping):
+            v = {name: canonical_schema(sub) for name, sub in v.items()}
+        elif k in _SUBSCHEMA or (k in _SUBSCHEMAS and isinstance(v, list)):
+            v = [canonical_schema(sub) for sub in v] if isinstance(v, list) else (
+                canonical_schema(v))
+        out[k] = v
+    return out
+
+
 @dataclass(frozen=True)
 class Tool:
     """A declared function tool, in one canonical shape for every protocol (chat `function`,
-    Responses flat `function`, Anthropic `input_schema` all map here).
+    `strict` or not, Responses flat `function`, Anthropic `input_schema` all map here), so
+    that every spelling of one tool renders the same prompt ids (CASES.md C15).
 
-    parameters: the JSON schema of the arguments object (None: no schema given).
+    parameters: the JSON schema of the arguments object (None: no schema given), its keywords
+    put in canonical order (`canonical_schema`) whatever order the client sent.
     """
 
     name: str
     description: str | None = None
     parameters: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parameters", canonical_schema(self.parameters))
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class Gateway:
     their client went away), tokens_after_stop (sampled ids decoded past a stop string and
     dropped from the record), sessions_expired (HTTP sessions closed after
     `session_idle_timeout_s` without a call), context_overflows (calls refused because the
-    session's context outgrew max_model_len).
+    session's context outgrew max_model_len), untokenized_replies (engine answers without
+    token ids, recorded as context only: record.build_choices).
     """
 
     renderer: Renderer
@@ -119,7 +120,7 @@ class Gateway:
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "traces",
              "tool_parse_errors", "engine_errors", "client_disconnects", "tokens_after_stop",
-             "sessions_expired", "context_overflows"), 0
+             "sessions_expired", "context_overflows", "untokenized_replies"), 0
         )
     )
 

@@ -24,7 +24,7 @@ from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.gateway.conversation import ToolCall
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.prepare import Call
-from forgerl.gateway.record import TokenLogprob, token_logprob
+from forgerl.gateway.record import TokenLogprob, token_logprob, without_stop_text
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, IncrementalDecoder, ReplyStream
 from forgerl.gateway.renderers.tool_parsers import ToolParser
@@ -149,7 +149,8 @@ async def choice_events(engine: RolloutEngine, renderer: Renderer, counters: dic
             async for ev in events:
                 if isinstance(ev, GenerateOutput):
                     out = ev
-                    pieces = state.feed(decoder.flush()) + state.finish()
+                    pieces = state.feed(decoder.flush() + untold(renderer, ids, ev.text))
+                    pieces += state.finish()
                 else:
                     ids.append(ev.token_id)
                     lps.append(ev.logprob)
@@ -172,9 +173,19 @@ async def choice_events(engine: RolloutEngine, renderer: Renderer, counters: dic
                     break  # closes the engine stream: no compute past a stop string
     except Exception as e:
         raise engine_error(counters, session, e) from e
-    if out is None or state.stopped:
+    if out is None or (state.stopped and out.text is None):
         out = GenerateOutput(ids, lps, versions, "stop" if state.stopped else "abort")
     yield i, out
+
+
+def untold(renderer: Renderer, ids: list[int], text: str | None) -> str:
+    """The part of a text-only output's `text` (GenerateOutput.text, CASES.md C01) that the
+    streamed ids (`ids`, from before the engine lost them) did not already show; "" for an
+    output with ids. A trailing stop token's text is left out."""
+    if text is None:
+        return ""
+    text, shown = without_stop_text(renderer, text), renderer.decode(ids)
+    return text[len(shown):] if text.startswith(shown) else text
 
 
 def engine_stream(engine: RolloutEngine, prompt_ids: list[int], params: SamplingParams,

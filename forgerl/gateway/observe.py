@@ -44,7 +44,8 @@ COUNTERS = {
     "engine_errors": "engine failures answered as 500",
     "client_disconnects": "calls cancelled because their client went away",
     "tokens_after_stop": "sampled tokens past a stop string, dropped from the record",
-    "sessions_expired": "HTTP sessions closed after session_idle_timeout_s without a call"}
+    "sessions_expired": "HTTP sessions closed after session_idle_timeout_s without a call",
+    "untokenized_replies": "engine answers without token ids, recorded as context only"}
 """Help text of the core's counters (`core.Gateway.counters`); any other key is exported too."""
 
 

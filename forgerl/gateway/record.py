@@ -23,7 +23,13 @@ from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.prepare import Call
 from forgerl.gateway.renderers.renderer import Renderer, token_text
-from forgerl.gateway.renderers.replies import HeldReply, ReplyStream, cut_at_stop, finish_reply
+from forgerl.gateway.renderers.replies import (
+    HeldReply,
+    ReplyStream,
+    cut_at_stop,
+    cut_text,
+    finish_reply,
+)
 from forgerl.gateway.sessions import Placement, Session, Turn
 from forgerl.types import UNDELIVERED, Completion, GenerateOutput
 
@@ -96,11 +102,24 @@ def token_logprobs(renderer: Renderer, completion: Completion) -> list[TokenLogp
     return [token_logprob(renderer, i, lp) for i, lp in zip(ids, lps, strict=True)]
 
 
+def without_stop_text(renderer: Renderer, text: str) -> str:
+    """`text` less a trailing stop token written as text (a text-only engine answer)."""
+    for token in renderer.tokenizer.convert_ids_to_tokens(list(renderer.stop_ids)):
+        if token and text.endswith(token):
+            return text[: -len(token)]
+    return text
+
+
 def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
                   outs: Sequence[GenerateOutput],
                   streamed: Sequence[ReplyStream | HeldReply] | None = None) -> list[Choice]:
     """Cut and parse the choices of `call` from the engine outputs (one per choice); counts
-    `tool_parse_errors` and `tokens_after_stop`.
+    `tool_parse_errors`, `tokens_after_stop` and `untokenized_replies`.
+
+    An output with text but no ids (`GenerateOutput.text`, CASES.md C01) answers that text
+    (less a trailing stop token's text) and is recorded with no completion ids, token_exact
+    and train False, its text noted as the request's `untokenized_text`: never an empty
+    token-exact turn, never ids re-encoded from the text with guessed logprobs.
 
     `streamed`: the stream state of each choice; its reply (content and tool calls, with the
     call ids the client saw) replaces the parsed one, the finish reason stays the parse's.
@@ -108,8 +127,15 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
     ended_at = time.time()
     choices = []
     for i, (out, p) in enumerate(zip(outs, call.params, strict=True)):
-        cut = cut_at_stop(renderer.decode, out.completion_ids, renderer.end_of_turn_id,
-                          call.prefix, call.conv.sampling.stop, call.closes)
+        stops, request = call.conv.sampling.stop, dict(call.conv.request)
+        if out.text is not None:  # no ids: answered, recorded as context only (C01)
+            counters["untokenized_replies"] += 1
+            request["untokenized_text"] = out.text
+            cut = cut_text(without_stop_text(renderer, out.text), call.prefix, stops,
+                           call.closes)
+        else:
+            cut = cut_at_stop(renderer.decode, out.completion_ids, renderer.end_of_turn_id,
+                              call.prefix, stops, call.closes)
         reply, finish, errors = finish_reply(cut, out.finish_reason, call.declared,
                                              renderer.parser.parse)
         if streamed is not None:
@@ -122,7 +148,8 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
             logprobs=list(out.logprobs[:k]), weight_versions=list(out.weight_versions[:k]),
             weight_version=call.weight_version, finish_reason=finish, sampling=p,
             started_at=call.started_at, ended_at=ended_at,
-            extends_previous=call.plan.extends_previous, request=dict(call.conv.request))
+            extends_previous=call.plan.extends_previous, request=request,
+            token_exact=out.text is None, train=out.text is None)
         choices.append(Choice(i, completion, reply,
                               token_logprobs(renderer, completion) if call.conv.logprobs
                               else None, tuple(errors)))
@@ -159,7 +186,8 @@ async def record(pool: DataPool, commits: GroupCommit, counters: dict[str, int],
         counters["prefix_misses"] += place.miss
         counters["traces"] += place.new
         session.record([Turn(call.conv.messages, call.tools, c.completion.prompt_ids,
-                             c.completion.completion_ids, c.reply, plan.parent, place.trace)
+                             c.completion.completion_ids, c.reply, plan.parent, place.trace,
+                             c.completion.token_exact)
                         for c in choices], place.miss)
         if gone:  # the client left during the commit: it never saw these answers
             for turn in turns:

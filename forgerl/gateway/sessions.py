@@ -56,6 +56,8 @@ class Turn:
     """One answered request: what was asked, the exact ids, and the parsed reply.
 
     parent: index of the turn whose prompt + completion this turn's prompt extends (None: root).
+    exact: False when the engine answered text without ids (no completion ids recorded): no
+        later prompt extends this turn, it is rendered from the messages (CASES.md C01).
     """
 
     messages: Sequence[Message]
@@ -65,6 +67,7 @@ class Turn:
     assistant: Message
     parent: int | None = None
     trace: int = 0
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class Session:
             turn = self.turns[index]
             n = len(turn.messages)
             if (
-                0 < n < len(messages)  # n = 0: a raw-prompt (/v1/completions) turn, no messages
+                turn.exact
+                and 0 < n < len(messages)  # n = 0: a raw-prompt (/v1/completions) turn
                 and tuple(turn.tools) == tuple(tools)
                 and [message_key(m) for m in turn.messages] == keys[:n]
                 and message_key(turn.assistant) == keys[n]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import secrets
-from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
 
 from forgerl.gateway import telemetry
 from forgerl.gateway.core import Gateway
@@ -86,6 +86,21 @@ def authenticate(gateway: Gateway, authorization: str | None) -> Session:
     return session
 
 
+def one_authorization(headers: Headers) -> str | None:
+    """The request's one `Authorization` value, `x-api-key: K` read as `Bearer K` (Anthropic
+    clients send their key so); None when neither is sent. Raises GatewayError 400
+    `conflicting_api_keys` when the headers (each of them, however often sent) name more than
+    one key (CASES.md C26): a request never lands in one of two sessions by header order."""
+    keys = {f"Bearer {k.strip()}" for k in headers.getlist("x-api-key")}
+    for value in headers.getlist("authorization"):
+        scheme, _, key = value.partition(" ")
+        keys.add(f"Bearer {key.strip()}" if scheme.lower() == "bearer" else value)
+    if len(keys) > 1:
+        raise GatewayError(400, "x-api-key and Authorization: Bearer name different keys; "
+                           "send one key", "conflicting_api_keys")
+    return next(iter(keys), None)
+
+
 def require_admin(gateway: Gateway, authorization: str | None) -> None:
     """Check `Authorization: Bearer <admin_key>`; fails closed (CASES.md C26).
 
@@ -115,21 +130,12 @@ def require_opener(gateway: Gateway, authorization: str | None, host: str | None
     require_admin(gateway, authorization)
 
 
-def authenticate_key(gateway: Gateway, headers: Mapping[str, str]) -> Session:
+def authenticate_key(gateway: Gateway, headers: Headers) -> Session:
     """The session named by `x-api-key: <api_key>` (Anthropic clients) or by
-    `Authorization: Bearer <api_key>`, whichever names an open one; 401 otherwise, and 400
-    `conflicting_api_keys` when both headers are sent with different keys (CASES.md C26)."""
-    key, authorization = headers.get("x-api-key"), headers.get("authorization")
-    scheme, _, bearer = (authorization or "").partition(" ")
-    if key is not None and scheme.lower() == "bearer" and bearer.strip() != key.strip():
-        raise GatewayError(400, "x-api-key and Authorization: Bearer name different keys; "
-                           "send one key", "conflicting_api_keys")
-    if key is None:
-        return authenticate(gateway, authorization)
-    if (session := gateway.sessions.get(key.strip())) is None:
-        raise GatewayError(401, "unknown or closed API key", "invalid_api_key")
-    telemetry.note(session=session.trajectory_id)
-    return session
+    `Authorization: Bearer <api_key>` (`one_authorization`: 400 `conflicting_api_keys` when
+    they name different keys); 401 `invalid_api_key` for a missing, empty, unknown or closed
+    key. Every session-keyed route authenticates so."""
+    return authenticate(gateway, one_authorization(headers))
 
 
 def open_external(gateway: Gateway, req: SessionRequest) -> tuple[str, str]:

@@ -96,6 +96,11 @@ def test_errors_and_lifecycle(db_path):
     assert pool.task_indices("queued") == [0]
     a = pool.create_trajectory(0, 0)
     b = pool.create_trajectory(0, 1)
+    padded = make_completion(0)
+    padded.logprobs.pop()  # CASES.md C01: never stored without one logprob per sampled id
+    with pytest.raises(ValueError, match=r"len\(completion_ids\) \(\d+\) != len\(logprobs\)"):
+        pool.add_completion(a, padded)
+    assert pool.get_trajectory(a).completions == []
     assert len(a) == 32 and a != b
     assert pool.task_indices("running") == [0]
     with pytest.raises(ValueError):

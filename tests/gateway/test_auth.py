@@ -3,9 +3,10 @@ official `anthropic` and `openai` clients against the real app over HTTP.
 
 Pins: a session's key works as the Anthropic client's `api_key` (x-api-key), as its `auth_token`
 (Authorization: Bearer) and as the openai client's key, and all three calls land in that one
-session, turn after turn; both headers naming different keys is a 400, an empty, unknown or ended
-key a 401, with nothing recorded; the sessions API needs the admin key (and with none configured
-never answers 200: test_session_admin.py); one session's key reaches no other session's turns,
+session, turn after turn; both headers (or two of one) naming different keys is a 400 on every
+route (model calls, token counting, the sessions API), an empty, unknown or ended key a 401,
+with nothing recorded; the sessions API needs the admin key (and with none configured never
+answers 200: test_session_admin.py); one session's key reaches no other session's turns,
 events, responses or reward.
 """
 
@@ -86,6 +87,41 @@ def test_conflicting_and_bad_keys_record_nothing(serve, tokenizer, renderer):
         assert e.value.code == "invalid_api_key"
     assert srv.pool.stats() == before and srv.engine.calls == []
     assert [len(srv.pool.get_trajectory(t).completions) for t in (tid_a, tid_b)] == [0, 0]
+
+
+
+ROUTES = [("/chat/completions", {"model": "tiny", "messages": HI}),
+          ("/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4}),
+          ("/responses", {"model": "tiny", "input": "Hi"}),
+          ("/messages", {"model": "tiny", "max_tokens": 4, "messages": HI}),
+          ("/messages/count_tokens", {"model": "tiny", "messages": HI})]
+
+
+def test_conflicting_keys_are_a_400_on_every_route(serve, tokenizer, renderer):
+    """CASES.md C26: x-api-key of one session with a Bearer of another (or two Authorization
+    headers) is a 400 on every route, OpenAI-shaped there and Anthropic-shaped on /messages,
+    with nothing recorded in either session; one key in both headers, or x-api-key alone,
+    authenticates on the OpenAI routes too."""
+    srv = serve(ScriptedEngine([reply(renderer, "Ok.") for _ in range(8)]), tokenizer)
+    (tid_a, key_a), (tid_b, key_b) = srv.session(), srv.session()
+    conflicts = [[("x-api-key", key_a), ("authorization", f"Bearer {key_b}")],
+                 [("authorization", f"Bearer {key_a}"), ("authorization", f"Bearer {key_b}")],
+                 [("x-api-key", key_b), ("x-api-key", key_a)]]
+    message = "x-api-key and Authorization: Bearer name different keys; send one key"
+    for path, body in [*ROUTES, ("/sessions", {}), (f"/sessions/{tid_a}/events", {"kind": "x"}),
+                       (f"/sessions/{tid_a}/reward", {"reward": 1.0})]:
+        for headers in conflicts:
+            r = httpx.post(srv.base_url + path, headers=headers, json=body)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["message"] == message, (path, r.text)
+            assert error.get("code", "conflicting_api_keys") == "conflicting_api_keys"
+    assert srv.engine.calls == [] and srv.pool.stats()["completions"] == 0
+    for path, body in ROUTES[:3]:
+        for headers in ({"x-api-key": key_a, "authorization": f"Bearer {key_a}"},
+                        {"x-api-key": key_a}):
+            assert httpx.post(srv.base_url + path, headers=headers, json=body).status_code == 200
+    assert len(srv.pool.get_trajectory(tid_a).completions) == 6
+    assert srv.pool.get_trajectory(tid_b).completions == []
 
 
 def test_no_session_reaches_another(serve, tokenizer, renderer):

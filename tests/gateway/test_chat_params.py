@@ -20,7 +20,9 @@ per ASCII character). Pins:
 - sampling parameters (CASES.md C21): a request setting only temperature reaches the engine with
   every parameter explicit and neutral; top_p, the penalties and vLLM's extras top_k, min_p and
   repetition_penalty are sampled with and recorded as sent, a 200 on a training session (the
-  trainer keeps such a turn as context); top_k -1 is recorded as 0 (both mean off).
+  trainer keeps such a turn as context); top_k -1 is recorded as 0 (both mean off); through a
+  RemoteEngine, on chat, Responses and Messages, the request body names all seven and the
+  stored turn holds what it named.
 """
 
 from __future__ import annotations
@@ -170,6 +172,54 @@ def test_sampling_parameters_reach_the_engine_and_the_record(serve, tokenizer, r
     assert sampled(full) == (0.7, 0.8, 40, 0.05, 1.1, -1.0, 0.5)
     assert off.top_k == 0 and off.transforms() == ()
     assert [r.sampling for r in srv.pool.get_trajectory(tid).completions] == [plain, full, off]
+
+
+
+SEVEN = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+         "frequency_penalty")
+
+
+def test_c21_the_engine_request_names_every_parameter_the_record_holds(serve, tokenizer,
+                                                                       renderer):
+    """CASES.md C21 through the real app and a RemoteEngine (a vLLM server whose model defaults
+    would be repetition_penalty 1.1, top_k 20, top_p 0.8): a training call that sets only
+    temperature, on chat, Responses and Anthropic Messages, sends all seven parameters
+    explicitly and neutral, and each stored turn's params are those the request body named; an
+    explicit repetition_penalty 1.1 is sampled with, recorded, and kept out of the loss."""
+    import anthropic
+
+    from forgerl.trainer.samples import trajectory_to_samples_with_stats
+    from tests.engines.test_remote_vllm import chunk, mocked, sse
+
+    ok = [*renderer.encode("Ok"), renderer.end_of_turn_id]
+    bodies: list[dict] = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(chunk(ok, [-0.5, -0.25, -0.125], "stop")))
+
+    engine = mocked(handler)
+    engine.max_model_len = 4096
+    srv = serve(engine, tokenizer)
+    tid, key = srv.session()
+    client = srv.client(key)
+    client.chat.completions.create(model="tiny", messages=USER, temperature=0.7)
+    client.responses.create(model="tiny", input="go", temperature=0.7)
+    anthropic.Anthropic(base_url=srv.base_url.removesuffix("/v1"), api_key=key,
+                        max_retries=0).messages.create(  # this SDK no longer declares it
+        model="tiny", max_tokens=8, messages=USER, extra_body={"temperature": 0.7})
+    client.chat.completions.create(model="tiny", messages=USER, temperature=0.7,
+                                   extra_body={"repetition_penalty": 1.1})
+    assert [tuple(b[k] for k in SEVEN) for b in bodies] == [
+        (0.7, 1.0, 0, 0.0, 1.0, 0.0, 0.0)] * 3 + [(0.7, 1.0, 0, 0.0, 1.1, 0.0, 0.0)]
+    traj = srv.pool.get_trajectory(tid)
+    assert [sampled(c.sampling) for c in traj.completions] == [
+        tuple(b[k] for k in SEVEN) for b in bodies]
+    assert all(c.completion_ids == ok and c.logprobs == [-0.5, -0.25, -0.125]
+               for c in traj.completions)
+    samples, stats = trajectory_to_samples_with_stats(traj, [1.0] * 4)
+    assert stats.transformed_turns == 1  # the penalised turn: context only
+    assert sum(sum(s.loss_mask) for s in samples) == 3 * len(ok)
 
 
 CALL = tool_call_text("get_weather", {"city": "Rome"})

@@ -7,7 +7,8 @@ as objects (CASES.md C15); a two-turn tool loop through the real app and the `op
 extends the turn-1 prompt + completion ids token for token and equals the template's own
 rendering of the whole conversation (C01, C02); a template that drops reasoning from history
 gives a counted, logged new branch, never a patched prompt; chat, Responses and Anthropic tool
-spellings give one rendering (C15); streamed replies equal non-streamed ones for every parser;
+spellings give one rendering (C15), with the schema keywords in any order, nested ones too
+(property names keep their order); streamed replies equal non-streamed ones for every parser;
 `build_renderer` keeps ChatML for SmolLM2-like tokenizers and reads the parser off the template.
 """
 
@@ -24,7 +25,7 @@ from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderers.renderer import ChatMLRenderer
 from forgerl.gateway.renderers.templates import HFTemplateRenderer, build_renderer
 from forgerl.models import build_byte_tokenizer
-from tests.gateway.conftest import CHATML, Scripted, ScriptedEngine
+from tests.gateway.conftest import CHATML, Scripted, ScriptedEngine, reply
 
 QWEN = (
     "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}"
@@ -263,6 +264,65 @@ def test_c15_tool_spellings_render_identical_ids(serve):
     prompts = [call[0] for call in srv.engine.calls]
     assert prompts[0] == prompts[1] == prompts[2]
     assert '"arguments": {"city": "Paris"}' in r.decode(prompts[0])
+
+
+FORECAST = {  # a nested schema, keywords in the canonical order (property names: days, city)
+    "type": "object", "description": "Forecast query",
+    "properties": {"days": {"type": "integer", "description": "How many", "maximum": 7,
+                            "minimum": 1},
+                   "city": {"anyOf": [{"type": "string", "maxLength": 40}, {"type": "null"}]},
+                   "units": {"type": "array", "items": {"type": "string",
+                                                        "enum": ["C", "F"]}}},
+    "required": ["days", "city"], "additionalProperties": False}
+
+
+def reversed_keys(schema):
+    """`schema` with every object's keys in reverse order, property names included."""
+    if isinstance(schema, dict):
+        return {k: reversed_keys(schema[k]) for k in reversed(list(schema))}
+    return [reversed_keys(x) for x in schema] if isinstance(schema, list) else schema
+
+
+@pytest.mark.parametrize("name", ["qwen", "chatml"])
+def test_c15_schema_keyword_order_renders_one_prompt(serve, tokenizer, name):
+    """CASES.md C15: one tool whose JSON schema keywords come in another order (inside
+    `parameters`, nested, and at the function level with `strict`), in the chat, Responses flat
+    and Anthropic `input_schema` shapes, renders one prompt under the model's template and under
+    ChatML: keywords in canonical order (type, description, properties, required, the rest
+    sorted), property names in the client's order (another name order is another prompt)."""
+    if name == "chatml":
+        srv = serve(ScriptedEngine([reply(ChatMLRenderer(tokenizer), "a")] * 5), tokenizer)
+    else:
+        srv, _ = serve_hf(serve, name, ["a"] * 5)
+    mixed = {k: FORECAST[k] for k in ("required", "additionalProperties", "properties", "type",
+                                      "description")}
+    mixed["properties"] = {"days": reversed_keys(FORECAST["properties"]["days"]),
+                           "city": reversed_keys(FORECAST["properties"]["city"]),
+                           "units": FORECAST["properties"]["units"]}
+    spellings = [
+        lambda c: c.chat.completions.create(model="tiny", messages=USER, tools=[{
+            "type": "function", "function": {"name": "forecast", "parameters": FORECAST}}]),
+        lambda c: c.chat.completions.create(model="tiny", messages=USER, tools=[{
+            "function": {"strict": False, "parameters": mixed, "name": "forecast"},
+            "type": "function"}]),
+        lambda c: c.responses.create(model="tiny", input=USER, tools=[{
+            "parameters": mixed, "name": "forecast", "type": "function", "strict": True}]),
+        lambda srv_key: anthropic.Anthropic(
+            base_url=srv.base_url.removesuffix("/v1"), api_key=srv_key, max_retries=0,
+        ).messages.create(model="tiny", max_tokens=8, messages=USER, tools=[{
+            "input_schema": mixed, "name": "forecast"}]),
+    ]
+    for k, spell in enumerate(spellings):
+        key = srv.session()[1]
+        spell(key if k == 3 else srv.client(key))
+    swapped = {**FORECAST, "properties": {n: FORECAST["properties"][n]
+                                          for n in ("city", "days", "units")}}
+    srv.client(srv.session()[1]).chat.completions.create(model="tiny", messages=USER, tools=[{
+        "type": "function", "function": {"name": "forecast", "parameters": swapped}}])
+    prompts = [call[0] for call in srv.engine.calls]
+    assert prompts[0] == prompts[1] == prompts[2] == prompts[3] != prompts[4]
+    text = srv.renderer.decode(prompts[0])
+    assert json.dumps(FORECAST)[1:-1] in text, text  # the canonical order, names as given
 
 
 def _streamed(client, **kw):

@@ -5,13 +5,16 @@ emitted them (CASES.md C01: a decoded-then-re-encoded reply would get other ids)
 assistant->tool boundary is end-of-turn, "\\n", im_start and the whole prompt equals a fresh
 rendering with a byte tokenizer (C02); a context rewrite renders from scratch, as a new trace,
 and is counted (C02); every prompt ends with the assistant generation header (C03); a reply
-cut by max_tokens is closed with the end-of-turn id before the next turn.
+cut by max_tokens is closed with the end-of-turn id before the next turn; an engine answer
+with text but no token ids (or ids without one logprob each) answers the text and is recorded
+with no ids, not token-exact and out of the loss (C01).
 """
 
 from __future__ import annotations
 
 import json
 
+import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -172,3 +175,80 @@ def test_truncated_reply_is_closed_before_next_turn(serve, tokenizer):
     n = len(first.prompt_ids) + 4
     assert second.prompt_ids[: n + 2] == first.prompt_ids + first.completion_ids + [2, 201]
     assert second.prompt_ids == render(renderer, m) and second.extends_previous
+
+
+def _text_chunk(text: str, finish: str | None = None, ids: list[int] | None = None,
+                lps: list[float] | None = None) -> dict:
+    """A vLLM completions SSE chunk: text, and token ids / logprob entries only when given."""
+    choice: dict = {"text": text, "finish_reason": finish, "logprobs": None}
+    if ids is not None:
+        choice["token_ids"] = ids
+    if lps is not None:
+        choice["logprobs"] = {"top_logprobs": [{f"token_id:{i}": lp}
+                                               for i, lp in zip(ids or [], lps, strict=False)]}
+    return {"choices": [choice]}
+
+
+def test_c01_text_without_token_ids_is_answered_and_kept_out_of_the_loss(serve, tokenizer,
+                                                                         renderer):
+    """CASES.md C01: an engine that answers text without token ids (a server without
+    `return_token_ids`; ids for the first chunk only; ids without one logprob each) is never a
+    200 with an empty reply and an empty token-exact turn. The client gets the engine's text
+    (plain and streamed); the turn is stored with no ids and no logprobs (nothing re-encoded or
+    guessed), token_exact and train False, its text noted; the next prompt is rendered from the
+    messages, not appended to an empty completion; the trainer gives it no loss token."""
+    from forgerl.trainer.samples import trajectory_to_samples
+    from tests.engines.test_remote_vllm import mocked, sse
+
+    sure = renderer.encode("Sure,")
+    answers = [
+        sse(_text_chunk("Hel"), _text_chunk("lo!<|im_end|>", "stop")),  # no ids at all
+        sse(_text_chunk("Sure,", None, sure, [-0.1] * len(sure)),  # ids, then none
+            _text_chunk(" again.", "stop")),
+        sse(_text_chunk("Bye.", "stop", [66, 121, 101, 46], [-0.5])),  # 4 ids, 1 logprob
+        sse(_text_chunk("Ok", "stop", [*renderer.encode("Ok"), renderer.end_of_turn_id],
+                        [-0.25, -0.5, -0.75]))]
+    bodies: list[dict] = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=answers[len(bodies) - 1])
+
+    engine = mocked(handler)
+    engine.max_model_len = 4096
+    srv = serve(engine, tokenizer)
+    tid, key = srv.session()
+    client = srv.client(key)
+    chat_history = [{"role": "user", "content": "say hi"}]
+    r1 = client.chat.completions.create(model="tiny", messages=chat_history)
+    assert (r1.choices[0].message.content, r1.choices[0].finish_reason) == ("Hello!", "stop")
+    assert r1.usage.completion_tokens == 0
+    chat_history += [{"role": "assistant", "content": "Hello!"},
+                     {"role": "user", "content": "again"}]
+    streamed = client.chat.completions.create(model="tiny", messages=chat_history, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (
+        "Sure, again.")
+    chat_history += [{"role": "assistant", "content": "Sure, again."},
+                     {"role": "user", "content": "bye"}]
+    r3 = client.chat.completions.create(model="tiny", messages=chat_history)
+    assert r3.choices[0].message.content == "Bye."
+    chat_history += [{"role": "assistant", "content": "Bye."},
+                     {"role": "user", "content": "ok?"}]
+    assert client.chat.completions.create(
+        model="tiny", messages=chat_history).choices[0].message.content == "Ok"
+
+    turns = srv.pool.get_trajectory(tid).completions
+    assert [(c.completion_ids, c.logprobs, c.token_exact, c.train) for c in turns[:3]] == [
+        ([], [], False, False)] * 3
+    assert [c.request["untokenized_text"] for c in turns[:3]] == [
+        "Hello!<|im_end|>", "Sure, again.", "Bye."]
+    last = turns[3]
+    assert last.completion_ids == [*renderer.encode("Ok"), renderer.end_of_turn_id]
+    assert last.logprobs == [-0.25, -0.5, -0.75] and last.token_exact and last.train
+    # each prompt is the fresh rendering of its messages (an untokenized turn is no prefix)
+    for k, (body, c) in enumerate(zip(bodies, turns, strict=True)):
+        assert body["prompt"] == c.prompt_ids == render(renderer, chat_history[: 1 + 2 * k])
+    assert srv.gateway.counters["untokenized_replies"] == srv.engine.stats["untokenized"] == 3
+    samples = trajectory_to_samples(srv.pool.get_trajectory(tid), [1.0] * 4)
+    assert sum(sum(s.loss_mask) for s in samples) == 3  # only the token-exact turn's ids
+    assert all(len(c.completion_ids) == len(c.logprobs) for c in turns)

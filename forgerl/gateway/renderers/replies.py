@@ -80,6 +80,18 @@ def cut_at_stop(
     return Cut(lo, full[:end] if keeps else full[:start], True)
 
 
+def cut_text(text: str, prefix: str = "", stops: Sequence[str] = (),
+             closes: Sequence[str] = ()) -> Cut:
+    """`cut_at_stop` for a reply the engine gave as text without ids (GenerateOutput.text):
+    the same text cut, keep 0 (no id is recorded)."""
+    full = prefix + text
+    best = first_stop(full, 0, len(prefix), stops, closes)
+    if best is None:
+        return Cut(0, full, False)
+    end, start, keeps = best
+    return Cut(0, full[:end] if keeps else full[:start], True)
+
+
 def finish_reply(
     cut: Cut, engine_finish: str, declared: set[str] | None,
     parse: Callable[[str, set[str] | None], ParsedReply] = parse_tool_calls,
