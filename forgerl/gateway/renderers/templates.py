@@ -42,6 +42,13 @@ def template_text(tokenizer: PreTrainedTokenizerBase) -> str:
     return "\n".join(t.values()) if isinstance(t, dict) else (t or "")
 
 
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The tokenizer's special tokens: the named ones and every added token marked special
+    (a family's `<|end|>`, `<turn|>`, `<|eom_id|>` need not be named in its special-token map)."""
+    marked = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return set(tokenizer.all_special_tokens) | marked
+
+
 SYSTEM_AS_USER = "[system] "
 """Prefix of a later system message rendered as a user message (`fit_system`)."""
 
@@ -78,31 +85,41 @@ class HFTemplateRenderer(Renderer):
         parser: the tool-call format; default `detect_parser(template)`.
 
     end_of_turn_id: the special token the template puts right after an assistant message's
-    content; stop_ids: it, eos and `END_OF_TURN_TOKENS` the tokenizer has. Raises ValueError
+    content (or, when it closes none, GLM's, first in the next turn); stop_ids: it, `eos_ids`
+    (the generation config's), eos and `END_OF_TURN_TOKENS` the tokenizer has. Raises ValueError
     when the tokenizer has no chat template or the template closes assistant turns with no
     special token.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None,
+                 eos_ids: Sequence[int] = ()):
         self.tokenizer, self.template = tokenizer, template_text(tokenizer)
         if not self.template:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.parser = parser or detect_parser(self.template)
         added = tokenizer.get_added_vocab()
-        try:
-            probe = str(tokenizer.apply_chat_template(
-                [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}],
-                tokenize=False))
-        except TemplateError as e:
-            raise ValueError(f"the chat template fails on a user + assistant turn: {e}") from None
-        after = probe[probe.rfind("PROBE") + 5 :]
-        found = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t in after)
-        if not found:
-            raise ValueError("the chat template ends assistant turns with no special token")
-        self.end_of_turn_id = added.get(found[0][1], tokenizer.convert_tokens_to_ids(found[0][1]))
-        extra = [tokenizer.eos_token_id, *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
+        end = self._end_of_turn(special_tokens(tokenizer))
+        self.end_of_turn_id = added.get(end, tokenizer.convert_tokens_to_ids(end))
+        extra = [*eos_ids, tokenizer.eos_token_id,
+                 *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
         self.stop_ids = tuple(dict.fromkeys([self.end_of_turn_id, *(i for i in extra
                                                                      if i is not None)]))
+
+    def _end_of_turn(self, specials: set[str]) -> str:
+        """The first special token after an assistant message's content: the template's own
+        closing token, else (templates that close no turn, GLM's) the next turn's opener."""
+        turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}]
+        for probe in (turns, [*turns, {"role": "user", "content": "u"}]):
+            try:
+                text = str(self.tokenizer.apply_chat_template(probe, tokenize=False))
+            except TemplateError as e:
+                raise ValueError(f"the chat template fails on a user + assistant turn: {e}"
+                                 ) from None
+            after = text[text.rfind("PROBE") + 5 :]
+            found = sorted((after.find(t), t) for t in specials if t in after)
+            if found:
+                return found[0][1]
+        raise ValueError("the chat template ends assistant turns with no special token")
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids without the stop ids; other special tokens are kept as text
@@ -163,8 +180,10 @@ class HFTemplateRenderer(Renderer):
 
 
 def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
-                   tool_parser: str = "auto", default_system: str | None = None) -> Renderer:
-    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig).
+                   tool_parser: str = "auto", default_system: str | None = None,
+                   eos_ids: Sequence[int] = ()) -> Renderer:
+    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig); `eos_ids`:
+    the model's generation_config eos ids, stop ids besides the format's own.
 
     "auto": `ChatMLRenderer` (Hermes tools, `default_system`) when the tokenizer has
     `<|im_start|>`/`<|im_end|>` and its template has no tool section (SmolLM2), else
@@ -177,9 +196,11 @@ def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
     parser = None if tool_parser == "auto" else PARSERS[tool_parser]
     try:
         if renderer == "hf_template":
-            return HFTemplateRenderer(tokenizer, parser)
+            return HFTemplateRenderer(tokenizer, parser, eos_ids)
         if parser not in (None, PARSERS["hermes"]):
             raise ValueError(f"its tool section asks for hermes calls, not {tool_parser!r}")
-        return ChatMLRenderer(tokenizer, default_system=default_system)
+        chatml = ChatMLRenderer(tokenizer, default_system=default_system)
+        chatml.stop_ids = tuple(dict.fromkeys([*chatml.stop_ids, *eos_ids]))
+        return chatml
     except ValueError as e:
         raise ConfigError(f"gateway.renderer: {renderer!r} cannot be used: {e}") from None
