@@ -165,18 +165,23 @@ class HFTemplateRenderer(Renderer):
     def continuation(self, history: Sequence[Message], new: Sequence[Message],
                      tools: Sequence[Tool], completion_ids: list[int]) -> list[int] | None:
         """The ids after the reply's end-of-turn id: what the template puts after it, then the
-        new messages and the generation prompt (render(all) minus render(history)). None unless
-        render(history[:-1]) + the reply's rendering + that tail is each rendering's prefix."""
+        new messages and the generation prompt (render(all) after the reply's end). The reply's
+        end is the first stop id after render(history[:-1]) in render(history) (what a template
+        writes after the last turn only, like Phi-3.5's eos, is not part of it); a template that
+        closes no turn (GLM) ends a reply with the next turn's opening stop id. None unless
+        render(history[:-1]) + the reply's rendering is a prefix of render(all)."""
         prompt = self.render(history[:-1], tools)
         before = self.render(history, tools, add_generation_prompt=False)
         after = self.render([*history, *new], tools)
-        if before[: len(prompt)] != prompt or after[: len(before)] != before:
+        if before[: len(prompt)] != prompt:
             return None
-        ends = [k for k in range(len(prompt), len(before)) if before[k] in self.stop_ids]
-        if not ends:
+        end = next((k for k in range(len(prompt), len(before)) if before[k] in self.stop_ids),
+                   len(before))
+        if after[:end] != before[:end] or len(after) <= end or after[end] not in self.stop_ids:
             return None
-        closed = bool(completion_ids) and completion_ids[-1] in self.stop_ids
-        return ([] if closed else [before[ends[-1]]]) + before[ends[-1] + 1 :] + after[len(before):]
+        if not completion_ids or completion_ids[-1] not in self.stop_ids:
+            return after[end:]  # the reply was cut (length): its end-of-turn id is added
+        return after[end + 1 :] if end < len(before) or completion_ids[-1] == after[end] else None
 
 
 def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
