@@ -21,9 +21,10 @@ BUDGETS: dict[str, int] = {
     "controller": 1_220,  # +20 (issue 46): the generated admin key, the request log wiring
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
-    "gateway": 4_930,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
+    "gateway": 4_945,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
-    # /metrics), C22/C26
+    # /metrics), C22/C26; +15 (issue 47): generation-config stop ids, turn ends the real
+    # families' templates write (Phi-3.5's trailing eos, GLM's next-turn opener)
     "rewards": 300,
     "scheduler": 440,
     "trainer": 1_890,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;

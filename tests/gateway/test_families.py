@@ -28,7 +28,10 @@ from tokenizers import Tokenizer
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.protocols import chat
 from forgerl.gateway.renderers.templates import (
-    END_OF_TURN_TOKENS, HFTemplateRenderer, build_renderer)
+    END_OF_TURN_TOKENS,
+    HFTemplateRenderer,
+    build_renderer,
+)
 from tests.families import NAMES, Family, load
 from tests.gateway.conftest import Scripted, ScriptedEngine
 
@@ -191,7 +194,7 @@ def test_next_turn_extends_the_recorded_ids_or_is_a_real_rewrite(name, data):
     stop id, the one the model samples) + `continuation` is the rendering of the longer
     conversation; None only when that rendering really does not start with prompt + reply
     (the template rewrote an earlier turn, or GLM opens the next turn with no stop id)."""
-    fam, r = family(name)
+    _, r = family(name)
     tools = TOOLS if "tools" in r.template else None
     msgs = chat.messages(data.draw(conversations(tools is not None)))
     tl = chat.tools(tools or [])
@@ -214,8 +217,8 @@ def test_next_turn_extends_the_recorded_ids_or_is_a_real_rewrite(name, data):
             reply = before[len(prompt) : ends[0] + 1]
         else:  # a template that closes no turn (GLM): the reply ends with the next opener
             opener = after[len(before)] if len(after) > len(before) else None
-            reply = before[len(prompt) :] + [opener if opener in r.stop_ids
-                                             else r.end_of_turn_id]
+            reply = [*before[len(prompt) :],
+                     opener if opener in r.stop_ids else r.end_of_turn_id]
         cont = r.continuation(msgs[: j + 1], msgs[j + 1 : nxt], tl, reply)
         if cont is None:
             assert after[: len(prompt) + len(reply)] != prompt + reply

@@ -42,13 +42,6 @@ def template_text(tokenizer: PreTrainedTokenizerBase) -> str:
     return "\n".join(t.values()) if isinstance(t, dict) else (t or "")
 
 
-def special_tokens(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    """The tokenizer's special tokens: the named ones and every added token marked special
-    (a family's `<|end|>`, `<turn|>`, `<|eom_id|>` need not be named in its special-token map)."""
-    marked = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    return set(tokenizer.all_special_tokens) | marked
-
-
 SYSTEM_AS_USER = "[system] "
 """Prefix of a later system message rendered as a user message (`fit_system`)."""
 
@@ -98,23 +91,25 @@ class HFTemplateRenderer(Renderer):
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.parser = parser or detect_parser(self.template)
         added = tokenizer.get_added_vocab()
-        end = self._end_of_turn(special_tokens(tokenizer))
+        end = self._end_of_turn()
         self.end_of_turn_id = added.get(end, tokenizer.convert_tokens_to_ids(end))
         extra = [*eos_ids, tokenizer.eos_token_id,
                  *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
         self.stop_ids = tuple(dict.fromkeys([self.end_of_turn_id, *(i for i in extra
                                                                      if i is not None)]))
 
-    def _end_of_turn(self, specials: set[str]) -> str:
-        """The first special token after an assistant message's content: the template's own
-        closing token, else (templates that close no turn, GLM's) the next turn's opener."""
-        turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}]
-        for probe in (turns, [*turns, {"role": "user", "content": "u"}]):
+    def _end_of_turn(self) -> str:
+        """The first special token (named or an added one marked special, like `<turn|>`) after
+        an assistant turn's content, else (GLM closes no turn) after it in the next turn."""
+        tok, turns = self.tokenizer, [{"role": "user", "content": "u"},
+                                      {"role": "assistant", "content": "PROBE"}]
+        specials = {*tok.all_special_tokens,
+                    *(t.content for t in tok.added_tokens_decoder.values() if t.special)}
+        for probe in (turns, [*turns, turns[0]]):
             try:
-                text = str(self.tokenizer.apply_chat_template(probe, tokenize=False))
+                text = str(tok.apply_chat_template(probe, tokenize=False))
             except TemplateError as e:
-                raise ValueError(f"the chat template fails on a user + assistant turn: {e}"
-                                 ) from None
+                raise ValueError(f"the chat template fails on user + assistant: {e}") from None
             after = text[text.rfind("PROBE") + 5 :]
             found = sorted((after.find(t), t) for t in specials if t in after)
             if found:
@@ -164,12 +159,9 @@ class HFTemplateRenderer(Renderer):
 
     def continuation(self, history: Sequence[Message], new: Sequence[Message],
                      tools: Sequence[Tool], completion_ids: list[int]) -> list[int] | None:
-        """The ids after the reply's end-of-turn id: what the template puts after it, then the
-        new messages and the generation prompt (render(all) after the reply's end). The reply's
-        end is the first stop id after render(history[:-1]) in render(history) (what a template
-        writes after the last turn only, like Phi-3.5's eos, is not part of it); a template that
-        closes no turn (GLM) ends a reply with the next turn's opening stop id. None unless
-        render(history[:-1]) + the reply's rendering is a prefix of render(all)."""
+        """render(all) after the reply's end: its first stop id after render(history[:-1]) in
+        render(history) (not what only a last turn gets, Phi-3.5's eos), else (GLM) the next
+        turn's opening stop id. None unless render(all) starts with the reply's rendering."""
         prompt = self.render(history[:-1], tools)
         before = self.render(history, tools, add_generation_prompt=False)
         after = self.render([*history, *new], tools)
@@ -187,8 +179,8 @@ class HFTemplateRenderer(Renderer):
 def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
                    tool_parser: str = "auto", default_system: str | None = None,
                    eos_ids: Sequence[int] = ()) -> Renderer:
-    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig); `eos_ids`:
-    the model's generation_config eos ids, stop ids besides the format's own.
+    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig); `eos_ids`
+    (the model's generation_config eos ids) are stop ids too.
 
     "auto": `ChatMLRenderer` (Hermes tools, `default_system`) when the tokenizer has
     `<|im_start|>`/`<|im_end|>` and its template has no tool section (SmolLM2), else
@@ -204,8 +196,8 @@ def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
             return HFTemplateRenderer(tokenizer, parser, eos_ids)
         if parser not in (None, PARSERS["hermes"]):
             raise ValueError(f"its tool section asks for hermes calls, not {tool_parser!r}")
-        chatml = ChatMLRenderer(tokenizer, default_system=default_system)
-        chatml.stop_ids = tuple(dict.fromkeys([*chatml.stop_ids, *eos_ids]))
+        (chatml := ChatMLRenderer(tokenizer, default_system)).stop_ids += tuple(
+            i for i in dict.fromkeys(eos_ids) if i not in chatml.stop_ids)
         return chatml
     except ValueError as e:
         raise ConfigError(f"gateway.renderer: {renderer!r} cannot be used: {e}") from None
