@@ -32,7 +32,7 @@ from forgerl.gateway.renderers.templates import (
     HFTemplateRenderer,
     build_renderer,
 )
-from tests.families import NAMES, Family, load
+from tests.families import NAMES, ROOT, Family, load
 from tests.gateway.conftest import Scripted, ScriptedEngine
 
 CONTROL = ["<|im_end|>", "<|im_start|>", "<|eot_id|>", "<think>", "</think>",
@@ -294,3 +294,21 @@ def test_two_turns_through_the_app_record_the_template_ids(serve, name):
     else:  # a counted new branch: the template's own rendering
         assert srv.gateway.counters["prefix_misses"] == 1
         assert c2.prompt_ids == want2
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3"])
+def test_run_startup_reads_the_generation_config_eos(name):
+    """The controller builds the renderer with the model folder's generation_config eos ids
+    (`startup.eos_ids`): Llama 3.1's three, Qwen3's two, in the file's order."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from forgerl.controller.startup import eos_ids
+
+    fam = load(name)
+    gen = GenerationConfig.from_pretrained(ROOT / name)
+    ids = eos_ids(SimpleNamespace(generation_config=gen))
+    assert ids == {"llama3.1": [128001, 128008, 128009], "qwen3": [151645, 151643]}[name]
+    r = build_renderer(fam.tokenizer, eos_ids=ids)
+    assert set(r.stop_ids) == STOPS[name]
