@@ -250,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"families: unknown {unknown}; known: {list(FAMILIES)}", file=sys.stderr)
         return 2
-    todo = []
-    for name in args.families or FAMILIES:
+    todo, names = [], args.families or list(FAMILIES)
+    for name in names:
         meta = args.out / name / "family.json"
         if not (meta.exists() and json.loads(meta.read_text()).get("builder") == script_hash()):
             todo.append(name)
     if not todo:
-        print(f"families: {len(FAMILIES)} up to date in {args.out}")
+        print(f"families: {len(names)} up to date in {args.out}")
         return 0
     models = fetch_sdist(args.sdist)
     for name in todo:
