@@ -27,6 +27,10 @@ fi
 bash scripts/setup_vllm.sh
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
+# The model families' real chat templates and tokenizers for the differential template tests
+# (scripts/families.py: from the pinned llama-cpp-python sdist into .cache/families; ~1 min the
+# first time, skipped while each family.json matches the script).
+.venv/bin/python scripts/families.py
 # Byte-compile ForgeRL's own modules once: with PYTHONDONTWRITEBYTECODE set (as on these
 # machines) every run, agent fork server and reaper would compile them again (~0.2 s a start).
 .venv/bin/python -m compileall -q forgerl >/dev/null

@@ -109,7 +109,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     model, tokenizer, system = load_policy(config.model.path)
     warn_positions(config.model.max_model_len, model.config)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
-    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system)
+    renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
+                              eos_ids=eos_ids(model))
     # demonstrations are read (and refused) before anything is written; not once the run's
     # checkpoint is past the warm start
     ws = config.warmstart
@@ -264,3 +265,10 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     return engine, cluster
+
+
+def eos_ids(model: Any) -> list[int]:
+    """The model's `generation_config.eos_token_id` as a list (an int or a list there; [] when
+    unset): the ids its family ends a reply with, stop ids of the gateway's renderer."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -78,31 +78,43 @@ class HFTemplateRenderer(Renderer):
         parser: the tool-call format; default `detect_parser(template)`.
 
     end_of_turn_id: the special token the template puts right after an assistant message's
-    content; stop_ids: it, eos and `END_OF_TURN_TOKENS` the tokenizer has. Raises ValueError
+    content (or, when it closes none, GLM's, first in the next turn); stop_ids: it, `eos_ids`
+    (the generation config's), eos and `END_OF_TURN_TOKENS` the tokenizer has. Raises ValueError
     when the tokenizer has no chat template or the template closes assistant turns with no
     special token.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None,
+                 eos_ids: Sequence[int] = ()):
         self.tokenizer, self.template = tokenizer, template_text(tokenizer)
         if not self.template:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.parser = parser or detect_parser(self.template)
         added = tokenizer.get_added_vocab()
-        try:
-            probe = str(tokenizer.apply_chat_template(
-                [{"role": "user", "content": "u"}, {"role": "assistant", "content": "PROBE"}],
-                tokenize=False))
-        except TemplateError as e:
-            raise ValueError(f"the chat template fails on a user + assistant turn: {e}") from None
-        after = probe[probe.rfind("PROBE") + 5 :]
-        found = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t in after)
-        if not found:
-            raise ValueError("the chat template ends assistant turns with no special token")
-        self.end_of_turn_id = added.get(found[0][1], tokenizer.convert_tokens_to_ids(found[0][1]))
-        extra = [tokenizer.eos_token_id, *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
+        end = self._end_of_turn()
+        self.end_of_turn_id = added.get(end, tokenizer.convert_tokens_to_ids(end))
+        extra = [*eos_ids, tokenizer.eos_token_id,
+                 *(added[t] for t in END_OF_TURN_TOKENS if t in added)]
         self.stop_ids = tuple(dict.fromkeys([self.end_of_turn_id, *(i for i in extra
                                                                      if i is not None)]))
+
+    def _end_of_turn(self) -> str:
+        """The first special token (named or an added one marked special, like `<turn|>`) after
+        an assistant turn's content, else (GLM closes no turn) after it in the next turn."""
+        tok, turns = self.tokenizer, [{"role": "user", "content": "u"},
+                                      {"role": "assistant", "content": "PROBE"}]
+        specials = {*tok.all_special_tokens,
+                    *(t.content for t in tok.added_tokens_decoder.values() if t.special)}
+        for probe in (turns, [*turns, turns[0]]):
+            try:
+                text = str(tok.apply_chat_template(probe, tokenize=False))
+            except TemplateError as e:
+                raise ValueError(f"the chat template fails on user + assistant: {e}") from None
+            after = text[text.rfind("PROBE") + 5 :]
+            found = sorted((after.find(t), t) for t in specials if t in after)
+            if found:
+                return found[0][1]
+        raise ValueError("the chat template ends assistant turns with no special token")
 
     def decode(self, ids: list[int]) -> str:
         """Text of completion ids without the stop ids; other special tokens are kept as text
@@ -147,24 +159,28 @@ class HFTemplateRenderer(Renderer):
 
     def continuation(self, history: Sequence[Message], new: Sequence[Message],
                      tools: Sequence[Tool], completion_ids: list[int]) -> list[int] | None:
-        """The ids after the reply's end-of-turn id: what the template puts after it, then the
-        new messages and the generation prompt (render(all) minus render(history)). None unless
-        render(history[:-1]) + the reply's rendering + that tail is each rendering's prefix."""
+        """render(all) after the reply's end: its first stop id after render(history[:-1]) in
+        render(history) (not what only a last turn gets, Phi-3.5's eos), else (GLM) the next
+        turn's opening stop id. None unless render(all) starts with the reply's rendering."""
         prompt = self.render(history[:-1], tools)
         before = self.render(history, tools, add_generation_prompt=False)
         after = self.render([*history, *new], tools)
-        if before[: len(prompt)] != prompt or after[: len(before)] != before:
+        if before[: len(prompt)] != prompt:
             return None
-        ends = [k for k in range(len(prompt), len(before)) if before[k] in self.stop_ids]
-        if not ends:
+        end = next((k for k in range(len(prompt), len(before)) if before[k] in self.stop_ids),
+                   len(before))
+        if after[:end] != before[:end] or len(after) <= end or after[end] not in self.stop_ids:
             return None
-        closed = bool(completion_ids) and completion_ids[-1] in self.stop_ids
-        return ([] if closed else [before[ends[-1]]]) + before[ends[-1] + 1 :] + after[len(before):]
+        if not completion_ids or completion_ids[-1] not in self.stop_ids:
+            return after[end:]  # the reply was cut (length): its end-of-turn id is added
+        return after[end + 1 :] if end < len(before) or completion_ids[-1] == after[end] else None
 
 
 def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
-                   tool_parser: str = "auto", default_system: str | None = None) -> Renderer:
-    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig).
+                   tool_parser: str = "auto", default_system: str | None = None,
+                   eos_ids: Sequence[int] = ()) -> Renderer:
+    """The renderer for `[gateway] renderer` and `tool_parser` (see GatewayConfig); `eos_ids`
+    (the model's generation_config eos ids) are stop ids too.
 
     "auto": `ChatMLRenderer` (Hermes tools, `default_system`) when the tokenizer has
     `<|im_start|>`/`<|im_end|>` and its template has no tool section (SmolLM2), else
@@ -177,9 +193,11 @@ def build_renderer(tokenizer: PreTrainedTokenizerBase, renderer: str = "auto",
     parser = None if tool_parser == "auto" else PARSERS[tool_parser]
     try:
         if renderer == "hf_template":
-            return HFTemplateRenderer(tokenizer, parser)
+            return HFTemplateRenderer(tokenizer, parser, eos_ids)
         if parser not in (None, PARSERS["hermes"]):
             raise ValueError(f"its tool section asks for hermes calls, not {tool_parser!r}")
-        return ChatMLRenderer(tokenizer, default_system=default_system)
+        (chatml := ChatMLRenderer(tokenizer, default_system)).stop_ids += tuple(
+            i for i in dict.fromkeys(eos_ids) if i not in chatml.stop_ids)
+        return chatml
     except ValueError as e:
         raise ConfigError(f"gateway.renderer: {renderer!r} cannot be used: {e}") from None
