@@ -130,6 +130,14 @@ class VllmEngineConfig(_Section):
         return self.max_num_seqs
 
 
+TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens"})
+"""Arguments of `apply_chat_template` that the gateway sets itself: never template variables."""
+
+
 class GatewayConfig(_Section):
     """[gateway]: where the OpenAI-compatible gateway listens."""
 
@@ -142,6 +150,18 @@ class GatewayConfig(_Section):
     """More model names served by the same policy, for a harness's side calls (Claude Code
     `ANTHROPIC_SMALL_FAST_MODEL`, OpenCode `small_model`): a call naming one is recorded with
     `train = false` (context only), in a trace of its own."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Variables for the model's chat template on every call, e.g. `{enable_thinking = false}`
+    for Qwen3 (as verl's and slime's chat-template kwargs); a request's `chat_template_kwargs`
+    wins per key. The applied ones are recorded with each turn (`request.template_kwargs`).
+    Names the gateway sets itself (tools, add_generation_prompt ...) are refused."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if taken := sorted(TEMPLATE_ARGS & v.keys()):
+            raise ValueError(f"{taken[0]!r} is set by the gateway, not a template variable")
+        return v
     untrained_traces: list[str] = []
     """Regular expressions (Python `re.search`) matched against the text of each new trace's
     opening (its first call's system prompt and first user message, joined by a newline); a

@@ -110,7 +110,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     warn_positions(config.model.max_model_len, model.config)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
-                              eos_ids=eos_ids(model))
+                              eos_ids=eos_ids(model)).bind(gc.chat_template_kwargs)
     # demonstrations are read (and refused) before anything is written; not once the run's
     # checkpoint is past the warm start
     ws = config.warmstart
@@ -133,7 +133,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                       loopback_sessions=gc.admin_key is None,
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s,
                       untrained_models=frozenset(gc.untrained_models),
-                      untrained_traces=tuple(map(re.compile, gc.untrained_traces)))
+                      untrained_traces=tuple(map(re.compile, gc.untrained_traces)),
+                      template_kwargs=dict(gc.chat_template_kwargs))
     log = gc.request_log if isinstance(gc.request_log, str) else (
         run_dir / "requests.jsonl" if gc.request_log else None)
     try:

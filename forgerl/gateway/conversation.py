@@ -175,6 +175,9 @@ class Conversation:
     top_logprobs: int = 0
     param_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     request: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Variables for the model's chat template (chat `chat_template_kwargs`, e.g.
+    `{"enable_thinking": false}`), over the gateway's `[gateway] chat_template_kwargs`."""
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

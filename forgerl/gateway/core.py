@@ -46,8 +46,9 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from forgerl.datapool.base import DataPool
 from forgerl.engines.base import RolloutEngine
@@ -104,6 +105,9 @@ class Gateway:
     """When set, POST /v1/sessions and the reward endpoint need `Authorization: Bearer
     <admin_key>` (401 `invalid_api_key` otherwise); session keys still authenticate model calls.
     None: both routes are closed (403, CASES.md C26)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """`[gateway] chat_template_kwargs`: chat template variables for every call; a request's
+    `chat_template_kwargs` wins per key (`renderer_for`)."""
     loopback_sessions: bool = False
     """True when `admin_key` was generated, not configured: POST /v1/sessions without an
     Authorization header is then also accepted from a loopback client (the machine's own user,
@@ -210,22 +214,30 @@ class Gateway:
             session.in_flight -= 1
             session.last_active = time.monotonic()
 
+    def renderer_for(self, conv: Conversation) -> Renderer:
+        """The renderer bound to `conv`'s chat template variables (the gateway's, then the
+        request's); the applied ones are noted in `conv.request["template_kwargs"]`."""
+        wanted = {**self.template_kwargs, **conv.template_kwargs}
+        if wanted and self.renderer.takes_template_kwargs:
+            conv.request["template_kwargs"] = wanted
+        return self.renderer.bind(wanted)
+
     def check(self, conv: Conversation) -> tuple[Tool, ...]:
         """The tools to render for `conv`, after the checks that need no rendering
         (prepare.check_conversation: 404 for another model when `strict_model`, 400s)."""
-        return check_conversation(conv, self.renderer, self.engine.max_model_len,
+        return check_conversation(conv, self.renderer_for(conv), self.engine.max_model_len,
                                   self.model_name,
                                   self.strict_model and conv.model not in self.untrained_models)
 
     def prefill(self, conv: Conversation) -> str:
         """The reply text prefilled for a forced tool call (prepare.prefill_text), else ""."""
-        return prefill_text(conv, self.renderer)
+        return prefill_text(conv, self.renderer_for(conv))
 
     def prompt_tokens(self, session: Session, conv: Conversation) -> int:
         """The length of the prompt ids the next call of `conv` would send (recorded ids
         reused, prefill included); nothing recorded. Raises GatewayError as `check`."""
         tools = self.check(conv)
-        plan = session.plan(conv.messages, tools, self.renderer)
+        plan = session.plan(conv.messages, tools, self.renderer_for(conv))
         prefill = self.renderer.encode(self.prefill(conv))
         return len(plan.prompt_ids) + len(prefill)
 
@@ -233,11 +245,11 @@ class Gateway:
                 plan: PromptPlan | None = None) -> Call:
         """Check, render (TITO) and parametrise one call; raises GatewayError (see `check`,
         prepare.sampling_params, prepare.build_call). Nothing is dispatched or recorded."""
-        tools = self.check(conv)
+        tools, renderer = self.check(conv), self.renderer_for(conv)
         if plan is None:
-            plan = session.plan(conv.messages, tools, self.renderer)
+            plan = session.plan(conv.messages, tools, renderer)
         prefix = self.prefill(conv)
-        call = build_call(session, conv, tools, plan, prefix, self.renderer, self.engine,
+        call = build_call(session, conv, tools, plan, prefix, renderer, self.engine,
                           self.temperature, self.max_tokens)
         self.counters["requests"] += 1
         return call
@@ -264,7 +276,8 @@ class Gateway:
                      streamed: Sequence[ReplyStream | HeldReply] | None = None) -> Result:
         """Cut, parse and record the choices of `call` from the engine outputs (one per choice;
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
-        choices = build_choices(self.renderer, self.counters, call, outs, streamed)
+        choices = build_choices(self.renderer_for(call.conv), self.counters, call, outs,
+                                streamed)
         place = session.place(call.plan, call.conv.messages,
                               call.conv.model not in self.untrained_models, self.untrained_traces)
         await record(self.pool, self.commits, self.counters, session, call, choices, place)
@@ -299,9 +312,10 @@ class Gateway:
     ) -> AsyncIterator[Started | Delta | Result]:
         call = self.prepare(session, conv, plan)
         yield Started(len(call.prompt_ids), call.started_at)
-        states = [reply_stream(call, self.renderer.parser) for _ in call.params]
+        renderer = self.renderer_for(call.conv)
+        states = [reply_stream(call, renderer.parser) for _ in call.params]
         outs: list[GenerateOutput | None] = [None] * len(states)
-        sources = [choice_events(self.engine, self.renderer, self.counters, session, i, call, s)
+        sources = [choice_events(self.engine, renderer, self.counters, session, i, call, s)
                    for i, s in enumerate(states)]
         try:
             async with contextlib.aclosing(merged(sources)) as events:

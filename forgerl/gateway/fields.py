@@ -32,8 +32,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
+from forgerl.config import TEMPLATE_ARGS
 from forgerl.gateway import telemetry
 from forgerl.gateway.errors import GatewayError, unsupported
 
@@ -87,6 +89,27 @@ SAMPLED = "sampled with and recorded; the turn is then context only in training,
 BIAS = "only an empty bias is supported"
 AS_USUAL = "no such control: sampled as usual"
 NO_REASONING = "the served policy has no reasoning control: sampled as usual, no summary"
+
+
+def _template_kwargs(name: str, v: Any, req: Any) -> GatewayError | None:
+    if not isinstance(v, dict):
+        return unsupported(name, "must be an object of chat template variables")
+    if taken := sorted(TEMPLATE_ARGS & v.keys()):
+        return unsupported(name, f"{taken[0]!r} is set by the gateway, not a template variable")
+    return None
+
+
+def template_kwargs(req: Any) -> MappingProxyType[str, Any]:
+    """A request's `chat_template_kwargs` (vLLM's and SGLang's extra) as checked by its row."""
+    value = getattr(req, "chat_template_kwargs", None)
+    return MappingProxyType(dict(value) if isinstance(value, dict) else {})
+
+
+TEMPLATE_KWARGS = honoured(
+    "vLLM's extra: variables for the model's chat template (Qwen3's enable_thinking), over "
+    "[gateway] chat_template_kwargs, recorded in `template_kwargs`; arguments the gateway sets "
+    "(tools, add_generation_prompt ...) refused; the ChatML renderer has none: no effect",
+    _template_kwargs)
 
 
 def _value(req: Any, name: str) -> Any:
@@ -221,6 +244,7 @@ CHAT: dict[str, Rule] = {
                                 "decoding)", _text_only),
     "top_logprobs": honoured("0 only (the core refuses more); needs logprobs",
                              _chat_top_logprobs),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }
 
 
@@ -308,6 +332,7 @@ RESPONSES: dict[str, Rule] = {
                             "previous_response_id"),
     "prompt": refused("stored prompt templates are not served"),
     "background": neutral("background responses are not supported", bool),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }
 
 
@@ -345,4 +370,5 @@ MESSAGES: dict[str, Rule] = {
                 "anthropic-version / -beta headers): kept with the turn"),
     **kept("cache_control"),
     "top_k": honoured(f"0 = off; > 0: {SAMPLED}"),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
 }

@@ -187,7 +187,8 @@ async def record(pool: DataPool, commits: GroupCommit, counters: dict[str, int],
         counters["traces"] += place.new
         session.record([Turn(call.conv.messages, call.tools, c.completion.prompt_ids,
                              c.completion.completion_ids, c.reply, plan.parent, place.trace,
-                             c.completion.token_exact)
+                             c.completion.token_exact,
+                             call.conv.request.get("template_kwargs") or {})
                         for c in choices], place.miss)
         if gone:  # the client left during the commit: it never saw these answers
             for turn in turns:

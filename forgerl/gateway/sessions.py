@@ -31,7 +31,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ class Turn:
     parent: index of the turn whose prompt + completion this turn's prompt extends (None: root).
     exact: False when the engine answered text without ids (no completion ids recorded): no
         later prompt extends this turn, it is rendered from the messages (CASES.md C01).
+    template_kwargs: the chat template variables it was rendered with; a prompt rendered with
+        others never extends it.
     """
 
     messages: Sequence[Message]
@@ -68,6 +70,7 @@ class Turn:
     parent: int | None = None
     trace: int = 0
     exact: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class Session:
                 turn.exact
                 and 0 < n < len(messages)  # n = 0: a raw-prompt (/v1/completions) turn
                 and tuple(turn.tools) == tuple(tools)
+                and dict(turn.template_kwargs) == dict(renderer.template_kwargs)
                 and [message_key(m) for m in turn.messages] == keys[:n]
                 and message_key(turn.assistant) == keys[n]
             ):

@@ -42,7 +42,7 @@ from forgerl.gateway.conversation import (
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.edits import Edit, apply_edits
 from forgerl.gateway.errors import GatewayError, Loose, parse_body, unsupported
-from forgerl.gateway.fields import MESSAGES, enforce, noted, strictly
+from forgerl.gateway.fields import MESSAGES, enforce, noted, strictly, template_kwargs
 from forgerl.gateway.record import Result
 from forgerl.gateway.sse import EventStream
 
@@ -258,7 +258,7 @@ def to_conversation(req: PromptRequest, strict: bool = False,
         model=req.model, messages=_messages(req), tools=_tools(req, notes, strict),
         tool_choice=choice, parallel_tool_calls=not (tc and tc.disable_parallel_tool_use),
         sampling=sampling, param_names={"stop": "stop_sequences", "parameters": "input_schema"},
-        request=noted(notes))
+        request=noted(notes), template_kwargs=template_kwargs(req))
     edits = req.context_management.edits if req.context_management else []
     return apply_edits(conv, edits, count or (lambda c: 0))
 

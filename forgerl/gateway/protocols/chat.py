@@ -32,7 +32,7 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.fields import CHAT, enforce, noted
+from forgerl.gateway.fields import CHAT, enforce, noted, template_kwargs
 from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sse import EventStream
 
@@ -204,6 +204,7 @@ def to_conversation(req: ChatRequest, strict: bool = False) -> Conversation:
         param_names={"max_tokens": "max_completion_tokens" if req.max_completion_tokens
                      else "max_tokens"},
         request=noted(notes),
+        template_kwargs=template_kwargs(req),
     )
 
 

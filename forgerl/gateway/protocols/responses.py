@@ -44,7 +44,7 @@ from forgerl.gateway.conversation import (
 )
 from forgerl.gateway.dispatch import Delta, Started
 from forgerl.gateway.errors import GatewayError, Loose, missing, parse_body, unsupported
-from forgerl.gateway.fields import RESPONSES, enforce, noted, strictly
+from forgerl.gateway.fields import RESPONSES, enforce, noted, strictly, template_kwargs
 from forgerl.gateway.protocols.chat import token_json
 from forgerl.gateway.record import Choice, Result, TokenLogprob
 from forgerl.gateway.sessions import Session, message_key
@@ -272,7 +272,7 @@ def to_conversation(req: ResponsesRequest, session: Session, strict: bool = Fals
         req.model, tuple(msgs), tools, _tool_choice(req), req.parallel_tool_calls is not False,
         sampling, 1, "message.output_text.logprobs" in (req.include or ()),
         req.top_logprobs or 0, {"messages": "input", "max_tokens": "max_output_tokens"},
-        noted(notes))
+        noted(notes), template_kwargs(req))
 
 
 def parse(raw: bytes, session: Session, strict: bool = False

@@ -27,10 +27,12 @@ the model's own jinja template (templates.py, `HFTemplateRenderer`) the other.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -113,6 +115,30 @@ class Renderer:
     parser: ToolParser
     end_of_turn_id: int
     stop_ids: tuple[int, ...]
+    template_kwargs: Mapping[str, Any] = MappingProxyType({})
+    """Variables passed to the chat template (`chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`); set by `bind`. A format with no template variables ignores them."""
+    takes_template_kwargs = False
+    """Whether `template_kwargs` can change this format's rendering."""
+
+    def bind(self, template_kwargs: Mapping[str, Any]) -> Renderer:
+        """This renderer with `template_kwargs` (self when they are its own, or when it takes
+        none); the bound copies are kept per distinct kwargs (at most 64), so each renders with
+        its own probes (`late_system`, `keeps_think_text`)."""
+        wanted = dict(template_kwargs)
+        if not self.takes_template_kwargs or wanted == dict(self.template_kwargs):
+            return self
+        key = json.dumps(wanted, sort_keys=True, default=str)
+        cache = self.__dict__.setdefault("_bound", {})
+        if key not in cache:
+            if len(cache) >= 64:
+                cache.pop(next(iter(cache)))
+            bound = copy.copy(self)
+            bound.__dict__ = {k: v for k, v in self.__dict__.items()
+                              if k not in ("_bound", "late_system", "keeps_think_text")}
+            bound.template_kwargs = MappingProxyType(wanted)
+            cache[key] = bound
+        return cache[key]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text, no BOS/EOS added; special-token strings in `text` are split

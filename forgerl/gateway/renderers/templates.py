@@ -84,6 +84,8 @@ class HFTemplateRenderer(Renderer):
     special token.
     """
 
+    takes_template_kwargs = True
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser | None = None,
                  eos_ids: Sequence[int] = ()):
         self.tokenizer, self.template = tokenizer, template_text(tokenizer)
@@ -151,7 +153,7 @@ class HFTemplateRenderer(Renderer):
                 [template_message(m) for m in messages],
                 tools=[{"type": "function", "function": _signature(t)} for t in tools] or None,
                 add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True,
-                return_dict=False)
+                return_dict=False, **self.template_kwargs)
         except (TemplateError, ValueError) as e:  # ValueError: e.g. an empty conversation
             raise GatewayError(400, f"the model's chat template refused the conversation: {e}",
                                "invalid_request_error", "messages") from None
