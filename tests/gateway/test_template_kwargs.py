@@ -96,7 +96,7 @@ def test_other_variables_never_extend_a_turn(serve):
     turn2 = [*turn1, {"role": "assistant", "content": "Paris."},
              {"role": "user", "content": "Thanks"}]
     client.chat.completions.create(model="tiny", messages=turn2)
-    c1, c2 = srv.pool.get_trajectory(tid).completions
+    _, c2 = srv.pool.get_trajectory(tid).completions
     assert not c2.extends_previous
     assert c2.prompt_ids == template_ids(fam, turn2)
 
