@@ -8,8 +8,16 @@ A command agent gets the OpenAI variables (`OPENAI_BASE_URL`, `OPENAI_API_KEY`),
 ones (`ANTHROPIC_BASE_URL` without the `/v1` suffix, `ANTHROPIC_API_KEY`) and `FORGERL_TASK`
 (the task as JSON) in its environment, and the same JSON on stdin. Its answer is the last
 non-empty stdout line. It runs in its own process group; on timeout or cancellation the whole
-group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period,
-so an aborted rollout leaves no orphans.
+group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period.
+Every episode's environment also holds `FORGERL_EPISODE=<token>`, which its children inherit:
+when the episode ends, however it ends, every process still carrying it gets SIGKILL too, so a
+child that left the group (`setsid`, a double fork, a daemon) dies with its call
+(`reaper.kill_tagged`). Escapes: a process that cleared its environment, and a fork server
+agent's own forks without exec (they keep the server's environment); the run's reaper still
+kills those at the run's end. An ended episode therefore leaves no process behind.
+
+`infra_cause` is the one rule that tells an infrastructure abort (never trained) from the
+agent's own failure (CASES.md C24).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -25,6 +34,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
+
+from forgerl.agents.reaper import kill_tagged
 
 if TYPE_CHECKING:
     from forgerl.agents.forkserver import ForkServer
@@ -35,6 +46,8 @@ AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
 STDOUT_KEEP = 65536  # bytes of stdout kept: the answer is on the last line, logs may be long
 STDERR_KEEP = 4000  # characters of stderr kept for the trajectory's error field
 LOG_KEEP = 1 << 20  # bytes of one episode's stderr kept in its log file (first and last half)
+EPISODE_VAR = "FORGERL_EPISODE"  # tags every process of one command episode (module docstring)
+INFRA_EXIT = 75  # EX_TEMPFAIL (sysexits.h): an agent's "my infrastructure failed, not me"
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class AgentResult:
         for commands that could not start.
     stderr_tail: the last 4000 characters of stderr, or of the callable's traceback.
     seconds: wall-clock duration of the episode.
+    started: False when the command could not be started (status "failed").
     """
 
     answer: str | None
@@ -56,6 +70,44 @@ class AgentResult:
     returncode: int | None
     stderr_tail: str
     seconds: float
+    started: bool = True
+
+
+def infra_cause(result: AgentResult, engine_errors: int = 0) -> str | None:
+    """Why an episode is an infrastructure abort, or None when its outcome is the agent's own.
+
+    An infrastructure abort is an episode that the machinery around the policy ended: it is
+    stored, never trained and no member of its group's baseline (trajectory status
+    "aborted_infra", CASES.md C24). The rule, in order:
+
+    - finished (exit code 0, the callable returned): the agent's own outcome, scored;
+    - the command could not be started (fork/exec failed): infrastructure;
+    - killed by SIGKILL that the runner did not send (its own timeout kill is status
+      "timeout"): infrastructure: the OOM killer, a sandbox or container teardown, an operator.
+      An agent that kills itself with SIGKILL is counted so too (indistinguishable);
+    - exit code INFRA_EXIT (75, EX_TEMPFAIL): the agent reports that its own infrastructure
+      failed (e.g. its sandbox died);
+    - `engine_errors` > 0 (the gateway answered one of this session's model calls with a 500
+      `engine_error`) and the agent then failed or timed out: infrastructure;
+    - anything else is a task failure, trained under `trainer.failed_rollouts`: a non-zero exit,
+      a raised exception, another signal (SIGTERM from the agent's own `kill -TERM 0`,
+      SIGSEGV, SIGABRT: the sender cannot be told from the exit status, and only SIGKILL
+      cannot come from the agent's ordinary error handling), a timeout.
+
+    A failing reward function is not an abort: the answer gets `reward_timeout_s`'s fallback
+    reward and is counted (CASES.md C13).
+    """
+    if result.status == "finished":
+        return None
+    if not result.started:
+        return "agent could not be started"
+    if result.returncode == -signal.SIGKILL and result.status == "failed":
+        return "agent killed by SIGKILL from outside (OOM killer, sandbox or operator)"
+    if result.returncode == INFRA_EXIT:
+        return f"agent exit code {INFRA_EXIT} (EX_TEMPFAIL: its infrastructure failed)"
+    if engine_errors:
+        return f"the engine failed {engine_errors} model call(s) of this session"
+    return None
 
 
 def agent_env(task: dict, base_url: str, api_key: str) -> dict[str, str]:
@@ -115,7 +167,8 @@ async def run_command_agent(
     instead of exec'd (same contract; a plain process when the server is gone).
     """
     start = time.monotonic()
-    full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
+    full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key),
+                EPISODE_VAR: secrets.token_hex(8)}
     log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +206,8 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
             await _terminate_group(await spawn, grace_s)
         raise
     except OSError as exc:
-        return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0)
+        return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0,
+                           started=False)
 
     out_buf, err_buf = bytearray(), bytearray()
     readers = {
@@ -170,12 +224,14 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
         await _terminate_group(proc, grace_s)
     except asyncio.CancelledError:
         await _terminate_group(proc, grace_s)
+        kill_tagged(full_env[EPISODE_VAR], var=EPISODE_VAR)  # quick: one /proc scan
         for reader in readers:
             reader.cancel()
         raise
     _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
-    # The pipes close when the group is gone; a process that left the group (setsid) and
-    # still holds them only costs us its unread output.
+    await asyncio.to_thread(kill_tagged, full_env[EPISODE_VAR], var=EPISODE_VAR)  # escapes
+    # The pipes close once the episode's processes are gone; one that left the group and
+    # cleared its environment, still holding them, only costs us its unread output.
     _, pending = await asyncio.wait(readers, timeout=grace_s)
     for reader in pending:
         reader.cancel()
