@@ -152,10 +152,11 @@ def test_an_aborted_session_leaves_no_process():
     async def main() -> None:
         rollout = asyncio.create_task(run_command_agent(
             ["sh", "-c", SPAWNER], TASK, URL, KEY, 60.0, env={MARK: mark}, grace_s=0.5))
-        deadline = time.monotonic() + 5.0
-        while len(marked(mark)) < 6 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert len(marked(mark)) >= 6
+        deadline, counts = time.monotonic() + 5.0, [0, 0]
+        while counts[-2:] != [6, 6] and time.monotonic() < deadline:  # all 6 up, none passing
+            await asyncio.sleep(0.05)
+            counts.append(len(marked(mark)))
+        assert counts[-2:] == [6, 6], counts
         rollout.cancel()
         with pytest.raises(asyncio.CancelledError):
             await rollout

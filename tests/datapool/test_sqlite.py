@@ -118,7 +118,8 @@ def test_errors_and_lifecycle(db_path):
     assert pool.stats() == {
         "tasks_queued": 0, "tasks_running": 0, "tasks_finished": 0, "tasks_trained": 1,
         "trajectories_running": 0, "trajectories_finished": 0, "trajectories_failed": 1,
-        "trajectories_aborted": 1, "completions": 0, "completion_tokens": 0,
+        "trajectories_aborted": 1, "trajectories_aborted_infra": 0, "completions": 0,
+        "completion_tokens": 0,
     }
     pool.set_meta("scheduler", {"head": 1, "lags": [0, 1.5]})
     assert pool.get_meta("scheduler") == {"head": 1, "lags": [0, 1.5]}
