@@ -130,8 +130,7 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 def agent_summary(metrics: dict[str, Any]) -> str:
     """The console's view of `rollout_stats` values, e.g. `tools 0.44 valid 0.88 turns 1.44
     prefix 7/0` (tool-call rate, valid-call rate or "-", model calls per rollout, prefix
-    hits/misses), then `infra N` when `rollouts_aborted_infra` is N > 0; "-" for any value
-    missing."""
+    hits/misses; `infra N` when rollouts_aborted_infra = N > 0); "-" for any value missing."""
     def show(key: str, spec: str) -> str:
         value = metrics.get(key)
         return "-" if value is None or not math.isfinite(value) else format(value, spec)

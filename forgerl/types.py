@@ -15,14 +15,7 @@ from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 TrajectoryStatus = Literal["running", "finished", "failed", "aborted", "aborted_infra"]
-"""A trajectory's status: running; finished (scored, trained); failed (the agent's own failure,
-trained under `trainer.failed_rollouts`); aborted (cancelled, re-run after a resume or a
-redispatch, never trained); aborted_infra (the machinery around the policy ended it: the agent
-SIGKILLed from outside, the engine failing, `runner.infra_cause`; stored, never trained, no
-member of its group's baseline, counted as `rollouts_aborted_infra`)."""
-
-NOT_TRAINED: tuple[str, ...] = ("aborted", "aborted_infra")
-"""Ended statuses that are never trained nor in a baseline, whatever `failed_rollouts` says."""
+NOT_TRAINED = ("aborted", "aborted_infra")  # never trained nor in a baseline (runner.infra_cause)
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,10 @@ ones (`ANTHROPIC_BASE_URL` without the `/v1` suffix, `ANTHROPIC_API_KEY`) and `F
 (the task as JSON) in its environment, and the same JSON on stdin. Its answer is the last
 non-empty stdout line. It runs in its own process group; on timeout or cancellation the whole
 group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period.
-Every episode's environment also holds `FORGERL_EPISODE=<token>`, which its children inherit:
-when the episode ends, however it ends, every process still carrying it gets SIGKILL too, so a
-child that left the group (`setsid`, a double fork, a daemon) dies with its call
-(`reaper.kill_tagged`). Escapes: a process that cleared its environment, and a fork server
-agent's own forks without exec (they keep the server's environment); the run's reaper still
-kills those at the run's end. An ended episode therefore leaves no process behind.
-
-`infra_cause` is the one rule that tells an infrastructure abort (never trained) from the
-agent's own failure (CASES.md C24).
+When an episode ends, however it ends, every process whose environment holds its
+`FORGERL_EPISODE=<token>` gets SIGKILL too (`reaper.kill_tagged`), so a child that left the
+group (`setsid`, a double fork) dies with its call (CASES.md C24). Only a process that cleared
+its environment, or a fork server agent's fork without exec, escapes until the run's end.
 """
 
 from __future__ import annotations
@@ -74,28 +69,17 @@ class AgentResult:
 
 
 def infra_cause(result: AgentResult, engine_errors: int = 0) -> str | None:
-    """Why an episode is an infrastructure abort, or None when its outcome is the agent's own.
+    """Why an episode is an infrastructure abort (status "aborted_infra": stored, never
+    trained, no baseline member; CASES.md C24), or None when the outcome is the agent's own.
 
-    An infrastructure abort is an episode that the machinery around the policy ended: it is
-    stored, never trained and no member of its group's baseline (trajectory status
-    "aborted_infra", CASES.md C24). The rule, in order:
-
-    - finished (exit code 0, the callable returned): the agent's own outcome, scored;
-    - the command could not be started (fork/exec failed): infrastructure;
-    - killed by SIGKILL that the runner did not send (its own timeout kill is status
-      "timeout"): infrastructure: the OOM killer, a sandbox or container teardown, an operator.
-      An agent that kills itself with SIGKILL is counted so too (indistinguishable);
-    - exit code INFRA_EXIT (75, EX_TEMPFAIL): the agent reports that its own infrastructure
-      failed (e.g. its sandbox died);
-    - `engine_errors` > 0 (the gateway answered one of this session's model calls with a 500
-      `engine_error`) and the agent then failed or timed out: infrastructure;
-    - anything else is a task failure, trained under `trainer.failed_rollouts`: a non-zero exit,
-      a raised exception, another signal (SIGTERM from the agent's own `kill -TERM 0`,
-      SIGSEGV, SIGABRT: the sender cannot be told from the exit status, and only SIGKILL
-      cannot come from the agent's ordinary error handling), a timeout.
-
-    A failing reward function is not an abort: the answer gets `reward_timeout_s`'s fallback
-    reward and is counted (CASES.md C13).
+    Infrastructure, unless the agent finished: it could not be started; SIGKILL that the
+    runner did not send (the OOM killer, a sandbox teardown, an operator; an agent killing
+    itself so is counted alike); exit code INFRA_EXIT (75, EX_TEMPFAIL: "my sandbox died");
+    `engine_errors` > 0 (the gateway answered a call of this session 500 `engine_error`).
+    Everything else is a task failure, trained under `trainer.failed_rollouts`: a non-zero
+    exit, an exception, a timeout, any other signal (SIGTERM from the agent's own
+    `kill -TERM 0`, SIGSEGV: the sender cannot be told from an exit status). A failing reward
+    function is no abort: its fallback reward is counted (C13).
     """
     if result.status == "finished":
         return None

@@ -123,8 +123,7 @@ class Rollouts:
             self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
             return reward
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
-        final = "aborted_infra" if status == "aborted_infra" else (
-            "aborted" if redispatch else "failed")
+        final = status if status == "aborted_infra" else ("aborted" if redispatch else "failed")
         self.pool.finish_trajectory(trajectory_id, final, error=error or status)
         command = isinstance(self.agent_for(task)[0], list)  # only commands have a log file
         where = f"; agent log agent_logs/{name}.log" if command else ""

@@ -108,7 +108,7 @@ class Services(Rollouts):
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
         metrics["rollouts_aborted_infra"] = sum(t.status == "aborted_infra" for g in groups
-                                                for t in g.trajectories)
+                                                for t in g.trajectories)  # C24
         metrics |= self.rollout_stats([t for g in groups for t in g.trajectories])
         if self.config.domains:
             metrics |= domain_stats([(self.domain_of(i), g) for i, g in zip(
