@@ -182,12 +182,18 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
             stderr=log or asyncio.subprocess.PIPE, cwd=cwd, env=full_env,
             start_new_session=True)
 
+    def sweep() -> None:  # the episode's processes, also those that left its group
+        kill_tagged(full_env[EPISODE_VAR], var=EPISODE_VAR)
+
     spawn = asyncio.ensure_future(fork_or_exec())
     try:
         proc = await asyncio.shield(spawn)  # a cancel mid-spawn must not lose the process
     except asyncio.CancelledError:
-        with contextlib.suppress(OSError):
-            await _terminate_group(await spawn, grace_s)
+        try:
+            with contextlib.suppress(OSError):
+                await _terminate_group(await spawn, grace_s)
+        finally:
+            sweep()
         raise
     except OSError as exc:
         return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0,
@@ -207,13 +213,15 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
         status = "timeout"
         await _terminate_group(proc, grace_s)
     except asyncio.CancelledError:
-        await _terminate_group(proc, grace_s)
-        kill_tagged(full_env[EPISODE_VAR], var=EPISODE_VAR)  # quick: one /proc scan
-        for reader in readers:
-            reader.cancel()
+        try:
+            await _terminate_group(proc, grace_s)
+        finally:  # even when cancelled again (asyncio.run's shutdown cancels every task)
+            sweep()
+            for reader in readers:
+                reader.cancel()
         raise
     _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
-    await asyncio.to_thread(kill_tagged, full_env[EPISODE_VAR], var=EPISODE_VAR)  # escapes
+    await asyncio.to_thread(sweep)
     # The pipes close once the episode's processes are gone; one that left the group and
     # cleared its environment, still holding them, only costs us its unread output.
     _, pending = await asyncio.wait(readers, timeout=grace_s)

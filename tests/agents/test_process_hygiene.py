@@ -153,13 +153,15 @@ def test_an_aborted_session_leaves_no_process():
         rollout = asyncio.create_task(run_command_agent(
             ["sh", "-c", SPAWNER], TASK, URL, KEY, 60.0, env={MARK: mark}, grace_s=0.5))
         deadline, counts = time.monotonic() + 5.0, [0, 0]
-        while counts[-2:] != [6, 6] and time.monotonic() < deadline:  # all 6 up, none passing
-            await asyncio.sleep(0.05)
-            counts.append(len(marked(mark)))
+        try:
+            while counts[-2:] != [6, 6] and time.monotonic() < deadline:  # all 6 up, no passing
+                await asyncio.sleep(0.05)
+                counts.append(len(marked(mark)))
+        finally:
+            rollout.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await rollout
         assert counts[-2:] == [6, 6], counts
-        rollout.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await rollout
 
     start = time.monotonic()
     asyncio.run(main())
