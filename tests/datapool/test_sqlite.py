@@ -166,6 +166,27 @@ def test_reset_commit_and_revert(db_path):
     pool.close()
 
 
+def test_an_infra_abort_is_kept_final_and_run_again(db_path):
+    """C24: "aborted_infra" is a final status that keeps the trajectory's completions and error
+    (nothing lost), refuses later writes, counts in stats, and leaves its rollout index to be
+    run again by a redispatch pass or a resume."""
+    pool = SQLitePool(db_path)
+    pool.add_task(0, {"q": 0})
+    killed, ok = pool.create_trajectory(0, 0), pool.create_trajectory(0, 1)
+    pool.add_completion(killed, make_completion(3))
+    pool.finish_trajectory(killed, "aborted_infra", error="infrastructure: agent killed")
+    pool.finish_trajectory(ok, "finished", reward=1.0)
+    got = pool.get_trajectory(killed)
+    assert (got.status, got.reward, got.error) == ("aborted_infra", None,
+                                                   "infrastructure: agent killed")
+    assert got.completions == [make_completion(3)]
+    with pytest.raises(ValueError):
+        pool.add_completion(killed, make_completion(4))
+    assert pool.missing_rollouts(0, group_size=2) == [0]
+    assert pool.stats()["trajectories_aborted_infra"] == 1
+    pool.close()
+
+
 def test_concurrent_threads_get_distinct_turns(db_path):
     pool = SQLitePool(db_path)
     tid = pool.create_trajectory(0, 0)
