@@ -23,9 +23,10 @@ from tests.test_controller import _solve, sync, tiny_config
 
 pytestmark = pytest.mark.slow
 
-# One model call, then its pid under the session id, then the answer the test writes.
+# One model call, then its pid under the session id, then the answer the test writes (or, for
+# "KILL0", `kill -TERM 0`: a signal to its own process group).
 AGENT = """
-import json, os, sys, time
+import json, os, signal, sys, time
 from openai import OpenAI
 task = json.loads(sys.stdin.read())
 session = os.environ["FORGERL_SESSION_ID"]
@@ -37,7 +38,11 @@ with open(session + ".tmp", "w") as f:
 os.rename(session + ".tmp", session + ".pid")
 while not os.path.exists(session + ".go"):
     time.sleep(0.02)
-print(open(session + ".go").read())
+answer = open(session + ".go").read()
+if answer == "KILL0":
+    os.kill(0, signal.SIGTERM)
+    time.sleep(30)
+print(answer)
 """
 
 
@@ -51,10 +56,12 @@ async def _wait_files(folder: Path, n: int, within_s: float = 120.0) -> list[Pat
 
 @sync
 async def test_sigkilled_agent_is_an_infra_abort_out_of_loss_and_baseline(tmp_path):
-    """A group of 4: rollouts 0 and 3 answer right, 1 wrong, 2 is SIGKILLed from outside after
-    its model call. Rollout 2 is stored (status aborted_infra, its completion kept) and the
-    trainer builds exactly 3 rows with advantages 1/3, -2/3, 1/3 (mean of [1, 0, 1]); counting
-    it as a failed member would have given 0.5, -0.5, (-0.5), 0.5. The step counts it as
+    """A group of 4: rollouts 0 and 3 answer right, 1 runs `kill -TERM 0` (its own failure), 2
+    is SIGKILLed from outside after its model call. Rollout 2 is stored (status aborted_infra,
+    its completion kept) and the trainer builds exactly 3 rows with advantages 1/3, -2/3, 1/3
+    (outcomes [1, 0 (failed_reward), 1]); counting it as a failed member would have given
+    0.5, -0.5, (-0.5), 0.5. The agent's `kill -TERM 0` reached neither this process (the
+    gateway and trainer), its fork server nor the reaper. The step counts rollouts_failed = 1,
     rollouts_aborted_infra = 1 and the console line shows `infra 1`."""
     work = tmp_path / "agent"
     work.mkdir()
@@ -70,7 +77,9 @@ async def test_sigkilled_agent_is_an_infra_abort_out_of_loss_and_baseline(tmp_pa
         group = s.pool.get_group(task_index)
         index = {t.id: t.rollout_index for t in group.trajectories}
         question = s.pool.get_task(task_index)["question"]
-        answers = {0: _solve(question), 1: "wrong", 3: _solve(question)}
+        answers = {0: _solve(question), 1: "KILL0", 3: _solve(question)}
+        others = [s.reaper._proc.pid, *(f.result().proc.pid for f in s.forkservers.values())]
+        assert len(others) == 2  # the reaper and the agent's fork server
         for session, pid in pids.items():
             if index[session] == 2:
                 os.kill(pid, signal.SIGKILL)  # the OOM killer / a sandbox teardown
@@ -81,13 +90,16 @@ async def test_sigkilled_agent_is_an_infra_abort_out_of_loss_and_baseline(tmp_pa
         group = s.pool.get_group(task_index)
         by_index = {t.rollout_index: t for t in group.trajectories}
         assert [by_index[g].status for g in range(4)] == [
-            "finished", "finished", "aborted_infra", "finished"]
+            "finished", "failed", "aborted_infra", "finished"]
+        assert by_index[1].error == "agent failed (exit code -15)"
+        for pid in others:  # alive, not a zombie
+            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "SR"
         killed = by_index[2]
         assert killed.reward is None and len(killed.completions) == 1  # stored, nothing lost
         assert killed.error.startswith(
             "infrastructure: agent killed by SIGKILL from outside (OOM killer, sandbox or "
             "operator); agent failed (exit code -9)")
-        assert [by_index[g].reward for g in (0, 1, 3)] == [1.0, 0.0, 1.0]
+        assert [by_index[g].reward for g in (0, 1, 3)] == [1.0, None, 1.0]
         prepared = s.trainer.prepare([group])
         rows = {x.trajectory_id: x for x in prepared.samples}
         assert sorted(rows) == sorted(by_index[g].id for g in (0, 1, 3))
@@ -97,7 +109,8 @@ async def test_sigkilled_agent_is_an_infra_abort_out_of_loss_and_baseline(tmp_pa
             assert trained and all(a == pytest.approx(want, abs=1e-12) for a in trained)
         assert prepared.num_loss_tokens == sum(sum(x.loss_mask) for x in prepared.samples)
         metrics = await s.train(batch)
-        assert metrics["rollouts_aborted_infra"] == 1 and metrics["rollouts_failed"] == 0
+        assert metrics["rollouts_aborted_infra"] == 1 and metrics["rollouts_failed"] == 1
+        assert metrics["num_loss_tokens"] > 0 and s.trainer.step == 1  # the gateway served on
         assert agent_summary(metrics).endswith(" infra 1")
         assert s.pool.stats()["trajectories_aborted_infra"] == 1
 
