@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from forgerl.types import Trajectory
+from forgerl.types import NOT_TRAINED, Trajectory
 
 if TYPE_CHECKING:
     from forgerl.gateway.renderers.tool_parsers import ParsedReply
@@ -27,9 +27,9 @@ _log = logging.getLogger(__name__)
 def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str],
                   parse: Callable[[str, set[str] | None], ParsedReply]) -> dict[str, float]:
     """How the agent used the model in these rollouts (one step's trained groups), from the
-    recorded completions alone; aborted trajectories are left out. `decode`: completion ids →
-    text and `parse`: text → tool calls and parse errors (the gateway renderer's `decode` and
-    `parser.parse`, so the configured tool format is counted).
+    recorded completions alone; aborted and aborted_infra trajectories are left out. `decode`:
+    completion ids → text and `parse`: text → tool calls and parse errors (the gateway
+    renderer's `decode` and `parser.parse`, so the configured tool format is counted).
 
     tool_call_rate: fraction of rollouts with >= 1 parsed tool call in any completion;
     parallel_call_rate: with a completion holding >= 2 parsed tool calls (parallel calls).
@@ -43,7 +43,7 @@ def rollout_stats(trajectories: Sequence[Trajectory], decode: Callable[[list[int
     completion token for token (`Completion.extends_previous`) / that did not (a branch).
     Empty input gives zeros (and NaN for the valid rate).
     """
-    trajectories = [t for t in trajectories if t.status != "aborted"]
+    trajectories = [t for t in trajectories if t.status not in NOT_TRAINED]
     calls = attempts = with_call = parallel = hits = misses = 0
     for traj in trajectories:
         parsed = [parse(decode(c.completion_ids), None) for c in traj.completions]
@@ -171,8 +171,8 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 def agent_summary(metrics: dict[str, Any]) -> str:
     """The console's view of `rollout_stats` values, e.g. `tools 0.44 valid 0.88 turns 1.44
     prefix 7/0` (tool-call rate, valid-call rate or "-", model calls per rollout, prefix
-    hits/misses), then ` entropy 0.77` (`entropy_mean`, nats) when the metrics have it;
-    "-" for any value missing."""
+    hits/misses), then ` entropy 0.77` (`entropy_mean`, nats) when the metrics have it and
+    ` infra N` when rollouts_aborted_infra = N > 0; "-" for any value missing."""
     def show(key: str, spec: str) -> str:
         value = metrics.get(key)
         return "-" if value is None or not math.isfinite(value) else format(value, spec)
@@ -180,7 +180,8 @@ def agent_summary(metrics: dict[str, Any]) -> str:
     return (f"tools {show('tool_call_rate', '.2f')} valid {show('tool_call_valid_rate', '.2f')} "
             f"turns {show('turns_per_trajectory', '.2f')} prefix {show('prefix_hits', '.0f')}/"
             f"{show('prefix_misses', '.0f')}"
-            + (f" entropy {show('entropy_mean', '.2f')}" if "entropy_mean" in metrics else ""))
+            + (f" entropy {show('entropy_mean', '.2f')}" if "entropy_mean" in metrics else "")
+            + (f" infra {infra:.0f}" if (infra := metrics.get("rollouts_aborted_infra")) else ""))
 
 
 class ProgressBar:

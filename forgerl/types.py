@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
-TrajectoryStatus = Literal["running", "finished", "failed", "aborted"]
+TrajectoryStatus = Literal["running", "finished", "failed", "aborted", "aborted_infra"]
+NOT_TRAINED = ("aborted", "aborted_infra")  # never trained nor in a baseline (runner.infra_cause)
 
 
 @dataclass(frozen=True)

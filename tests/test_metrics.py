@@ -75,3 +75,6 @@ def test_rollout_stats_without_attempts_or_rollouts(tokenizer):
     assert (empty["tool_call_rate"], empty["turns_per_trajectory"], empty["tool_calls"]) == (
         0.0, 0.0, 0.0)
     assert agent_summary({}) == "tools - valid - turns - prefix -/-"
+    # C24: infrastructure aborts show on the progress line only when there are any
+    assert agent_summary({"rollouts_aborted_infra": 0}) == "tools - valid - turns - prefix -/-"
+    assert agent_summary({"rollouts_aborted_infra": 2}).endswith("prefix -/- infra 2")

@@ -27,9 +27,9 @@ from pathlib import Path
 ENV_VAR = "FORGERL_RUN_TOKEN"
 
 
-def tagged_pids(token: str) -> list[int]:
-    """Pids of the processes (not this one) whose environment holds ENV_VAR=token."""
-    needle = f"{ENV_VAR}={token}".encode()
+def tagged_pids(token: str, var: str = ENV_VAR) -> list[int]:
+    """Pids of the processes (not this one) whose environment holds `var`=token."""
+    needle = f"{var}={token}".encode()
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
@@ -38,13 +38,14 @@ def tagged_pids(token: str) -> list[int]:
     return [pid for pid in found if pid != os.getpid()]
 
 
-def kill_tagged(token: str, rounds: int = 20, pause_s: float = 0.05) -> int:
-    """SIGKILL every process tagged with `token`, repeating (up to `rounds` times, `pause_s`
-    seconds apart) while new ones appear (a child forked meanwhile); returns how many were
-    signalled. Zombies are dead already: init or their parent reaps them."""
+def kill_tagged(token: str, rounds: int = 20, pause_s: float = 0.05, var: str = ENV_VAR) -> int:
+    """SIGKILL every process tagged with `token` (in variable `var`; the runner tags each
+    episode with its own), repeating (up to `rounds` times, `pause_s` seconds apart) while new
+    ones appear (a child forked meanwhile); returns how many were signalled. Zombies are dead
+    already: init or their parent reaps them."""
     killed: set[int] = set()
     for _ in range(rounds):
-        alive = [p for p in tagged_pids(token) if p not in killed and not _zombie(p)]
+        alive = [p for p in tagged_pids(token, var) if p not in killed and not _zombie(p)]
         if not alive:
             break
         for pid in alive:

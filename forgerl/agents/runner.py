@@ -8,8 +8,11 @@ A command agent gets the OpenAI variables (`OPENAI_BASE_URL`, `OPENAI_API_KEY`),
 ones (`ANTHROPIC_BASE_URL` without the `/v1` suffix, `ANTHROPIC_API_KEY`) and `FORGERL_TASK`
 (the task as JSON) in its environment, and the same JSON on stdin. Its answer is the last
 non-empty stdout line. It runs in its own process group; on timeout or cancellation the whole
-group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period,
-so an aborted rollout leaves no orphans.
+group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after a grace period.
+When an episode ends, however it ends, every process whose environment holds its
+`FORGERL_EPISODE=<token>` gets SIGKILL too (`reaper.kill_tagged`), so a child that left the
+group (`setsid`, a double fork) dies with its call (CASES.md C24). Only a process that cleared
+its environment, or a fork server agent's fork without exec, escapes until the run's end.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -25,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
+
+from forgerl.agents.reaper import kill_tagged
 
 if TYPE_CHECKING:
     from forgerl.agents.forkserver import ForkServer
@@ -35,6 +41,8 @@ AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
 STDOUT_KEEP = 65536  # bytes of stdout kept: the answer is on the last line, logs may be long
 STDERR_KEEP = 4000  # characters of stderr kept for the trajectory's error field
 LOG_KEEP = 1 << 20  # bytes of one episode's stderr kept in its log file (first and last half)
+EPISODE_VAR = "FORGERL_EPISODE"  # tags every process of one command episode (module docstring)
+INFRA_EXIT = 75  # EX_TEMPFAIL (sysexits.h): an agent's "my infrastructure failed, not me"
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class AgentResult:
         for commands that could not start.
     stderr_tail: the last 4000 characters of stderr, or of the callable's traceback.
     seconds: wall-clock duration of the episode.
+    started: False when the command could not be started (status "failed").
     """
 
     answer: str | None
@@ -56,6 +65,33 @@ class AgentResult:
     returncode: int | None
     stderr_tail: str
     seconds: float
+    started: bool = True
+
+
+def infra_cause(result: AgentResult, engine_errors: int = 0) -> str | None:
+    """Why an episode is an infrastructure abort (status "aborted_infra": stored, never
+    trained, no baseline member; CASES.md C24), or None when the outcome is the agent's own.
+
+    Infrastructure, unless the agent finished: it could not be started; SIGKILL that the
+    runner did not send (the OOM killer, a sandbox teardown, an operator; an agent killing
+    itself so is counted alike); exit code INFRA_EXIT (75, EX_TEMPFAIL: "my sandbox died");
+    `engine_errors` > 0 (the gateway answered a call of this session 500 `engine_error`).
+    Everything else is a task failure, trained under `trainer.failed_rollouts`: a non-zero
+    exit, an exception, a timeout, any other signal (SIGTERM from the agent's own
+    `kill -TERM 0`, SIGSEGV: the sender cannot be told from an exit status). A failing reward
+    function is no abort: its fallback reward is counted (C13).
+    """
+    if result.status == "finished":
+        return None
+    if not result.started:
+        return "agent could not be started"
+    if result.returncode == -signal.SIGKILL and result.status == "failed":
+        return "agent killed by SIGKILL from outside (OOM killer, sandbox or operator)"
+    if result.returncode == INFRA_EXIT:
+        return f"agent exit code {INFRA_EXIT} (EX_TEMPFAIL: its infrastructure failed)"
+    if engine_errors:
+        return f"the engine failed {engine_errors} model call(s) of this session"
+    return None
 
 
 def agent_env(task: dict, base_url: str, api_key: str) -> dict[str, str]:
@@ -115,7 +151,8 @@ async def run_command_agent(
     instead of exec'd (same contract; a plain process when the server is gone).
     """
     start = time.monotonic()
-    full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key)}
+    full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key),
+                EPISODE_VAR: secrets.token_hex(8)}
     log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,15 +182,22 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
             stderr=log or asyncio.subprocess.PIPE, cwd=cwd, env=full_env,
             start_new_session=True)
 
+    def sweep() -> None:  # the episode's processes, also those that left its group
+        kill_tagged(full_env[EPISODE_VAR], var=EPISODE_VAR)
+
     spawn = asyncio.ensure_future(fork_or_exec())
     try:
         proc = await asyncio.shield(spawn)  # a cancel mid-spawn must not lose the process
     except asyncio.CancelledError:
-        with contextlib.suppress(OSError):
-            await _terminate_group(await spawn, grace_s)
+        try:
+            with contextlib.suppress(OSError):
+                await _terminate_group(await spawn, grace_s)
+        finally:
+            sweep()
         raise
     except OSError as exc:
-        return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0)
+        return AgentResult(None, "failed", None, f"cannot start {command!r}: {exc}", 0.0,
+                           started=False)
 
     out_buf, err_buf = bytearray(), bytearray()
     readers = {
@@ -169,13 +213,17 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
         status = "timeout"
         await _terminate_group(proc, grace_s)
     except asyncio.CancelledError:
-        await _terminate_group(proc, grace_s)
-        for reader in readers:
-            reader.cancel()
+        try:
+            await _terminate_group(proc, grace_s)
+        finally:  # even when cancelled again (asyncio.run's shutdown cancels every task)
+            sweep()
+            for reader in readers:
+                reader.cancel()
         raise
     _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
-    # The pipes close when the group is gone; a process that left the group (setsid) and
-    # still holds them only costs us its unread output.
+    await asyncio.to_thread(sweep)
+    # The pipes close once the episode's processes are gone; one that left the group and
+    # cleared its environment, still holding them, only costs us its unread output.
     _, pending = await asyncio.wait(readers, timeout=grace_s)
     for reader in pending:
         reader.cancel()

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from forgerl.agents.forkserver import ForkServer, script_imports
-from forgerl.agents.runner import run_agent
+from forgerl.agents.runner import infra_cause, run_agent
 from forgerl.config import AgentConfig, ConfigError
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
@@ -30,6 +30,7 @@ from forgerl.rewards.scoring import score_with_timeout
 from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
+    from forgerl.gateway.sessions import Session
     from forgerl.types import Trajectory
 
 log = logging.getLogger("forgerl")
@@ -45,10 +46,12 @@ class Rollouts:
         run's."""
         return self.domain_agents.get(task.get("domain", ""), (self.agent, self.config.agent))
 
-    async def run_agent(self, task: dict, api_key: str,
-                        log_name: str) -> tuple[str, str | None, str | None]:
-        """One agent episode against the gateway: (status, answer, error). A command agent's
-        stderr is appended to RUN_DIR/agent_logs/`log_name`.log."""
+    async def run_agent(self, task: dict, api_key: str, log_name: str,
+                        session: Session | None = None) -> tuple[str, str | None, str | None]:
+        """One agent episode against the gateway: (status, answer, error), status "finished",
+        "failed", "timeout" or "aborted_infra" (`runner.infra_cause`, counting the engine errors
+        of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log.
+        """
         cfg = self.config
         agent, agent_cfg = self.agent_for(task)
         assert agent is not None  # checked in run()
@@ -71,8 +74,11 @@ class Rollouts:
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"
         tail = result.stderr_tail[-2000:]
-        return result.status, result.answer, f"agent {result.status}{code}" + (
-            f"\n{tail}" if tail else "")
+        error = f"agent {result.status}{code}" + (f"\n{tail}" if tail else "")
+        cause = infra_cause(result, session.engine_errors if session is not None else 0)
+        if cause is not None:  # the machinery ended it, not the policy (CASES.md C24)
+            return "aborted_infra", result.answer, f"infrastructure: {cause}; {error}"
+        return result.status, result.answer, error
 
     async def forkserver(self, preload: tuple[str, ...], env: dict[str, str]) -> Any:
         """The run's ForkServer for `preload` (started at the run's start, else now, with this
@@ -88,7 +94,9 @@ class Rollouts:
         A cancelled rollout (Ctrl-C, shutdown) is marked aborted and re-run on resume; a timed-out
         one is failed (kept out of the loss) or, with `rollout.on_timeout = "redispatch"`,
         aborted so that `rollout_group` runs it again; one whose session recorded no model call
-        is failed with error `NO_CALL`, never scored (nothing to train).
+        is failed with error `NO_CALL`, never scored (nothing to train); one that the machinery
+        ended (`runner.infra_cause`: SIGKILL from outside, the engine failing) is
+        "aborted_infra": stored, never trained, no member of its group's baseline.
         """
         trajectory_id, api_key = self.gateway.open_session(
             task_index, rollout_index, temperature=temperature,
@@ -100,7 +108,7 @@ class Rollouts:
         name = (f"task{task_index:06d}_r{rollout_index}" if task_index >= 0
                 else f"eval{-1 - task_index:04d}")
         try:
-            status, answer, error = await self.run_agent(task, api_key, name)
+            status, answer, error = await self.run_agent(task, api_key, name, session)
         except asyncio.CancelledError:
             self.pool.finish_trajectory(trajectory_id, "aborted", error="cancelled")
             raise
@@ -115,8 +123,8 @@ class Rollouts:
             self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
             return reward
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
-        self.pool.finish_trajectory(trajectory_id, "aborted" if redispatch else "failed",
-                                    error=error or status)
+        final = status if status == "aborted_infra" else ("aborted" if redispatch else "failed")
+        self.pool.finish_trajectory(trajectory_id, final, error=error or status)
         command = isinstance(self.agent_for(task)[0], list)  # only commands have a log file
         where = f"; agent log agent_logs/{name}.log" if command else ""
         what = (f"rollout {rollout_index} of task {task_index}" if task_index >= 0

@@ -22,6 +22,7 @@ from forgerl.controller.memory import cuda_peak_gib, peak_rss_gib, resident_gib
 from forgerl.controller.rollouts import Agent, Rollouts
 from forgerl.metrics import EntropyWatch
 from forgerl.trainer.checkpoint import save_checkpoint
+from forgerl.types import NOT_TRAINED
 
 if TYPE_CHECKING:
     from forgerl.agents.reaper import Reaper
@@ -91,8 +92,9 @@ class Services(Rollouts):
         Counts `failed_streak` per domain: its groups in a row in which no rollout finished
         (e.g. every agent call rejected), with the last such rollout's error in
         `last_rollout_error`; groups whose rollouts all ran before a resume do not count.
-        Adds the trained rollouts' tool use, turns and prefix reuse (`rollout_stats`) and
-        entropy_collapse_steps (`metrics.EntropyWatch`).
+        Adds the trained rollouts' tool use, turns and prefix reuse (`rollout_stats`),
+        entropy_collapse_steps (`metrics.EntropyWatch`), and counts rollouts_failed and
+        rollouts_aborted_infra (stored, never trained: C24).
         """
         groups = [self.pool.get_group(i) for i in task_indices]
         step = self.trainer.step
@@ -113,6 +115,8 @@ class Services(Rollouts):
         metrics |= self.entropy_watch.update(self.trainer.step, metrics)
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
+        metrics["rollouts_aborted_infra"] = sum(t.status == "aborted_infra" for g in groups
+                                                for t in g.trajectories)  # C24
         metrics |= self.rollout_stats([t for g in groups for t in g.trajectories])
         if self.config.domains:
             metrics |= domain_stats([(self.domain_of(i), g) for i, g in zip(
@@ -190,7 +194,7 @@ def domain_stats(groups: list[tuple[str, Group]], step: int) -> dict[str, float]
     for name in sorted({d for d, _ in groups}):
         trajs = [t for d, g in groups if d == name for t in g.trajectories]
         done = [t.reward or 0.0 for t in trajs if t.status == "finished"]
-        calls = [c for t in trajs if t.status != "aborted" for c in t.completions]
+        calls = [c for t in trajs if t.status not in NOT_TRAINED for c in t.completions]
         versions = [v for c in calls for v in c.weight_versions]
         out |= {f"domain_{name}_groups": float(sum(d == name for d, _ in groups)),
                 f"domain_{name}_reward_mean": sum(done) / len(done) if done else math.nan,

@@ -56,7 +56,8 @@ class DataPool(Protocol):
         reward: float | None = None,
         error: str | None = None,
     ) -> None:
-        """Set the final status (finished | failed | aborted), reward and error text."""
+        """Set the final status (finished | failed | aborted | aborted_infra), reward and error
+        text."""
         ...
 
     def get_trajectory(self, trajectory_id: str) -> Trajectory:

@@ -48,7 +48,7 @@ from forgerl.types import (
 )
 
 TaskStatus = Literal["queued", "running", "finished", "trained"]
-_ENDED: tuple[str, ...] = ("finished", "failed", "aborted")
+_ENDED: tuple[str, ...] = ("finished", "failed", "aborted", "aborted_infra")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -320,7 +320,8 @@ class SQLitePool:
         error: str | None = None,
         turn_rewards: list[float] | None = None,
     ) -> None:
-        """Set the final status (finished | failed | aborted), reward, error and turn rewards.
+        """Set the final status (finished | failed | aborted | aborted_infra), reward, error and
+        turn rewards.
 
         Raises KeyError for an unknown trajectory, ValueError for a non-final `status` or a
         trajectory that already ended (a late report after a timeout abort is refused).
@@ -415,7 +416,8 @@ class SQLitePool:
         return self.task_indices("finished")
 
     def missing_rollouts(self, task_index: int, group_size: int) -> list[int]:
-        """Rollout indices in 0..group_size-1 with no finished or failed trajectory yet."""
+        """Rollout indices in 0..group_size-1 with no finished or failed trajectory yet (an
+        aborted or aborted_infra attempt is run again by a redispatch pass or a resume)."""
         rows = self._read(
             "SELECT DISTINCT rollout_index FROM trajectories WHERE task_index=?"
             " AND status IN ('finished', 'failed')", (task_index,))

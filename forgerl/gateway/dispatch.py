@@ -70,6 +70,7 @@ class Delta:
 def engine_error(counters: dict[str, int], session: Session, e: Exception) -> GatewayError:
     """Count (`engine_errors`) and log an engine failure; the 500 `engine_error` to raise."""
     counters["engine_errors"] += 1
+    session.engine_errors += 1
     log.exception("engine failed on trajectory %s", session.trajectory_id)
     return GatewayError(500, f"engine error: {type(e).__name__}: {e}", "engine_error",
                         type="server_error")

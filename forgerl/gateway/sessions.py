@@ -137,6 +137,9 @@ class Session:
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
     template_miss_logged: bool = False
+    engine_errors: int = 0
+    """Model calls of this session the engine failed (answered 500 `engine_error`): an agent
+    that then fails is an infrastructure abort (`agents.runner.infra_cause`)."""
     """A prompt of this session became a new trace because the template rewrote a turn."""
 
     def plan(

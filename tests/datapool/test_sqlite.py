@@ -123,7 +123,8 @@ def test_errors_and_lifecycle(db_path):
     assert pool.stats() == {
         "tasks_queued": 0, "tasks_running": 0, "tasks_finished": 0, "tasks_trained": 1,
         "trajectories_running": 0, "trajectories_finished": 0, "trajectories_failed": 1,
-        "trajectories_aborted": 1, "completions": 0, "completion_tokens": 0,
+        "trajectories_aborted": 1, "trajectories_aborted_infra": 0, "completions": 0,
+        "completion_tokens": 0,
     }
     pool.set_meta("scheduler", {"head": 1, "lags": [0, 1.5]})
     assert pool.get_meta("scheduler") == {"head": 1, "lags": [0, 1.5]}
@@ -167,6 +168,27 @@ def test_reset_commit_and_revert(db_path):
     pool.finish_group(1)
     pool.discard([pool.get_group(2).trajectories[0].id], "lost weights")
     assert pool.task_indices("queued") == [0, 2]  # a finished group goes back to the queue
+    pool.close()
+
+
+def test_an_infra_abort_is_kept_final_and_run_again(db_path):
+    """C24: "aborted_infra" is a final status that keeps the trajectory's completions and error
+    (nothing lost), refuses later writes, counts in stats, and leaves its rollout index to be
+    run again by a redispatch pass or a resume."""
+    pool = SQLitePool(db_path)
+    pool.add_task(0, {"q": 0})
+    killed, ok = pool.create_trajectory(0, 0), pool.create_trajectory(0, 1)
+    pool.add_completion(killed, make_completion(3))
+    pool.finish_trajectory(killed, "aborted_infra", error="infrastructure: agent killed")
+    pool.finish_trajectory(ok, "finished", reward=1.0)
+    got = pool.get_trajectory(killed)
+    assert (got.status, got.reward, got.error) == ("aborted_infra", None,
+                                                   "infrastructure: agent killed")
+    assert got.completions == [make_completion(3)]
+    with pytest.raises(ValueError):
+        pool.add_completion(killed, make_completion(4))
+    assert pool.missing_rollouts(0, group_size=2) == [0]
+    assert pool.stats()["trajectories_aborted_infra"] == 1
     pool.close()
 
 
