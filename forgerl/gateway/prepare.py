@@ -216,6 +216,6 @@ def build_call(session: Session, conv: Conversation, tools: tuple[Tool, ...], pl
     if tools and not conv.parallel_tool_calls and close is None and parser.multiple:
         raise unsupported(conv.param("parallel_tool_calls"), f"false cannot be honoured: a "
                           f"{parser.name} reply cannot be stopped after one tool call")
-    declared = {t.name for t in tools} if tools else None
+    declared = {t.name: t.parameters for t in tools} if tools else None
     return Call(conv, tools, plan, prefix, prompt_ids, params, closes, declared,
                 time.time(), engine.weight_version)  # stamped right before dispatch
