@@ -96,7 +96,8 @@ class HFTemplateRenderer(Renderer):
         except TemplateError as e:
             raise ValueError(f"the chat template fails on a user + assistant turn: {e}") from None
         after = probe[probe.rfind("PROBE") + 5 :]
-        found = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t in after)
+        marks = {*tokenizer.all_special_tokens, *added}  # Gemma 4's <turn|> is added, not special
+        found = sorted((after.find(t), t) for t in marks if t in after)
         if not found:
             raise ValueError("the chat template ends assistant turns with no special token")
         self.end_of_turn_id = added.get(found[0][1], tokenizer.convert_tokens_to_ids(found[0][1]))
