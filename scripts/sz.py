@@ -21,7 +21,8 @@ BUDGETS: dict[str, int] = {
     "controller": 1_220,  # +20 (issue 46): the generated admin key, the request log wiring
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_580,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params
-    "gateway": 4_930,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
+    "gateway": 5_310,  # +380 (issue 47): five family tool-call formats, reasoning split + stream
+    # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
     # /metrics), C22/C26
     "rewards": 300,
