@@ -24,7 +24,8 @@ BUDGETS: dict[str, int] = {
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_605,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_105,  # +530 (issue 46): traces, trace rules, untrained models; sampling params;
+    "gateway": 5_490,  # +380 (issue 47): five family tool-call formats, reasoning split + stream;
+    # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
     # /metrics), C22/C26; +105 (issue 47): untokenized answers (C01), canonical tool schemas
     # (C15), one key per request on every route (C26), generation-config stop ids, turn ends the

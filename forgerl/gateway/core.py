@@ -59,8 +59,8 @@ from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.prepare import Call, build_call, check_conversation, prefill_text
 from forgerl.gateway.record import Result, build_choices, record
+from forgerl.gateway.renderers.reasoning import StreamState
 from forgerl.gateway.renderers.renderer import Renderer
-from forgerl.gateway.renderers.replies import HeldReply, ReplyStream
 from forgerl.gateway.sessions import PromptPlan, Session, SessionStore
 from forgerl.types import NO_CALL, GenerateOutput
 
@@ -273,7 +273,7 @@ class Gateway:
             return await self.finish(session, call, outs)
 
     async def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
-                     streamed: Sequence[ReplyStream | HeldReply] | None = None) -> Result:
+                     streamed: Sequence[StreamState] | None = None) -> Result:
         """Cut, parse and record the choices of `call` from the engine outputs (one per choice;
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
         choices = build_choices(self.renderer_for(call.conv), self.counters, call, outs,
@@ -313,7 +313,7 @@ class Gateway:
         call = self.prepare(session, conv, plan)
         yield Started(len(call.prompt_ids), call.started_at)
         renderer = self.renderer_for(call.conv)
-        states = [reply_stream(call, renderer.parser) for _ in call.params]
+        states = [reply_stream(call, renderer) for _ in call.params]
         outs: list[GenerateOutput | None] = [None] * len(states)
         sources = [choice_events(self.engine, renderer, self.counters, session, i, call, s)
                    for i, s in enumerate(states)]

@@ -25,9 +25,9 @@ from forgerl.gateway.conversation import ToolCall
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.prepare import Call
 from forgerl.gateway.record import TokenLogprob, token_logprob, without_stop_text
+from forgerl.gateway.renderers.reasoning import Reasoning, StreamState, ThinkStream
 from forgerl.gateway.renderers.renderer import Renderer
 from forgerl.gateway.renderers.replies import HeldReply, IncrementalDecoder, ReplyStream
-from forgerl.gateway.renderers.tool_parsers import ToolParser
 from forgerl.gateway.sessions import Session
 from forgerl.types import GenerateOutput, SamplingParams
 
@@ -57,6 +57,8 @@ class Delta:
         (None: none new); the entries the deltas did not carry are the tail of the Result's
         `Choice.logprobs`.
     sampled_at: time.perf_counter() when the engine sampled the latest id in this delta.
+    reasoning: a reasoning delta (text and tool_call empty then); the reasoning deltas of a
+        choice join to its reply's reasoning.
     """
 
     index: int
@@ -65,6 +67,7 @@ class Delta:
     call_index: int = 0
     logprobs: tuple[TokenLogprob, ...] | None = None
     sampled_at: float = 0.0
+    reasoning: str = ""
 
 
 def engine_error(counters: dict[str, int], session: Session, e: Exception) -> GatewayError:
@@ -123,19 +126,24 @@ async def merged(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def reply_stream(call: Call, parser: ToolParser) -> ReplyStream | HeldReply:
-    """The stream state of one choice: hermes calls are sent as each block closes; formats
-    without a closing string (llama3_json, mistral) are parsed when the reply ends."""
-    stops = call.conv.sampling.stop
+def reply_stream(call: Call, renderer: Renderer) -> StreamState:
+    """The stream state of one choice: tool calls are sent as each block closes; formats
+    without a closing string (llama3_json, mistral) are parsed when the reply ends; the reply's
+    reasoning (`renderer.reasoning`, none after a prefill) is split off in front."""
+    stops, parser = call.conv.sampling.stop, renderer.parser
+    state: StreamState
     if call.declared is not None and parser.open is None:
-        return HeldReply(ReplyStream(call.prefix, stops, call.closes, None, "", ""), parser,
-                         call.declared)
-    return ReplyStream(call.prefix, stops, call.closes, call.declared, parser.open or "",
-                       parser.close or "")
+        state = HeldReply(ReplyStream(call.prefix, stops, call.closes, None, "", ""), parser,
+                          call.declared)
+    else:
+        state = ReplyStream(call.prefix, stops, call.closes, call.declared, parser.open or "",
+                            parser.close or "", parser.parse)
+    fmt = None if call.prefix else renderer.reasoning
+    return ThinkStream(state, fmt, stops) if fmt is not None else state
 
 
 async def choice_events(engine: RolloutEngine, renderer: Renderer, counters: dict[str, int],
-                        session: Session, i: int, call: Call, state: ReplyStream | HeldReply,
+                        session: Session, i: int, call: Call, state: StreamState,
                         ) -> AsyncIterator[Delta | tuple[int, GenerateOutput]]:
     """One choice: engine events -> deltas, then (i, the output to cut and record)."""
     decoder = IncrementalDecoder(renderer.decode)
@@ -160,6 +168,9 @@ async def choice_events(engine: RolloutEngine, renderer: Renderer, counters: dic
                 eot = 1 if ids and ids[-1] in renderer.stop_ids else 0
                 at = ev.sampled_at if isinstance(ev, TokenEvent) else time.perf_counter()
                 for piece in pieces:
+                    if isinstance(piece, Reasoning):
+                        yield Delta(i, "", None, 0, None, at, piece.text)
+                        continue
                     if isinstance(piece, ToolCall):
                         yield Delta(i, "", piece, calls, None, at)
                         calls += 1

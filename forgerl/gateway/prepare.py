@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from forgerl.engines.base import RolloutEngine
 from forgerl.gateway.conversation import Conversation, ForcedTool, Tool
@@ -31,8 +32,8 @@ class Call:
     """One prepared model call (`Gateway.prepare`): what dispatch, cut, parse and record need.
 
     prefix: prefilled reply text (its ids end prompt_ids). params: one per choice. closes: the
-    strings that end a choice and stay in its text. declared: names of the rendered tools (None:
-    no tool parsing). weight_version: the engine's version at dispatch.
+    strings that end a choice and stay in its text. declared: the rendered tools, name ->
+    parameters schema (None: no tool parsing). weight_version: the engine's version at dispatch.
     """
 
     conv: Conversation
@@ -42,7 +43,7 @@ class Call:
     prompt_ids: list[int]
     params: list[SamplingParams]
     closes: tuple[str, ...]
-    declared: set[str] | None
+    declared: dict[str, Any] | None
     started_at: float
     weight_version: int
 
@@ -216,6 +217,6 @@ def build_call(session: Session, conv: Conversation, tools: tuple[Tool, ...], pl
     if tools and not conv.parallel_tool_calls and close is None and parser.multiple:
         raise unsupported(conv.param("parallel_tool_calls"), f"false cannot be honoured: a "
                           f"{parser.name} reply cannot be stopped after one tool call")
-    declared = {t.name for t in tools} if tools else None
+    declared = {t.name: t.parameters for t in tools} if tools else None
     return Call(conv, tools, plan, prefix, prompt_ids, params, closes, declared,
                 time.time(), engine.weight_version)  # stamped right before dispatch

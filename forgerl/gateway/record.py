@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,10 +23,9 @@ from forgerl.gateway.conversation import Message
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.group_commit import GroupCommit
 from forgerl.gateway.prepare import Call
+from forgerl.gateway.renderers.reasoning import StreamState, split_reasoning
 from forgerl.gateway.renderers.renderer import Renderer, token_text
 from forgerl.gateway.renderers.replies import (
-    HeldReply,
-    ReplyStream,
     cut_at_stop,
     cut_text,
     finish_reply,
@@ -112,7 +112,7 @@ def without_stop_text(renderer: Renderer, text: str) -> str:
 
 def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
                   outs: Sequence[GenerateOutput],
-                  streamed: Sequence[ReplyStream | HeldReply] | None = None) -> list[Choice]:
+                  streamed: Sequence[StreamState] | None = None) -> list[Choice]:
     """Cut and parse the choices of `call` from the engine outputs (one per choice); counts
     `tool_parse_errors`, `tokens_after_stop` and `untokenized_replies`.
 
@@ -121,8 +121,10 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
     and train False, its text noted as the request's `untokenized_text`: never an empty
     token-exact turn, never ids re-encoded from the text with guessed logprobs.
 
-    `streamed`: the stream state of each choice; its reply (content and tool calls, with the
-    call ids the client saw) replaces the parsed one, the finish reason stays the parse's.
+    The reply's reasoning is split off first (`split_reasoning`, the renderer's format; none
+    after a prefill); tool calls are parsed in the rest. `streamed`: the stream state of each
+    choice; its reply (reasoning, content and tool calls, with the call ids the client saw)
+    replaces the parsed one, the finish reason stays the parse's.
     """
     ended_at = time.time()
     choices = []
@@ -136,10 +138,14 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
         else:
             cut = cut_at_stop(renderer.decode, out.completion_ids, renderer.end_of_turn_id,
                               call.prefix, stops, call.closes)
-        reply, finish, errors = finish_reply(cut, out.finish_reason, call.declared,
+        reasoning, text = split_reasoning(cut.text, None if call.prefix else renderer.reasoning)
+        reply, finish, errors = finish_reply(dataclasses.replace(cut, text=text),
+                                             out.finish_reason, call.declared,
                                              renderer.parser.parse)
+        reply = dataclasses.replace(reply, reasoning=reasoning)
         if streamed is not None:
-            reply = Message("assistant", streamed[i].content, tuple(streamed[i].calls))
+            reply = Message("assistant", streamed[i].content, tuple(streamed[i].calls),
+                            reasoning=getattr(streamed[i], "reasoning", None) or None)
         counters["tool_parse_errors"] += len(errors)
         counters["tokens_after_stop"] += len(out.completion_ids) - cut.keep
         k = cut.keep

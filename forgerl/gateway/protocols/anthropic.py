@@ -334,14 +334,28 @@ def error_event(e: GatewayError) -> str:
 async def message_events(mid: str, req: MessagesRequest, conv: Conversation,
                          events: AsyncIterator[Started | Delta | Result],
                          decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
-    """SSE events as `Gateway.stream` yields: message_start at `Started`; a text block opened
+    """SSE events as `Gateway.stream` yields: message_start at `Started`; a thinking block of
+    the reasoning deltas (an empty signature: the gateway signs nothing); a text block opened
     by the first content delta, closed by a tool call or the end; a tool_use block per call
     (input in one `input_json_delta`); message_delta and message_stop at the `Result`."""
-    index, text_open = 0, False
+    index, text_open, thinking_open = 0, False, False
     async for item in events:
         if isinstance(item, Started):
             yield _sse("message_start", message=_head(mid, req.model, item.prompt_tokens))
             continue
+        if isinstance(item, Delta) and item.reasoning:
+            if not thinking_open:
+                yield _sse("content_block_start", index=index,
+                           content_block={"type": "thinking", "thinking": "", "signature": ""})
+            thinking_open = True
+            yield _sse("content_block_delta", index=index,
+                       delta={"type": "thinking_delta", "thinking": item.reasoning})
+            continue
+        if thinking_open:  # reasoning comes first: anything else closes its block
+            yield _sse("content_block_delta", index=index,
+                       delta={"type": "signature_delta", "signature": ""})
+            yield _sse("content_block_stop", index=index)
+            index, thinking_open = index + 1, False
         if isinstance(item, Delta) and item.tool_call is None:
             if item.text and not text_open:
                 yield _sse("content_block_start", index=index,

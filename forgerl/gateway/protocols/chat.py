@@ -286,7 +286,8 @@ def error_event(e: GatewayError) -> str:
 async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delta | Result],
                       include_usage: bool) -> AsyncIterator[str]:
     """SSE lines of a `chat.completion.chunk` stream from `Gateway.stream` events: `OPENED` at
-    `Started`; per choice its role (with its first delta), content deltas (each with the
+    `Started`; per choice its role (with its first delta), `reasoning_content` deltas, content
+    deltas (each with the
     logprobs of its new tokens), each tool call as one chunk (id, name, whole arguments), and
     its finish (with the logprobs not sent yet); then usage when asked; then `[DONE]`."""
     created = 0
@@ -311,6 +312,8 @@ async def chat_chunks(cid: str, model: str, events: AsyncIterator[Started | Delt
             if isinstance(ev, Started):  # checked and dispatched: the headers go out now
                 created = int(ev.started_at)
                 yield OPENED
+            elif isinstance(ev, Delta) and ev.reasoning:
+                yield delta(ev.index, {"reasoning_content": ev.reasoning})
             elif isinstance(ev, Delta) and ev.tool_call is not None:
                 call = ev.tool_call  # whole once its block closed: one chunk per call
                 yield delta(ev.index, {"tool_calls": [{

@@ -333,8 +333,9 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None,
 async def stream_events(req: ResponsesRequest, session: Session,
                         events: AsyncIterator[Started | Delta | Result],
                         seq: Iterator[int] | None = None) -> AsyncIterator[str]:
-    """SSE lines as `Gateway.stream` yields. `Started`: response.created, .in_progress. First
-    text delta: the message item's output_item.added + content_part.added; each text delta: an
+    """SSE lines as `Gateway.stream` yields. `Started`: response.created, .in_progress.
+    Reasoning deltas: the reasoning item added, a reasoning_text.delta each (.done at the end).
+    First text delta: the message item's output_item.added + content_part.added; each text delta: an
     output_text.delta (with its tokens' logprobs when asked). A recognised tool call: its
     function_call item added, arguments delta (whole) and done. `Result`: the id is bound to the
     recorded turn, then per item (text / part done and) output_item.done with the final item,
@@ -343,7 +344,7 @@ async def stream_events(req: ResponsesRequest, session: Session,
     items equal the plain call's; sequence_number counts from 0 (`seq`, shared with
     `respond_stream`'s error event)."""
     rid, seq, opened = new_id(req), seq or itertools.count(), {}  # opened: id -> output_index
-    msg = f"msg_{rid[5:]}"
+    msg, rs = f"msg_{rid[5:]}", f"rs_{rid[5:]}"
 
     def event(kind: str, **fields: Any) -> str:
         obj = {"type": kind, "sequence_number": next(seq), **fields}
@@ -351,7 +352,8 @@ async def stream_events(req: ResponsesRequest, session: Session,
 
     def add(item: dict[str, Any]) -> Iterator[str]:
         k = opened[item["id"]] = len(opened)
-        empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(
+        empty = {"message": {"content": []}, "function_call": {"arguments": ""},
+                 "reasoning": {"content": []}}.get(
             item["type"], {})
         yield event("response.output_item.added", output_index=k,
                     item={**item, **empty, "status": "in_progress"})
@@ -366,6 +368,12 @@ async def stream_events(req: ResponsesRequest, session: Session,
                 shell = response_json(req, rid, None, ev.started_at)
                 yield event("response.created", response=shell)
                 yield event("response.in_progress", response=shell)
+            elif isinstance(ev, Delta) and ev.reasoning:
+                if rs not in opened:
+                    for line in add({"id": rs, "type": "reasoning", "summary": []}):
+                        yield line
+                yield event("response.reasoning_text.delta", item_id=rs, output_index=opened[rs],
+                            content_index=0, delta=ev.reasoning)
             elif isinstance(ev, Delta) and (call := ev.tool_call) is not None:
                 fid = f"fc_{rid[5:]}_{ev.call_index}"
                 for line in add({"id": fid, "type": "function_call", "call_id": call.id,
@@ -390,6 +398,9 @@ async def stream_events(req: ResponsesRequest, session: Session,
                             yield line
                 final["output"].sort(key=lambda it: opened[it["id"]])
                 for k, item in enumerate(final["output"]):
+                    if item["type"] == "reasoning":
+                        yield event("response.reasoning_text.done", item_id=rs, output_index=k,
+                                    content_index=0, text=item["content"][0]["text"])
                     if item["type"] == "message":
                         at = {"item_id": item["id"], "output_index": k, "content_index": 0}
                         part = item["content"][0]

@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 
 from forgerl.gateway.conversation import Message, Tool, ToolCall
 from forgerl.gateway.errors import loads_json_text
+from forgerl.gateway.renderers.reasoning import ReasoningFormat, detect_reasoning, prompted
 from forgerl.gateway.renderers.tool_parsers import CALL_CLOSE, CALL_OPEN, HERMES, ToolParser
 
 START, END = "<|im_start|>", "<|im_end|>"
@@ -165,6 +166,20 @@ class Renderer:
             return probe in self.tokenizer.decode(self.render(turns))
         except Exception:  # a template that needs other turns: count the text
             return True
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The reasoning format of this format's replies (reasoning.py): the one the chat
+        template writes, as its generation prompt leaves it (None when the prompt turns
+        reasoning off or the template has none); probed once on a one-message prompt."""
+        fmt = detect_reasoning(str(self.tokenizer.chat_template or ""))
+        if fmt is None:
+            return None
+        try:
+            prompt = self.tokenizer.decode(self.render([Message("user", "a")]))
+        except Exception:  # a template that needs other turns: the reply may open reasoning
+            return fmt
+        return prompted(fmt, prompt)
 
     def min_tokens(self, texts: Iterable[str]) -> int:
         """A lower bound on the tokens of a rendering that holds each of `texts`, without

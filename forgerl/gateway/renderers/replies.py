@@ -23,7 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forgerl.gateway.conversation import Message, ToolCall
-from forgerl.gateway.renderers.tool_parsers import ParsedReply, ToolParser, parse_tool_calls
+from forgerl.gateway.renderers.tool_parsers import (
+    Declared,
+    ParsedReply,
+    ToolParser,
+    parse_tool_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,8 @@ def cut_text(text: str, prefix: str = "", stops: Sequence[str] = (),
 
 
 def finish_reply(
-    cut: Cut, engine_finish: str, declared: set[str] | None,
-    parse: Callable[[str, set[str] | None], ParsedReply] = parse_tool_calls,
+    cut: Cut, engine_finish: str, declared: Declared,
+    parse: Callable[[str, Declared], ParsedReply] = parse_tool_calls,
 ) -> tuple[Message, str, list[str]]:
     """The assistant message, the finish reason and the tool-call parse errors of a choice.
 
@@ -169,8 +174,9 @@ class ReplyStream:
 
     The streaming twin of `cut_at_stop` + `finish_reply` (same stop, close, prefix and tool
     rules): text that could still be the start of a stop string or (when tools are parsed) of
-    `<tool_call>` is held back; a `<tool_call>` block is held until it closes, then comes out as
-    one `ToolCall` when it parses and as text when it does not (or never closes). When tools are
+    the parser's open string is held back; a block (`<tool_call>`..., a section of several calls
+    in kimi_k2 / deepseek) is held until it closes, then comes out as its `ToolCall`s when it
+    parses (`parse`) and as text when it does not (or never closes). When tools are
     parsed, whitespace at the end of the content is held back and dropped once a call is found,
     as the non-streamed reply strips it (and line breaks that start content after a call).
     `stopped` turns True when a stop or close string completes: everything after it is dropped
@@ -181,8 +187,9 @@ class ReplyStream:
     """
 
     def __init__(self, prefix: str, stops: Sequence[str], closes: Sequence[str],
-                 declared: set[str] | None, open_string: str, close_string: str):
-        self.text, self.prefix_len, self.done = prefix, len(prefix), 0
+                 declared: Declared, open_string: str, close_string: str,
+                 parse: Callable[[str, Declared], ParsedReply] = parse_tool_calls):
+        self.text, self.prefix_len, self.done, self.parse = prefix, len(prefix), 0, parse
         self.stops, self.closes, self.declared = tuple(stops), tuple(closes), declared
         self.open, self.close = (open_string if declared is not None else ""), close_string
         self.holds = self.stops + ((self.open,) if self.open else ())
@@ -239,10 +246,10 @@ class ReplyStream:
                     self.done = limit
                 break
             block = text[j : close + len(self.close)]
-            parsed = parse_tool_calls(block, self.declared)
+            parsed = self.parse(block, self.declared)
             if parsed.tool_calls:
-                self.calls.append(parsed.tool_calls[0])
-                out.append(parsed.tool_calls[0])
+                self.calls += parsed.tool_calls
+                out += parsed.tool_calls
             else:
                 self._content(out, block)
             self.done = close + len(self.close)
@@ -275,7 +282,7 @@ class HeldReply:
     non-streamed reply. Same interface as `ReplyStream` (feed, finish, stopped, content, calls).
     """
 
-    def __init__(self, text: ReplyStream, parser: ToolParser, declared: set[str] | None):
+    def __init__(self, text: ReplyStream, parser: ToolParser, declared: Declared):
         self.text, self.parser, self.declared = text, parser, declared
         self.content, self.calls, self._held, self._done = "", [], "", False
 

@@ -32,7 +32,8 @@ from forgerl.gateway.renderers.renderer import END, START, ChatMLRenderer, Rende
 from forgerl.gateway.renderers.renderer import tool_signature as _signature
 from forgerl.gateway.renderers.tool_parsers import PARSERS, ToolParser, detect_parser
 
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                      "<|tool_response>")  # Gemma 4 ends a tool-call turn with <|tool_response>
 """Tokens that end a reply wherever a tokenizer has them (besides eos and the template's own)."""
 
 

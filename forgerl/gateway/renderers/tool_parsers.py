@@ -3,29 +3,46 @@
 Data flow: the gateway decodes the sampled ids and parses them here only to answer the client;
 the recorded token ids never depend on the parse. The renderer names its parser
 (`Renderer.parser`): ChatML and Qwen-family templates use `hermes`, Llama 3.x `llama3_json`,
-Mistral `mistral` (`detect_parser` reads the chat template; `[gateway] tool_parser` overrides).
+Mistral `mistral`, and the formats below (`detect_parser` reads the chat template;
+`[gateway] tool_parser` overrides).
 
     hermes       <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>   (several per reply)
     llama3_json  {"name": ..., "parameters": {...}}, the whole reply, maybe after <|python_tag|>
     mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "abc123XYZ"}, ...]
+    qwen3_coder  <tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>
+                 \n</tool_call>
+    glm45        <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>
+    kimi_k2      <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+                 <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
+    deepseek     <|tool calls begin|><|tool call begin|>NAME<|tool sep|>{...}<|tool call end|>
+                 ...<|tool calls end|> (R1/V3: function<|tool sep|>NAME\n```json\n{...}\n```);
+                 written with fullwidth bars and U+2581 for the spaces
+    gemma4       <|tool_call>call:NAME{k:<|"|>text<|"|>,n:3}<tool_call|>
+
+The XML formats write string values bare: a value is typed by the declared tool's parameters
+schema (`Declared` as a mapping). Ids: Kimi's sampled id (`functions.NAME:0`) is the call's id,
+so the next prompt renders it token-exact; the others are minted, unique ("call_" + 24 hex).
 
 A parse never raises: a call with invalid JSON, a missing name or an undeclared tool stays in
 `content` as text and is reported in `errors` (CASES.md C05; a mistral list with a valid call
 keeps only that call and reports the rest). An unclosed `<tool_call>` (a reply truncated by
 max_tokens, C09) also stays as text; the gateway keeps that turn's finish_reason "length".
-Streaming: a hermes call is recognised as soon as its block closes; llama3_json and mistral calls
+Streaming: a call (or a section of calls: kimi_k2, deepseek) is recognised as soon as its block
+closes (`ToolParser.open`/`close`); llama3_json and mistral calls
 have no closing string, so a stream with tools holds their reply back and parses it once, when
 it ends (`replies.HeldReply`), giving the same content and calls as the non-streamed reply.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import re
 import secrets
 import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +50,14 @@ from forgerl.gateway.conversation import ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG, MISTRAL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+DS_OPEN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"  # DeepSeek: fullwidth bars, U+2581
+DS_CLOSE = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+GEMMA_OPEN, GEMMA_CLOSE, GEMMA_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+Declared = Collection[str] | Mapping[str, Any] | None
+"""The declared tools: their names, or name -> parameters JSON schema (typed argument values
+of the XML formats); None accepts any name."""
 
-# A block body never contains another opening tag: an unclosed block must not swallow the next
-# valid one (C05).
-BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -52,11 +73,15 @@ class ParsedReply:
     errors: list[str] = field(default_factory=list)
 
 
+Body = Callable[[str, Declared], tuple[list[ToolCall], str]]
+"""One block's text -> its calls, or ([], the error that keeps the block as text)."""
+
+
 def _hermes_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(obj: Any, declared: set[str] | None, call_id: str) -> tuple[ToolCall | None, str]:
+def _call(obj: Any, declared: Declared, call_id: str) -> tuple[ToolCall | None, str]:
     """One decoded call object -> (tool call, "") or (None, error message)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None, "tool call is not an object with a string 'name'"
@@ -85,30 +110,36 @@ def _loads(body: str) -> tuple[Any, str]:
         return None, f"invalid JSON in tool call: {e}"
 
 
-def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply:
-    """Split a reply into text and Hermes tool calls (several per reply, in order).
+@functools.cache
+def _block(open_: str, close: str) -> re.Pattern[str]:
+    """One `open_ ... close` block; its body never holds another `open_` (an unclosed block must
+    not swallow the next valid one, C05)."""
+    o, c = re.escape(open_), re.escape(close)
+    return re.compile(f"{o}((?:(?!{o}).)*?){c}", re.DOTALL)
 
-    declared: the tool names the request offered; None accepts any name.
-    """
+
+def parse_blocks(text: str, declared: Declared, open_: str, close: str, body: Body,
+                 ) -> ParsedReply:
+    """Split a reply into text and the tool calls of its `open_ ... close` blocks, in order:
+    `body(block text, declared)` gives a block's calls, or an error (the block stays text)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     kept: list[str] = []
     pos, lead = 0, ""
-    for m in BLOCK.finditer(text):
+    for m in _block(open_, close).finditer(text):
         kept.append(text[pos : m.start()])
-        obj, err = _loads(m.group(1).strip())
-        call, err = (None, err) if err else _call(obj, declared, _hermes_id())
-        if call is None:
+        found, err = body(m.group(1), declared)
+        if err:
             kept.append(m.group(0))
             errors.append(err)
         else:
             if not calls:
                 lead = "".join(kept)  # the text before the first call
-            calls.append(call)
+            calls += found
         pos = m.end()
     kept.append(text[pos:])
-    for _ in range(sum(seg.count(CALL_OPEN) for seg in kept) - len(errors)):
-        errors.append("unclosed <tool_call> (reply truncated?)")
+    for _ in range(sum(seg.count(open_) for seg in kept) - len(errors)):
+        errors.append(f"unclosed {open_} (reply truncated?)")
     content = "".join(kept)
     if calls:  # trailing whitespace goes, and line breaks that start text after a call; a
         # space there is the model's (CASES.md C14: " All done.")
@@ -116,7 +147,22 @@ def parse_tool_calls(text: str, declared: set[str] | None = None) -> ParsedReply
     return ParsedReply(content=content or (None if calls else ""), tool_calls=calls, errors=errors)
 
 
-def parse_llama3_json(text: str, declared: set[str] | None = None) -> ParsedReply:
+def _hermes_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    obj, err = _loads(body.strip())
+    call, err = (None, err) if err else _call(obj, declared, _hermes_id())
+    return ([call] if call else []), err
+
+
+def parse_tool_calls(text: str, declared: Declared = None) -> ParsedReply:
+    """Split a reply into text and Hermes tool calls (several per reply, in order).
+
+    declared: the tool names the request offered (a mapping: name -> parameters schema);
+    None accepts any name.
+    """
+    return parse_blocks(text, declared, CALL_OPEN, CALL_CLOSE, _hermes_body)
+
+
+def parse_llama3_json(text: str, declared: Declared = None) -> ParsedReply:
     """A Llama 3.x reply that is one JSON call object (`parameters` or `arguments`), maybe after
     text and `<|python_tag|>`; a reply not starting with "{" (after the tag) is plain text."""
     head, tag, body = text.partition(PYTHON_TAG)
@@ -138,7 +184,7 @@ def _mistral_id(obj: Any) -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-def parse_mistral(text: str, declared: set[str] | None = None) -> ParsedReply:
+def parse_mistral(text: str, declared: Declared = None) -> ParsedReply:
     """A Mistral reply: optional text, then `[TOOL_CALLS]` and a JSON list of call objects."""
     head, tag, body = text.partition(MISTRAL_CALLS)
     if not tag:
@@ -158,6 +204,141 @@ def parse_mistral(text: str, declared: set[str] | None = None) -> ParsedReply:
     return ParsedReply(head.strip() or None, calls, errors)
 
 
+def _typed(raw: str, schema: Any) -> Any:
+    """An XML-format argument value (qwen3_coder, glm45 write strings bare, other values as
+    JSON, or as Python's str() for qwen3_coder) as the value its schema `type` asks for:
+    "string" keeps the text; else JSON, then a Python literal, then the text."""
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if kind == "string" or (isinstance(kind, list) and kind == ["string"]):
+        return raw
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        value = ast.literal_eval(raw) if raw in ("True", "False", "None") else raw
+    except ValueError:
+        value = raw
+    return value
+
+
+def _xml_call(name: str, pairs: list[tuple[str, str]], declared: Declared,
+              ) -> tuple[list[ToolCall], str]:
+    name = name.strip()
+    schema = declared.get(name) if isinstance(declared, Mapping) else None
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    props = props if isinstance(props, Mapping) else {}
+    args = {k: _typed(v, props.get(k)) for k, v in pairs}
+    call, err = _call({"name": name, "arguments": args}, declared, _hermes_id())
+    return ([call] if call else []), err
+
+
+QWEN3_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)
+QWEN3_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _qwen3_coder_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    """`<function=name>\n<parameter=k>\nvalue\n</parameter>\n</function>` (Qwen3-Coder)."""
+    m = QWEN3_FUNCTION.fullmatch(body)
+    if m is None:
+        return [], "tool call is not one <function=name>...</function>"
+    return _xml_call(m[1], QWEN3_PARAMETER.findall(m[2]), declared)
+
+
+GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    """`name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>...` (GLM-4.5/4.6)."""
+    return _xml_call(body.split("<arg_key>", 1)[0], GLM_ARG.findall(body), declared)
+
+
+KIMI_CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)"
+                       r"<\|tool_call_end\|>", re.DOTALL)
+
+
+def _kimi_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    """Kimi-K2's section: `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>
+    {json}<|tool_call_end|>` per call; the sampled id (`functions.name:0`) is the call's id."""
+    calls = []
+    for raw_id, args in KIMI_CALL.findall(body):
+        call_id = raw_id.strip()
+        name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
+        obj, err = _loads(args.strip())
+        call, err = (None, err) if err else _call({"name": name, "arguments": obj}, declared,
+                                                  call_id)
+        if call is None:
+            return [], err
+        calls.append(call)
+    return (calls, "") if calls else ([], "no call in the tool-call section")
+
+
+DS_CALL = re.compile("<\uff5ctool\u2581call\u2581begin\uff5c>(.*?)<\uff5ctool\u2581sep\uff5c>(.*?)"
+                     "<\uff5ctool\u2581call\u2581end\uff5c>", re.DOTALL)
+DS_FENCED = re.compile(r"([^\n]*)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+
+
+def _deepseek_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    """DeepSeek's section: per call `<|tool call begin|>name<|tool sep|>{json}` (V3.1, V3.2)
+    or `function<|tool sep|>name\n```json\n{json}\n```` (V3, R1), `<|tool call end|>`."""
+    calls = []
+    for head, rest in DS_CALL.findall(body):
+        fenced = DS_FENCED.fullmatch(rest)
+        name, args = (fenced[1], fenced[2]) if fenced else (head, rest)
+        obj, err = _loads(args.strip())
+        call, err = (None, err) if err else _call({"name": name.strip(), "arguments": obj},
+                                                  declared, _hermes_id())
+        if call is None:
+            return [], err
+        calls.append(call)
+    return (calls, "") if calls else ([], "no call in the tool-call section")
+
+
+GEMMA_LITERALS = {"true": True, "false": False, "None": None, "null": None}
+
+
+def _gemma_value(s: str, i: int) -> tuple[Any, int]:
+    """One Gemma 4 argument value at s[i:]: <|"|>text<|"|>, {key:value,...}, [..], a literal."""
+    if s.startswith(GEMMA_QUOTE, i):
+        j = s.index(GEMMA_QUOTE, i + len(GEMMA_QUOTE))
+        return s[i + len(GEMMA_QUOTE) : j], j + len(GEMMA_QUOTE)
+    if s[i] in "{[":
+        obj, items, close = s[i] == "{", [], "}" if s[i] == "{" else "]"
+        i += 1
+        while s[i] != close:
+            if obj:
+                key, i = (_gemma_value(s, i) if s.startswith(GEMMA_QUOTE, i)
+                          else (s[i : s.index(":", i)], s.index(":", i)))
+                i += 1  # the ":"
+            value, i = _gemma_value(s, i)
+            items.append((key, value) if obj else value)
+            i += s[i] == ","
+        return (dict(items) if obj else items), i + 1
+    j = min((k for k in (s.find(c, i) for c in ",}]") if k >= 0), default=len(s))
+    raw = s[i:j].strip()
+    return (GEMMA_LITERALS[raw] if raw in GEMMA_LITERALS else json.loads(raw)), j
+
+
+def _gemma_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
+    """Gemma 4: `call:name{key:value,...}` (strings quoted by <|"|>)."""
+    brace = body.find("{")
+    if not body.startswith("call:") or brace < 0:
+        return [], "tool call is not call:name{...}"
+    try:
+        args, end = _gemma_value(body, brace)
+    except (ValueError, IndexError, RecursionError) as e:
+        return [], f"invalid Gemma tool-call arguments: {e}"
+    if body[end:].strip():
+        return [], "text after the tool-call arguments"
+    call, err = _call({"name": body[5:brace], "arguments": args}, declared, _hermes_id())
+    return ([call] if call else []), err
+
+
+def _blocks_parser(open_: str, close: str, body: Body,
+                   ) -> Callable[[str, Declared], ParsedReply]:
+    return lambda text, declared=None: parse_blocks(text, declared, open_, close, body)
+
+
 @dataclass(frozen=True)
 class ToolParser:
     """One family's tool-call format: how to parse it, stream it and force it.
@@ -171,7 +352,7 @@ class ToolParser:
     """
 
     name: str
-    parse: Callable[[str, set[str] | None], ParsedReply]
+    parse: Callable[[str, Declared], ParsedReply]
     open: str | None = None
     close: str | None = None
     prefix_any: str | None = None
@@ -192,13 +373,29 @@ HERMES = ToolParser("hermes", parse_tool_calls, CALL_OPEN, CALL_CLOSE, f"{CALL_O
 LLAMA3_JSON = ToolParser("llama3_json", parse_llama3_json, prefix_any='{"name": ',
                          prefix_named='{"name": {name}, "parameters": {', multiple=False)
 MISTRAL = ToolParser("mistral", parse_mistral)  # its opener is a control token: never prefilled
-PARSERS = {p.name: p for p in (HERMES, LLAMA3_JSON, MISTRAL)}
+QWEN3_CODER = ToolParser("qwen3_coder", _blocks_parser(CALL_OPEN, CALL_CLOSE, _qwen3_coder_body),
+                         CALL_OPEN, CALL_CLOSE)
+GLM45 = ToolParser("glm45", _blocks_parser(CALL_OPEN, CALL_CLOSE, _glm_body), CALL_OPEN,
+                   CALL_CLOSE)
+KIMI_K2 = ToolParser("kimi_k2", _blocks_parser(KIMI_OPEN, KIMI_CLOSE, _kimi_body), KIMI_OPEN,
+                     KIMI_CLOSE)
+DEEPSEEK = ToolParser("deepseek", _blocks_parser(DS_OPEN, DS_CLOSE, _deepseek_body), DS_OPEN,
+                      DS_CLOSE)
+GEMMA4 = ToolParser("gemma4", _blocks_parser(GEMMA_OPEN, GEMMA_CLOSE, _gemma_body), GEMMA_OPEN,
+                    GEMMA_CLOSE)
+PARSERS = {p.name: p for p in (HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER, GLM45, KIMI_K2,
+                               DEEPSEEK, GEMMA4)}
+"""Every tool-call format by its `[gateway] tool_parser` name."""
 
 
 def detect_parser(template: str) -> ToolParser:
-    """The parser a chat template's tool section asks for (hermes when it names none)."""
-    if MISTRAL_CALLS in template:
-        return MISTRAL
-    if CALL_OPEN in template:
-        return HERMES
+    """The parser a chat template's tool section asks for (hermes when it names none): the
+    first of these its text holds: Kimi's section token, DeepSeek's, Gemma 4's `<|tool_call>`,
+    `[TOOL_CALLS]`, GLM's `<arg_key>`, Qwen3-Coder's `<function=`, `<tool_call>`, Llama's
+    `<|python_tag|>` or `"parameters"`."""
+    for mark, parser in ((KIMI_OPEN, KIMI_K2), (DS_OPEN, DEEPSEEK), (GEMMA_OPEN, GEMMA4),
+                         (MISTRAL_CALLS, MISTRAL), ("<arg_key>", GLM45),
+                         ("<function=", QWEN3_CODER), (CALL_OPEN, HERMES)):
+        if mark in template:
+            return parser
     return LLAMA3_JSON if PYTHON_TAG in template or '"parameters"' in template else HERMES
