@@ -41,7 +41,8 @@ CONTROL = ["<|im_end|>", "<|im_start|>", "<|eot_id|>", "<think>", "</think>",
 
 STOPS = {  # hand-read from each family's template + tokenizer + generation_config.json
     "qwen2.5": {151645, 151643}, "qwen3": {151645, 151643}, "deepseek-r1-qwen": {151643},
-    "llama3.1": {128009, 128008, 128001}, "phi3.5": {32007, 32001, 32000}, "gemma4": {106, 1}}
+    "llama3.1": {128009, 128008, 128001}, "phi3.5": {32007, 32001, 32000},
+    "gemma4": {106, 1, 50}}  # Gemma 4's template ends a tool-call turn with <|tool_response> (50)
 
 WORD = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Co")), max_size=12)
 PLAIN = st.lists(st.one_of(WORD, st.sampled_from(["\n", " ", "  x", "é", "日本", "\t"])),
