@@ -123,7 +123,7 @@ def plain_encoder(name: str) -> Tokenizer:
 
 
 def expected_ids(fam: Family, msgs: list[dict], tools: list[dict] | None,
-                 gen: bool = True) -> list[int]:
+                 gen: bool = True, **variables) -> list[int]:
     """The documented rule, computed apart from the gateway: control strings in content are
     swapped for private-use characters, the template's text is split at the tokenizer's added
     tokens (each one id), and each text piece, control strings restored, is encoded as plain
@@ -137,7 +137,7 @@ def expected_ids(fam: Family, msgs: list[dict], tools: list[dict] | None,
         for c, mark in marks.items():
             m["content"] = m["content"].replace(c, mark)
     text = tok.apply_chat_template(swapped, tools=tools, add_generation_prompt=gen,
-                                   tokenize=False)
+                                   tokenize=False, **variables)
     added = sorted(tok.get_added_vocab(), key=len, reverse=True)
     restore = {mark: c for c, mark in marks.items()}
     plain = plain_encoder(fam.name)
@@ -184,6 +184,26 @@ def test_prompt_ids_equal_the_template(name, data):
     if not any(c in m["content"] for m in ref for c in CONTROL):
         assert got == fam.tokenizer.apply_chat_template(
             ref, tools=tools, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("thinking", [False, True])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_prompt_ids_with_thinking_on_and_off(name, thinking, data):
+    """Reasoning turned on and off (`enable_thinking`, a chat template variable the gateway
+    takes as `chat_template_kwargs`): the bound renderer's ids equal the template's with it."""
+    fam, r = family(name)
+    bound = r.bind({"enable_thinking": thinking})
+    tools = TOOLS if "tools" in r.template else None
+    msgs = data.draw(conversations(tools is not None))
+    ref = as_template(msgs, bound.late_system)
+    try:
+        want = expected_ids(fam, ref, tools, enable_thinking=thinking)
+    except Exception:  # the template refuses it (checked by test_prompt_ids_equal_the_template)
+        return
+    assert bound.render(chat.messages(msgs), chat.tools(tools or [])) == want
+    assert want != expected_ids(fam, ref, tools, enable_thinking=not thinking)  # it matters
 
 
 @pytest.mark.parametrize("name", NAMES)
