@@ -8,20 +8,23 @@ every LocalEngine built in this process gets prefix_cache_tokens=0, and tests ma
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
 import pytest
 import torch
-from hypothesis import settings
 
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 
 # CI (CI=true) draws every property test's examples from a fixed seed, so a landing is judged on
 # the code, not on the draw; a developer's run draws new examples each time.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+with contextlib.suppress(ImportError):  # .venv-vllm, where vLLM tests re-run, has no hypothesis
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
 
 # One intra-op thread per test process: the suite runs as 2 xdist workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels many times slower.
