@@ -35,7 +35,6 @@ it ends (`replies.HeldReply`), giving the same content and calls as the non-stre
 
 from __future__ import annotations
 
-import ast
 import functools
 import json
 import re
@@ -147,9 +146,30 @@ def parse_blocks(text: str, declared: Declared, open_: str, close: str, body: Bo
     return ParsedReply(content=content or (None if calls else ""), tool_calls=calls, errors=errors)
 
 
+def _json_call(text: str, declared: Declared, call_id: str, name: str | None = None,
+               ) -> tuple[ToolCall | None, str]:
+    """A call written as JSON text: the whole call object, or (`name` given) its arguments."""
+    obj, err = _loads(text.strip())
+    if err:
+        return None, err
+    return _call(obj if name is None else {"name": name, "arguments": obj}, declared, call_id)
+
+
+def _section(items: list[tuple[str, str, str]], declared: Declared,
+             ) -> tuple[list[ToolCall], str]:
+    """A section of calls, each (name, JSON arguments text, id): all of them, or ([], the first
+    error: the section stays text)."""
+    calls = []
+    for name, args, call_id in items:
+        call, err = _json_call(args, declared, call_id, name)
+        if call is None:
+            return [], err
+        calls.append(call)
+    return (calls, "") if calls else ([], "no call in the tool-call section")
+
+
 def _hermes_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
-    obj, err = _loads(body.strip())
-    call, err = (None, err) if err else _call(obj, declared, _hermes_id())
+    call, err = _json_call(body, declared, _hermes_id())
     return ([call] if call else []), err
 
 
@@ -170,8 +190,7 @@ def parse_llama3_json(text: str, declared: Declared = None) -> ParsedReply:
         head, body = "", text
     if not body.strip().startswith("{"):
         return ParsedReply(text)
-    obj, err = _loads(body.strip())
-    call, err = (None, err) if err else _call(obj, declared, _hermes_id())
+    call, err = _json_call(body, declared, _hermes_id())
     if call is None:
         return ParsedReply(text, errors=[err])
     return ParsedReply(head.strip() or None, [call])
@@ -215,11 +234,7 @@ def _typed(raw: str, schema: Any) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError):
         pass
-    try:
-        value = ast.literal_eval(raw) if raw in ("True", "False", "None") else raw
-    except ValueError:
-        value = raw
-    return value
+    return {"True": True, "False": False, "None": None}.get(raw, raw)  # Python's str()
 
 
 def _xml_call(name: str, pairs: list[tuple[str, str]], declared: Declared,
@@ -260,17 +275,9 @@ KIMI_CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|
 def _kimi_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
     """Kimi-K2's section: `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>
     {json}<|tool_call_end|>` per call; the sampled id (`functions.name:0`) is the call's id."""
-    calls = []
-    for raw_id, args in KIMI_CALL.findall(body):
-        call_id = raw_id.strip()
-        name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
-        obj, err = _loads(args.strip())
-        call, err = (None, err) if err else _call({"name": name, "arguments": obj}, declared,
-                                                  call_id)
-        if call is None:
-            return [], err
-        calls.append(call)
-    return (calls, "") if calls else ([], "no call in the tool-call section")
+    ids = [(raw.strip(), args) for raw, args in KIMI_CALL.findall(body)]
+    return _section([(i.removeprefix("functions.").rsplit(":", 1)[0], args, i)
+                     for i, args in ids], declared)
 
 
 DS_CALL = re.compile("<\uff5ctool\u2581call\u2581begin\uff5c>(.*?)<\uff5ctool\u2581sep\uff5c>(.*?)"
@@ -281,17 +288,9 @@ DS_FENCED = re.compile(r"([^\n]*)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
 def _deepseek_body(body: str, declared: Declared) -> tuple[list[ToolCall], str]:
     """DeepSeek's section: per call `<|tool call begin|>name<|tool sep|>{json}` (V3.1, V3.2)
     or `function<|tool sep|>name\n```json\n{json}\n```` (V3, R1), `<|tool call end|>`."""
-    calls = []
-    for head, rest in DS_CALL.findall(body):
-        fenced = DS_FENCED.fullmatch(rest)
-        name, args = (fenced[1], fenced[2]) if fenced else (head, rest)
-        obj, err = _loads(args.strip())
-        call, err = (None, err) if err else _call({"name": name.strip(), "arguments": obj},
-                                                  declared, _hermes_id())
-        if call is None:
-            return [], err
-        calls.append(call)
-    return (calls, "") if calls else ([], "no call in the tool-call section")
+    parts = [(f[1], f[2]) if (f := DS_FENCED.fullmatch(rest)) else (head, rest)
+             for head, rest in DS_CALL.findall(body)]
+    return _section([(name.strip(), args, _hermes_id()) for name, args in parts], declared)
 
 
 GEMMA_LITERALS = {"true": True, "false": False, "None": None, "null": None}
