@@ -298,13 +298,26 @@ class AgentConfig(_Section):
 
 
 class TasksConfig(_Section):
-    """[tasks]: reasoning-gym tasks for training and held-out evaluation."""
+    """[tasks]: the run's tasks and rewards for training and held-out evaluation: reasoning-gym
+    datasets, a task file, or an environment of a published standard (docs/environments/)."""
 
+    source: Literal["reasoning_gym", "file", "harbor", "ors", "openenv", "verifiers", "nemo_gym",
+                    "gymnasium"] = "reasoning_gym"
+    """Where tasks and rewards come from. "reasoning_gym" and "file" use `dataset`; the others
+    are environments of that standard at `env` (forgerl/tasks/), with `params` passed on."""
     dataset: str = "chain_sum"
     """A reasoning-gym dataset name (generated offline), or a task file "NAME.py" (relative to
     the config file) with make_tasks(size, seed, **params) and score(task, answer)."""
+    env: str = ""
+    """The environment, for the environment sources: a Harbor task folder (or a folder of
+    them), a server URL (ORS, OpenEnv, NeMo-Gym), an environment id (verifiers, Gymnasium). A
+    relative path that exists resolves against the config file's directory."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the reasoning-gym dataset config (e.g. min_terms, max_digits)."""
+    """Keyword arguments of the reasoning-gym dataset config (e.g. min_terms, max_digits), of
+    the task file's make_tasks, or of the environment (its standard's page says which)."""
+    python: str | None = None
+    """The interpreter of the environment's own venv, for a standard whose package cannot
+    install beside ForgeRL (verifiers, OpenEnv: `scripts/setup_envs.sh`); default: this one."""
     seed: int = 0
     size: int = Field(10_000, ge=1)
     """Training tasks generated (the queue cycles through them)."""
@@ -315,6 +328,15 @@ class TasksConfig(_Section):
     eval_concurrency: int = Field(0, ge=0)
     """Held-out rollouts in flight at once (a task's latency without the others' queueing
     at 1); 0: all at once. The run's [tasks] value holds for every [[domains]] entry."""
+
+    @model_validator(mode="after")
+    def _located(self) -> TasksConfig:
+        if self.source not in ("reasoning_gym", "file") and not self.env:
+            raise ValueError(f"tasks.env: required with source {self.source!r} (where the "
+                             "environment is: a folder, a URL or an id)")
+        if self.source == "file" and not self.dataset.endswith(".py"):
+            raise ValueError("tasks.dataset: source 'file' needs a task file NAME.py")
+        return self
 
 
 class DomainConfig(_Section):
@@ -658,6 +680,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             agent.setdefault("cwd", str(base))
         if isinstance(tasks, dict) and str(tasks.get("dataset", "")).endswith(".py"):
             tasks["dataset"] = str(base / tasks["dataset"])
+        if isinstance(tasks, dict) and isinstance(env := tasks.get("env"), str) and env and (
+                "://" not in env and (base / env).exists()):
+            tasks["env"] = str(base / env)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

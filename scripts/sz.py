@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 # Package → most lines (code and docstrings). STYLE.md §2 has the v1 targets these started from.
 BUDGETS: dict[str, int] = {
     "agents": 745,  # +25 (issue 47): runner.infra_cause, the per-episode kill of escaped children
-    "controller": 1_240,  # +20 (issue 46): the generated admin key, the request log wiring;
+    "controller": 1_310,  # +70 (issue 48): environment episodes, their start/stop, env_seconds;
+    # +20 (issue 46): the generated admin key, the request log wiring;
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
@@ -32,11 +33,13 @@ BUDGETS: dict[str, int] = {
     # real families' templates write (Phi-3.5's trailing eos, GLM's next-turn opener);
     # +65: chat template variables (Renderer.bind, Gateway.renderer_for, the fields row)
     "rewards": 300,
+    "tasks": 1_600,  # new (issue 48): the environment seam, the tool agent, one adapter per
+    # standard (Harbor, ORS, OpenEnv, verifiers, NeMo-Gym, Gymnasium)
     "scheduler": 440,
     "trainer": 2_015,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
-    "core": 2_005,  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
+    "core": 2_035,  # +30 (issue 48): [tasks] source, env, python;  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),
     # GenerateOutput.text and Completion.check (C01); [gateway] chat_template_kwargs

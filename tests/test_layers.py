@@ -24,7 +24,8 @@ LAYERS: list[set[str]] = [
     {"models", "weights"},  # models, weight formats
     {"engines", "datapool", "rewards"},
     {"gateway", "scheduler", "trainer"},
-    {"agents", "cluster", "metrics", "tasks"},
+    {"agents", "cluster", "metrics"},
+    {"tasks"},  # environments: the sandbox (agents) below them
     {"controller", "plot"},
     {"cli"},
     {"__main__", ""},  # "" is forgerl/__init__.py

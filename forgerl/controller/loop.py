@@ -23,6 +23,7 @@ from forgerl.controller.memory import peak_rss_gib, release_heap, share_malloc_a
 from forgerl.controller.progress import StepClock
 from forgerl.controller.rollouts import Agent
 from forgerl.controller.startup import start_services
+from forgerl.tasks.sources import PLAYED_BY_TOOL_AGENT
 from forgerl.trainer.checkpoint import checkpoint_step
 
 
@@ -36,8 +37,9 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
     share_malloc_arena()  # before the engine, trainer and gateway threads allocate
-    if agent is None and config.agent is None and (
-            not config.domains or any(d.agent is None for d in config.domains)):
+    sections = [(d.agent, d.tasks) for d in config.domains] or [(None, config.tasks)]
+    if agent is None and config.agent is None and any(
+            a is None and t.source not in PLAYED_BY_TOOL_AGENT for a, t in sections):
         raise ConfigError("agent.command: required (no agent callable was given)")
     if (done := checkpoint_step(config.run_dir)) >= config.max_steps and done > 0:
         print(f"forgerl: {config.run_dir} is finished: step {done} of max_steps "

@@ -11,6 +11,7 @@ state they share; a rollout's sampling seed is `rollout_seed`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +28,9 @@ from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
+from forgerl.tasks.agent import play
+from forgerl.tasks.base import Environment
+from forgerl.tasks.episode import run_episode
 from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
@@ -47,7 +51,8 @@ class Rollouts:
         return self.domain_agents.get(task.get("domain", ""), (self.agent, self.config.agent))
 
     async def run_agent(self, task: dict, api_key: str, log_name: str,
-                        session: Session | None = None) -> tuple[str, str | None, str | None]:
+                        session: Session | None = None, cwd: str | None = None
+                        ) -> tuple[str, str | None, str | None]:
         """One agent episode against the gateway: (status, answer, error), status "finished",
         "failed", "timeout" or "aborted_infra" (`runner.infra_cause`, counting the engine errors
         of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log.
@@ -55,9 +60,9 @@ class Rollouts:
         cfg = self.config
         agent, agent_cfg = self.agent_for(task)
         assert agent is not None  # checked in run()
-        cwd, env, log_path = None, None, None
+        env, log_path = None, None
         if isinstance(agent, list):  # a command agent: directory, turn limit, reaper tag
-            cwd = agent_cfg.cwd if agent_cfg is not None else None
+            cwd = cwd or (agent_cfg.cwd if agent_cfg is not None else None)
             env = {"FORGERL_MAX_TURNS": str(agent_cfg.max_turns if agent_cfg else 1),
                    "FORGERL_MAX_TOKENS": str(cfg.rollout.max_tokens),
                    "OPENAI_MODEL": cfg.gateway.model_name,
@@ -79,6 +84,29 @@ class Rollouts:
         if cause is not None:  # the machinery ended it, not the policy (CASES.md C24)
             return "aborted_infra", result.answer, f"infrastructure: {cause}; {error}"
         return result.status, result.answer, error
+
+    async def run_episode(self, environment: Environment, task: dict, api_key: str,
+                          log_name: str, session: Session
+                          ) -> tuple[str, float, list[float] | None, str | None]:
+        """One episode of an environment (`forgerl.tasks.episode.run_episode`): (status,
+        reward, turn_rewards, error); its environment seconds add to `env_seconds`."""
+        cfg = self.config
+
+        async def command(cwd: str | None) -> tuple[str, str | None, str | None]:
+            return await self.run_agent(task, api_key, log_name, session, cwd=cwd)
+
+        out = await run_episode(environment, task, play=functools.partial(
+            play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
+            max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
+            timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns))
+        self.env_seconds += out.env_seconds
+        return out.status, out.reward, out.turn_rewards, out.error
+
+    def agent_turns(self, task: dict) -> int:
+        """Model calls an episode may make: its agent section's max_turns (default 8 for the
+        built-in tool agent)."""
+        _, agent_cfg = self.agent_for(task)
+        return agent_cfg.max_turns if agent_cfg is not None else 8
 
     async def forkserver(self, preload: tuple[str, ...], env: dict[str, str]) -> Any:
         """The run's ForkServer for `preload` (started at the run's start, else now, with this
@@ -107,8 +135,13 @@ class Rollouts:
         start = time.time()
         name = (f"task{task_index:06d}_r{rollout_index}" if task_index >= 0
                 else f"eval{-1 - task_index:04d}")
+        environment = self.environments.get(task.get("domain", ""))
         try:
-            status, answer, error = await self.run_agent(task, api_key, name, session)
+            if environment is not None:
+                status, reward, turn_rewards, error = await self.run_episode(
+                    environment, task, api_key, name, session)
+            else:
+                status, answer, error = await self.run_agent(task, api_key, name, session)
         except asyncio.CancelledError:
             self.pool.finish_trajectory(trajectory_id, "aborted", error="cancelled")
             raise
@@ -119,8 +152,10 @@ class Rollouts:
         if status == "finished" and not session.turns:
             status, error = f"failed: {NO_CALL}", NO_CALL
         if status == "finished":
-            reward = await self.score(task, answer)
-            self.pool.finish_trajectory(trajectory_id, "finished", reward=reward)
+            if environment is None:
+                reward, turn_rewards = await self.score(task, answer), None
+            self.pool.finish_trajectory(trajectory_id, "finished", reward=reward,
+                                        turn_rewards=turn_rewards)
             return reward
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
         final = status if status == "aborted_infra" else ("aborted" if redispatch else "failed")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from forgerl.gateway.app import Gateway, GatewayServer
     from forgerl.metrics import MetricsLogger
     from forgerl.scheduler.policies import Scheduler
+    from forgerl.tasks.base import Environment
     from forgerl.trainer.samples import TrainingSample
     from forgerl.trainer.trainer import Trainer
     from forgerl.trainer.weight_sync import WeightSync
@@ -85,6 +86,11 @@ class Services(Rollouts):
     """The [warmstart] demonstrations as samples (`controller.warmstart.load_demos`)."""
     entropy_watch: EntropyWatch | None = None
     """The entropy collapse warning (`trainer.entropy_floor`); built at the first step."""
+    environments: dict[str, Environment] = field(default_factory=dict)
+    """Per [[domains]] name ("" for [tasks]): its environment (forgerl/tasks/), started; absent
+    for reasoning-gym and task-file domains."""
+    env_seconds: float = 0.0
+    """Seconds spent in environments (resets, tool calls, tests, closes), all rollouts."""
 
     async def train(self, task_indices: list[int]) -> dict[str, float]:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving).

@@ -39,6 +39,7 @@ from forgerl.datapool.sqlite import SQLitePool
 from forgerl.metrics import MetricsLogger
 from forgerl.rewards.scoring import submit
 from forgerl.scheduler.policies import Scheduler
+from forgerl.tasks.sources import build_environment
 from forgerl.trainer.checkpoint import checkpoint_step
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,10 @@ async def start_services(config: Config, agent: Agent | None = None,
     and the command agents' fork servers start first, so their imports run beside this
     process's. Raises ConfigError (one line naming the field) for a config that cannot run.
     """
-    task_sets = asyncio.wrap_future(submit(make_task_sets, config))
+    sections = [d.tasks for d in config.domains] or [config.tasks]
+    task_sets = (asyncio.wrap_future(submit(make_task_sets, config))
+                 if all(t.source in ("reasoning_gym", "file") for t in sections)  # in a thread:
+                 else asyncio.ensure_future(asyncio.to_thread(make_task_sets, config)))  # servers
     reaper, locks = Reaper(), []  # locks: RUN_DIR/.lock, once the config is known to be good
     forkservers = _start_forkservers(config, agent, training, reaper)
     await asyncio.sleep(0)  # each start runs up to its process's spawn
@@ -152,6 +156,12 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         trainer.domain_of = services.domain_of
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
+    if training:  # the environments of the run's domains (forgerl/tasks/), started
+        sections = [(d.name, d.tasks) for d in config.domains] or [("", config.tasks)]
+        for name, tasks_cfg in sections:
+            if (environment := build_environment(tasks_cfg)) is not None:
+                services.environments[name] = environment
+                await environment.start()
     return services, cluster
 
 
@@ -187,6 +197,9 @@ async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
             task.cancel()
         await asyncio.gather(*s.rollouts.values(), return_exceptions=True)
         await s.server.stop()
+        for environment in s.environments.values():
+            with contextlib.suppress(Exception):  # one environment's failed stop stops no other
+                await environment.stop()
         await s.engine.close()
         s.logger.close()
         s.pool.close()

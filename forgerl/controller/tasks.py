@@ -1,12 +1,14 @@
 """The run's task sets: training tasks in queue order and held-out tasks, from [tasks] or the
-[[domains]] mix (reasoning-gym datasets or a task file). `start_services` generates them in
-the reward fork server's child (`scoring.submit`) while the policy loads.
+[[domains]] mix (reasoning-gym datasets, a task file, or an environment: forgerl/tasks/).
+`start_services` generates them in the reward fork server's child (`scoring.submit`) while the
+policy loads.
 """
 
 from __future__ import annotations
 
 from forgerl.config import Config, ConfigError, TasksConfig
 from forgerl.rewards.reasoning_gym import make_tasks
+from forgerl.tasks.sources import build_environment
 
 
 def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
@@ -35,20 +37,27 @@ def make_task_sets(config: Config) -> tuple[list[dict], list[dict]]:
 
 
 def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dict], list[dict]]:
-    def generate(size: int, seed: int) -> list[dict]:
+    try:
+        environment = build_environment(t)
+    except ValueError as e:
+        raise ConfigError(f"{where}.source: {e}") from None
+
+    def generate(size: int, seed: int, split: str) -> list[dict]:
         try:
-            tasks = make_tasks(t.dataset, size, seed, **t.params)
-        except (AssertionError, TypeError, ValueError, KeyError) as e:
-            field = (f"{where}.dataset" if "not registered" in str(e) or "task file" in str(e)
-                     else f"{where}.params")
+            tasks = (make_tasks(t.dataset, size, seed, **t.params) if environment is None
+                     else environment.tasks(split, size, seed))  # type: ignore[arg-type]
+        except (AssertionError, TypeError, ValueError, KeyError, OSError) as e:
+            named = "not registered" in str(e) or "task file" in str(e)
+            field = (f"{where}.env" if environment is not None and not isinstance(e, TypeError)
+                     else f"{where}.dataset" if named else f"{where}.params")
             message = (str(e).splitlines() or [""])[0] or type(e).__name__
-            raise ConfigError(f"{field}: {message} (dataset {t.dataset!r}, params "
-                              f"{t.params})") from None
+            what = f"dataset {t.dataset!r}" if environment is None else f"env {t.env!r}"
+            raise ConfigError(f"{field}: {message} ({what}, params {t.params})") from None
         return tasks if domain is None else [{**task, "domain": domain} for task in tasks]
 
-    held_out = generate(t.eval_size, t.seed + 1_000_003) if t.eval_size else []
+    held_out = generate(t.eval_size, t.seed + 1_000_003, "eval") if t.eval_size else []
     held = {task["question"] for task in held_out}
-    train = [task for task in generate(t.size, t.seed) if task["question"] not in held]
+    train = [task for task in generate(t.size, t.seed, "train") if task["question"] not in held]
     if not train:
         raise ValueError(f"{where}: every training question is also a held-out one; raise "
                          f"{where}.size")

@@ -1,0 +1,75 @@
+"""One rollout of an environment: open the episode, let the built-in tool agent or the run's
+command agent play it, score it, close it; per-call rewards become process rewards on the turn
+that made the call (forgerl/tasks/base.py has the reward rules)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from forgerl.tasks.agent import EpisodeResult
+from forgerl.tasks.base import Environment, EnvironmentError, Episode
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """status: "finished", "failed", "timeout" or "aborted_infra"; reward: the outcome reward
+    (0.0 unless finished); turn_rewards: per recorded turn, or None without per-call rewards;
+    error: why it did not finish; env_seconds: open + tool calls + score + close."""
+
+    status: str
+    reward: float = 0.0
+    turn_rewards: list[float] | None = None
+    error: str | None = None
+    env_seconds: float = 0.0
+
+
+async def run_episode(
+    environment: Environment, task: dict,
+    play: Callable[[Episode], Awaitable[EpisodeResult]],
+    command: Callable[[str | None], Awaitable[tuple[str, str | None, str | None]]],
+    turns: Callable[[], int], sandbox: object = None,
+) -> Outcome:
+    """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
+    `agent` is "tools"); `command(cwd)`: the run's command agent in the episode's workdir, as
+    (status, answer, error); `turns()`: the turns the session recorded, to place per-call
+    rewards (the k-th model call is the k-th turn). An EnvironmentError anywhere makes the
+    rollout "aborted_infra" (stored, never trained)."""
+    episode, env_s, played = None, 0.0, None
+    start = time.monotonic()
+    try:
+        episode = await environment.open(task, sandbox)
+        env_s += time.monotonic() - start
+        if environment.agent == "tools":
+            played = await play(episode)
+            env_s += played.env_seconds
+            if played.status == "failed":
+                return Outcome("failed", error=f"agent failed: {played.error}", env_seconds=env_s)
+            answer, messages = played.answer, played.messages
+        else:
+            status, answer, error = await command(
+                None if episode.workdir is None else str(episode.workdir))
+            if status != "finished":
+                return Outcome(status, error=error, env_seconds=env_s)
+            messages = []
+        scoring = time.monotonic()
+        reward = float(await episode.score(answer, messages))
+        env_s += time.monotonic() - scoring
+    except EnvironmentError as e:
+        return Outcome("aborted_infra", error=f"infrastructure: environment {e}",
+                       env_seconds=env_s)
+    finally:
+        if episode is not None:
+            closing = time.monotonic()
+            with contextlib.suppress(Exception):  # a failed close loses nothing recorded
+                await episode.close()
+            env_s += time.monotonic() - closing
+    n = turns()
+    if played is None or not played.call_rewards or n == 0:
+        return Outcome("finished", reward, env_seconds=env_s)
+    turn_rewards = [0.0] * n
+    for turn, value in played.call_rewards:
+        turn_rewards[min(turn, n - 1)] += value
+    return Outcome("finished", reward, turn_rewards, env_seconds=env_s)
