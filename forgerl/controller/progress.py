@@ -31,7 +31,7 @@ class StepClock:
         self.step_seconds: list[float] = []
         self.acc = "-"
         self.start = time.time()
-        self.tokens, self.env_seconds = 0, 0.0
+        self.tokens, self.env_seconds, self.gen_seconds = 0, 0.0, 0.0
         self.no_signal = 0
         self.waited = self.synced = 0.0
 
@@ -49,7 +49,7 @@ class StepClock:
     def begin(self) -> None:
         """Start timing the RL steps (after the warm start)."""
         self.start, self.no_signal, self.acc, self.tokens = time.time(), 0, "-", 0
-        self.env_seconds = self.s.env_seconds
+        self.env_seconds, self.gen_seconds = self.s.env_seconds, self.engine_seconds()
 
     def batch_ready(self) -> None:
         """The scheduler released a batch: the wait ends here."""
@@ -69,9 +69,10 @@ class StepClock:
 
     def step_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """`metrics` (updated in place and returned) with this step's timing, idle fraction,
-        rollout tokens per second, groups without signal and env_seconds (seconds rollouts
+        rollout tokens per second, groups without signal, env_seconds (seconds rollouts
         spent in environments since the last step, summed over rollouts: with concurrent
-        rollouts it can exceed step_seconds); its `step_seconds` (the trainer's) becomes
+        rollouts it can exceed step_seconds) and generation_seconds (the engine's prefill and
+        decode seconds since the last step); its `step_seconds` (the trainer's) becomes
         train_seconds."""
         seconds, train_seconds = time.time() - self.start, metrics.pop("step_seconds")
         generated = self.s.gateway.counters["completion_tokens"] - self.tokens
@@ -82,8 +83,14 @@ class StepClock:
                     "trainer_idle_fraction": max(0.0, 1 - train_seconds / seconds),
                     "rollout_tokens_per_second": generated / seconds,
                     "groups_without_signal": self.no_signal,
-                    "env_seconds": self.s.env_seconds - self.env_seconds}
+                    "env_seconds": self.s.env_seconds - self.env_seconds,
+                    "generation_seconds": self.engine_seconds() - self.gen_seconds}
         return metrics
+
+    def engine_seconds(self) -> float:
+        """The local engine's prefill + decode seconds so far (0 for engines without them)."""
+        stats = self.s.engine.stats
+        return stats.get("prefill_seconds", 0.0) + stats.get("decode_seconds", 0.0)
 
     def step_done(self, step: int, metrics: dict[str, Any]) -> None:
         """Show the logged step on the bar, then start timing the next one."""
@@ -97,7 +104,7 @@ class StepClock:
                         agent=agent_summary(metrics))
         self.start, self.no_signal = time.time(), 0
         self.tokens = self.s.gateway.counters["completion_tokens"]
-        self.env_seconds = self.s.env_seconds
+        self.env_seconds, self.gen_seconds = self.s.env_seconds, self.engine_seconds()
 
 
 def check_signal_streak(groups: int, k: int, metrics: dict[str, Any]) -> None:
