@@ -148,6 +148,18 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ItemIds:
+    """Token ids a client sent back on an assistant reply (NeMo-Gym's Responses items): the
+    `prompt_ids` and `generation_ids` of the call that answered `messages[index]`. `param`:
+    where they came from (e.g. "input.3"), for errors and notes (`Session.plan`)."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    generation_ids: tuple[int, ...]
+    param: str
+
+
+@dataclass(frozen=True)
 class Conversation:
     """One model call in the internal form: the conversation so far and how to continue it.
 
@@ -178,6 +190,9 @@ class Conversation:
     template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Variables for the model's chat template (chat `chat_template_kwargs`, e.g.
     `{"enable_thinking": false}`), over the gateway's `[gateway] chat_template_kwargs`."""
+    item_ids: ItemIds | None = None
+    """The ids the latest assistant reply carried back (Responses `prompt_token_ids` and
+    `generation_token_ids`), None when none did."""
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

@@ -32,10 +32,11 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from forgerl.gateway.conversation import Message, Tool
+from forgerl.gateway.conversation import ItemIds, Message, Tool
+from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.renderers.renderer import Renderer, call_arguments
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,13 @@ def matches(rules: Sequence[re.Pattern[str]], messages: Sequence[Message]) -> bo
 
 @dataclass(frozen=True)
 class PromptPlan:
-    """The prompt ids for a request and how they were built."""
+    """The prompt ids for a request and how they were built. note: what became of the ids a
+    client sent back (`Session.item_plan`), None when they agree with the record or none came."""
 
     prompt_ids: list[int]
     parent: int | None
     extends_previous: bool
+    note: str | None = None
 
 
 @dataclass
@@ -142,13 +145,44 @@ class Session:
     that then fails is an infrastructure abort (`agents.runner.infra_cause`)."""
     """A prompt of this session became a new trace because the template rewrote a turn."""
 
-    def plan(
-        self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
-    ) -> PromptPlan:
-        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix.
+    def plan(self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer,
+             item: ItemIds | None = None) -> PromptPlan:
+        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix, and
+        the ids a client sent back on a reply (`item`) as `item_plan` rules.
 
         The prompt always ends with the assistant generation header (CASES.md C03).
         """
+        own = self._recorded(messages, tools, renderer)
+        return own if item is None else self.item_plan(own, item, messages, tools, renderer)
+
+    def item_plan(self, own: PromptPlan, item: ItemIds, messages: Sequence[Message],
+                  tools: Sequence[Tool], renderer: Renderer) -> PromptPlan:
+        """The rule for ids sent back on reply `messages[item.index]` (NeMo-Gym's token
+        contract). This session's record wins when a recorded turn covers that reply or a later
+        one (`own` extends it); ids that differ from it are noted. Otherwise the item's ids are
+        the record: prompt = its prompt + generation ids + the renderer's continuation, parent
+        the turn with exactly those ids (None: a new trace, no prefix miss); a template that
+        rewrites earlier turns leaves `own`, noted. Raises GatewayError 400 for an id outside
+        the vocabulary."""
+        sent = [*item.prompt_ids, *item.generation_ids]
+        if bad := [i for i in sent if not 0 <= i < len(renderer.tokenizer)][:1]:
+            raise GatewayError(400, f"{item.param}: token id {bad[0]} is outside the "
+                               "vocabulary", "invalid_value", item.param)
+        if own.parent is not None and (n := len(self.turns[own.parent].messages)) >= item.index:
+            turn = self.turns[own.parent]
+            full = turn.prompt_ids + turn.completion_ids
+            same = full[: len(sent)] == sent and (n > item.index or len(full) == len(sent))
+            return own if same else replace(own, note=f"session record ({item.param} differs)")
+        tail = renderer.continuation(messages[: item.index + 1], messages[item.index + 1:],
+                                     tools, list(item.generation_ids))
+        if tail is None:
+            return replace(own, note=f"{item.param} unused (the template rewrites turns)")
+        parent = next((i for i in range(len(self.turns) - 1, -1, -1)
+                       if self.turns[i].prompt_ids + self.turns[i].completion_ids == sent), None)
+        return PromptPlan(sent + tail, parent, True, f"from {item.param}")
+
+    def _recorded(self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
+                  ) -> PromptPlan:
         keys = [message_key(m) for m in messages]
         for index in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[index]
