@@ -149,9 +149,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ItemIds:
-    """Token ids a client sent back on an assistant reply (NeMo-Gym's Responses items): the
-    `prompt_ids` and `generation_ids` of the call that answered `messages[index]`. `param`:
-    where they came from (e.g. "input.3"), for errors and notes (`Session.plan`)."""
+    """Ids a client sent back (NeMo-Gym) as those of the call that answered `messages[index]`;
+    `param`: where they came from (e.g. "input.3")."""
 
     index: int
     prompt_ids: tuple[int, ...]
@@ -191,8 +190,7 @@ class Conversation:
     """Variables for the model's chat template (chat `chat_template_kwargs`, e.g.
     `{"enable_thinking": false}`), over the gateway's `[gateway] chat_template_kwargs`."""
     item_ids: ItemIds | None = None
-    """The ids the latest assistant reply carried back (Responses `prompt_token_ids` and
-    `generation_token_ids`), None when none did."""
+    """The ids the latest reply carried back (Responses items), if any: `Session.item_plan`."""
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

@@ -147,23 +147,18 @@ class Session:
 
     def plan(self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer,
              item: ItemIds | None = None) -> PromptPlan:
-        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix, and
-        the ids a client sent back on a reply (`item`) as `item_plan` rules.
-
-        The prompt always ends with the assistant generation header (CASES.md C03).
-        """
+        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix (and
+        ids sent back, `item_plan`). It always ends with the generation header (CASES.md C03)."""
         own = self._recorded(messages, tools, renderer)
         return own if item is None else self.item_plan(own, item, messages, tools, renderer)
 
     def item_plan(self, own: PromptPlan, item: ItemIds, messages: Sequence[Message],
                   tools: Sequence[Tool], renderer: Renderer) -> PromptPlan:
-        """The rule for ids sent back on reply `messages[item.index]` (NeMo-Gym's token
-        contract). This session's record wins when a recorded turn covers that reply or a later
-        one (`own` extends it); ids that differ from it are noted. Otherwise the item's ids are
-        the record: prompt = its prompt + generation ids + the renderer's continuation, parent
-        the turn with exactly those ids (None: a new trace, no prefix miss); a template that
-        rewrites earlier turns leaves `own`, noted. Raises GatewayError 400 for an id outside
-        the vocabulary."""
+        """Ids sent back on reply `messages[item.index]` (NeMo-Gym): a recorded turn covering
+        it or a later reply wins (`own`; differing ids noted). Else they are the record: their
+        prompt + generation ids + the continuation, parent the turn with exactly those ids
+        (None: a new trace, no miss); `own` when the template rewrites turns (noted). Raises
+        GatewayError 400 for an id outside the vocabulary."""
         sent = [*item.prompt_ids, *item.generation_ids]
         if bad := [i for i in sent if not 0 <= i < len(renderer.tokenizer)][:1]:
             raise GatewayError(400, f"{item.param}: token id {bad[0]} is outside the "

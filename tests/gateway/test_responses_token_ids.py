@@ -108,7 +108,7 @@ def test_foreign_ids_are_the_record_when_the_session_has_none(serve):
     (a,), (b,) = (srv.pool.get_trajectory(t).completions for t in (tid_a, tid_b))
     r = srv.renderer
     tail = [*r.newline_ids, *r.render_turns([Message("user", "again")]), *r.generation_prompt_ids]
-    assert b.prompt_ids == a.prompt_ids + [259, 261, end] + tail and 262 not in b.prompt_ids
+    assert b.prompt_ids == [*a.prompt_ids, 259, 261, end, *tail] and 262 not in b.prompt_ids
     assert b.extends_previous and b.request["token_ids"] == "from input.1"
     assert srv.gateway.counters["item_token_ids"] == 1
     assert srv.gateway.counters["prefix_misses"] == 0
@@ -118,7 +118,7 @@ def test_ids_that_differ_from_the_record_lose_to_it(serve, tokenizer):
     srv = with_ids(serve, tokenizer, [CALL, "It is sunny."])
     tid, key = srv.session()
     (call,) = post(srv, key, {"input": [USER], "tools": [FLAT]}).json()["output"]
-    forged = {**call, "generation_token_ids": call["generation_token_ids"][:-2] + [65, 2]}
+    forged = {**call, "generation_token_ids": [*call["generation_token_ids"][:-2], 65, 2]}
     assert post(srv, key, {"input": [USER, forged, tool_output(call)],
                            "tools": [FLAT]}).status_code == 200
     first, rec = srv.pool.get_trajectory(tid).completions

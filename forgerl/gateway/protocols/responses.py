@@ -19,9 +19,7 @@ recorded turn and its ids are reused (TITO). What the gateway does with each req
 field in no row is kept (a 400 under `[gateway] strict`). Tools other than functions (hosted
 tools such as web_search, namespaces, mcp, custom) are left out of the rendering and counted;
 other tool_choice types, non-text parts and other item types are refused here.
-NeMo-Gym's token contract: under `[gateway] responses_token_ids` a reply's last output item
-carries `prompt_token_ids`, `generation_token_ids` and `generation_log_probs` (`_output`); sent
-back on an assistant-side input item, they are taken as `Session.item_plan` rules.
+NeMo-Gym's token ids on items: out as `_output` says, back in as `Session.item_plan` rules.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ class Item(Loose):
     arguments: str | None = None
     output: str | list[Part] | None = None
     summary: list[Part] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = Field(None, min_length=1)
     generation_token_ids: list[int] | None = None
     generation_log_probs: list[float] | None = None
 
@@ -202,26 +200,22 @@ def _assistant(out: list[Message], content: str = "", calls: tuple[ToolCall, ...
     out.append(Message("assistant", content, calls, reasoning=reasoning))
 
 
-def _sent_ids(it: Item, where: str, index: int) -> ItemIds:
+def _sent_ids(it: Item, where: str) -> ItemIds:
     """The token ids on an assistant-side item (NeMo-Gym); 400 naming a missing or bad one."""
+    if it.type == "function_call_output" or (it.type == "message" and it.role != "assistant"):
+        raise unsupported(f"{where}.prompt_token_ids", "token ids come back on replies only")
     prompt = _need(it.prompt_token_ids, f"{where}.prompt_token_ids")
     generated = _need(it.generation_token_ids, f"{where}.generation_token_ids")
-    if not prompt:
-        raise GatewayError(400, f"{where}.prompt_token_ids: must not be empty",
-                           "invalid_value", f"{where}.prompt_token_ids")
-    lps = it.generation_log_probs
-    if lps is not None and len(lps) != len(generated):
-        raise GatewayError(400, f"{where}.generation_log_probs: {len(lps)} logprobs for "
-                           f"{len(generated)} generation_token_ids", "invalid_value",
-                           f"{where}.generation_log_probs")
-    return ItemIds(index, tuple(prompt), tuple(generated), where)
+    if (lps := it.generation_log_probs) is not None and len(lps) != len(generated):
+        raise GatewayError(400, f"{where}.generation_log_probs: {len(lps)} for {len(generated)} "
+                           "ids", "invalid_value", f"{where}.generation_log_probs")
+    return ItemIds(-1, tuple(prompt), tuple(generated), where)
 
 
 def _messages(items: str | list[Item], known: set[str]
               ) -> tuple[list[Message], ItemIds | None]:
-    """Input items as messages, and the token ids the latest assistant-side item carrying them
-    sent back (index into the messages); `known`: call ids a function_call_output may answer
-    (grows)."""
+    """Input items as messages, and the ids the latest item carrying them sent back (`index`:
+    its message's); `known`: call ids a function_call_output may answer (grows)."""
     if isinstance(items, str):
         return [Message("user", items)], None
     out: list[Message] = []
@@ -229,11 +223,7 @@ def _messages(items: str | list[Item], known: set[str]
     for i, it in enumerate(items):
         where = f"input.{i}"
         if it.prompt_token_ids is not None or it.generation_token_ids is not None:
-            if it.type == "function_call_output" or (it.type == "message"
-                                                     and it.role != "assistant"):
-                raise unsupported(f"{where}.prompt_token_ids", "token ids are taken back on "
-                                  "assistant replies only (message, function_call, reasoning)")
-            sent = _sent_ids(it, where, -1)
+            sent = _sent_ids(it, where)
         if it.type == "message":
             role = _need(it.role, f"{where}.role")
             text = _text(_need(it.content, f"{where}.content"), f"{where}.content")
@@ -325,9 +315,8 @@ def parse(raw: bytes, session: Session, strict: bool = False
 
 def _output(rid: str, c: Choice, token_ids: bool = False) -> list[dict[str, Any]]:
     """The output items of a reply: reasoning, message (text, or nothing beside tool calls),
-    function calls; ids derived from the response id. `token_ids` (and a token-exact record):
-    the last item carries the call's recorded prompt ids, sampled ids and their logprobs, as
-    NeMo-Gym's vLLM model server puts them (`[gateway] responses_token_ids`)."""
+    function calls; ids derived from the response id. `token_ids`: the last one carries the
+    token-exact record's ids and logprobs, as NeMo-Gym's vLLM model server does."""
     tag, status = rid[5:], "incomplete" if c.finish_reason == "length" else "completed"
     items: list[dict[str, Any]] = []
     if (reply := c.reply).reasoning is not None:
@@ -342,16 +331,14 @@ def _output(rid: str, c: Choice, token_ids: bool = False) -> list[dict[str, Any]
                "name": call.name, "arguments": call.arguments, "status": status}
               for j, call in enumerate(reply.tool_calls)]
     if token_ids and (rec := c.completion).token_exact:
-        items[-1] |= {"prompt_token_ids": rec.prompt_ids,
-                      "generation_token_ids": rec.completion_ids,
-                      "generation_log_probs": rec.logprobs}
+        items[-1] |= {"prompt_token_ids": rec.prompt_ids, "generation_token_ids":
+                      rec.completion_ids, "generation_log_probs": rec.logprobs}
     return items
 
 
 def response_json(req: ResponsesRequest, rid: str, result: Result | None,
                   started_at: float = 0.0, token_ids: bool = False) -> dict[str, Any]:
-    """A `response` object; `result` None: the in-progress shell a stream opens with
-    (`token_ids`: see `_output`)."""
+    """A `response` object; `result` None: the in-progress shell a stream opens with."""
     c = result.choices[0] if result else None
     incomplete = c is not None and c.finish_reason == "length"
     p, n = (result.prompt_tokens, result.completion_tokens) if result else (0, 0)
@@ -388,7 +375,7 @@ async def stream_events(req: ResponsesRequest, session: Session,
     then response.completed (or .incomplete) with usage. output_index is the order items opened
     (generation order: a message opened after a call follows it in `output` too); the final
     items equal the plain call's; sequence_number counts from 0 (`seq`, shared with
-    `respond_stream`'s error event); `token_ids`: see `_output` (the final items carry them)."""
+    `respond_stream`'s error event)."""
     rid, seq, opened = new_id(req), seq or itertools.count(), {}  # opened: id -> output_index
     msg, rs = f"msg_{rid[5:]}", f"rs_{rid[5:]}"
 
@@ -464,8 +451,7 @@ def _logprobs(lps: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
 def respond(req: ResponsesRequest, session: Session, result: Result, token_ids: bool = False
             ) -> JSONResponse:
     """The `response` object answering a plain call `Gateway.complete` recorded on `session`;
-    its id names the recorded turn (`store: false`: an id naming nothing); `token_ids`: see
-    `_output`."""
+    its id names the recorded turn (`store: false`: an id naming nothing)."""
     rid = new_id(req)
     bind(req, session, rid, result)
     return JSONResponse(response_json(req, rid, result, token_ids=token_ids))
