@@ -183,6 +183,11 @@ class GatewayConfig(_Section):
         if self.model_name in self.untrained_models:
             raise ValueError(f"untrained_models names model_name ({self.model_name!r})")
         return self
+    responses_token_ids: bool = False
+    """NeMo-Gym's token contract on /v1/responses (its vLLM model server's
+    `return_token_id_information`): each reply's last output item carries the call's recorded
+    `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`. Ids sent back on
+    input items are taken whatever this says (docs/environments/nemo-gym.md)."""
     admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
     """The key POST /v1/sessions and the reward endpoint need (`Authorization: Bearer
     <admin_key>`, else 401); the sessions' own keys authenticate model calls. None: a random

@@ -25,7 +25,8 @@ BUDGETS: dict[str, int] = {
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 1_605,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_490,  # +380 (issue 47): five family tool-call formats, reasoning split + stream;
+    "gateway": 5_561,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
+    # +380 (issue 47): five family tool-call formats, reasoning split + stream;
     # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
     # /metrics), C22/C26; +105 (issue 47): untokenized answers (C01), canonical tool schemas
@@ -39,7 +40,8 @@ BUDGETS: dict[str, int] = {
     "trainer": 2_015,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
-    "core": 2_035,  # +30 (issue 48): [tasks] source, env, python;  # top-level modules: types, config, ...; +80 (issue 46): trace settings,
+    "core": 2_040,  # +30 (issue 48): [tasks] source, env, python; +5: [gateway] responses_token_ids;
+    # top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),
     # GenerateOutput.text and Completion.check (C01); [gateway] chat_template_kwargs

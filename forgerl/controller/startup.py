@@ -137,6 +137,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                       loopback_sessions=gc.admin_key is None,
                       session_idle_timeout_s=config.gateway.session_idle_timeout_s,
                       untrained_models=frozenset(gc.untrained_models),
+                      responses_token_ids=gc.responses_token_ids,
                       untrained_traces=tuple(map(re.compile, gc.untrained_traces)),
                       template_kwargs=dict(gc.chat_template_kwargs))
     log = gc.request_log if isinstance(gc.request_log, str) else (

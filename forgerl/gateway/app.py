@@ -185,10 +185,11 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
         req, conversation = responses.parse(await request.body(), session, gateway.strict)
         if req.stream:
             return noted(responses.respond_stream(req, session, gateway.stream(
-                session, conversation)), conversation)
+                session, conversation), gateway.responses_token_ids), conversation)
         result = await unless_disconnected(request, gateway.complete(session, conversation),
                                            gateway.counters)
-        return noted(responses.respond(req, session, result), conversation)
+        return noted(responses.respond(req, session, result, gateway.responses_token_ids),
+                     conversation)
 
 
 def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:

@@ -148,6 +148,17 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ItemIds:
+    """Ids a client sent back (NeMo-Gym) as those of the call that answered `messages[index]`;
+    `param`: where they came from (e.g. "input.3")."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    generation_ids: tuple[int, ...]
+    param: str
+
+
+@dataclass(frozen=True)
 class Conversation:
     """One model call in the internal form: the conversation so far and how to continue it.
 
@@ -178,6 +189,8 @@ class Conversation:
     template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Variables for the model's chat template (chat `chat_template_kwargs`, e.g.
     `{"enable_thinking": false}`), over the gateway's `[gateway] chat_template_kwargs`."""
+    item_ids: ItemIds | None = None
+    """The ids the latest reply carried back (Responses items), if any: `Session.item_plan`."""
 
     def param(self, name: str) -> str:
         """The client's name for internal field `name` (for error `param`s)."""

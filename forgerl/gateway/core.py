@@ -80,7 +80,9 @@ class Gateway:
     dropped from the record), sessions_expired (HTTP sessions closed after
     `session_idle_timeout_s` without a call), context_overflows (calls refused because the
     session's context outgrew max_model_len), untokenized_replies (engine answers without
-    token ids, recorded as context only: record.build_choices).
+    token ids, recorded as context only: record.build_choices), item_token_ids (calls whose
+    sent-back Responses token ids built the prompt, differed from the record or could not be
+    used: `Session.item_plan`, noted as the completion's `request.token_ids`).
     """
 
     renderer: Renderer
@@ -118,13 +120,17 @@ class Gateway:
     untrained_models: frozenset[str] = frozenset()
     """More served model names: a call naming one is served by the same policy and recorded
     untrained, in a trace of its own (`Session.place`)."""
+    responses_token_ids: bool = False
+    """`[gateway] responses_token_ids`: each /v1/responses reply's last output item carries its
+    call's `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (NeMo-Gym)."""
     untrained_traces: tuple[re.Pattern[str], ...] = ()
     """A trace whose opening one of these finds (`sessions.matches`) is recorded untrained."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "traces",
              "tool_parse_errors", "engine_errors", "client_disconnects", "tokens_after_stop",
-             "sessions_expired", "context_overflows", "untokenized_replies"), 0
+             "sessions_expired", "context_overflows", "untokenized_replies",
+             "item_token_ids"), 0
         )
     )
 
@@ -237,7 +243,7 @@ class Gateway:
         """The length of the prompt ids the next call of `conv` would send (recorded ids
         reused, prefill included); nothing recorded. Raises GatewayError as `check`."""
         tools = self.check(conv)
-        plan = session.plan(conv.messages, tools, self.renderer_for(conv))
+        plan = session.plan(conv.messages, tools, self.renderer_for(conv), conv.item_ids)
         prefill = self.renderer.encode(self.prefill(conv))
         return len(plan.prompt_ids) + len(prefill)
 
@@ -247,7 +253,10 @@ class Gateway:
         prepare.sampling_params, prepare.build_call). Nothing is dispatched or recorded."""
         tools, renderer = self.check(conv), self.renderer_for(conv)
         if plan is None:
-            plan = session.plan(conv.messages, tools, renderer)
+            plan = session.plan(conv.messages, tools, renderer, conv.item_ids)
+        if plan.note:  # sent-back ids used, overruled or unusable: said in the record
+            conv.request["token_ids"] = plan.note
+            self.counters["item_token_ids"] += 1
         prefix = self.prefill(conv)
         call = build_call(session, conv, tools, plan, prefix, renderer, self.engine,
                           self.temperature, self.max_tokens)

@@ -45,7 +45,8 @@ COUNTERS = {
     "client_disconnects": "calls cancelled because their client went away",
     "tokens_after_stop": "sampled tokens past a stop string, dropped from the record",
     "sessions_expired": "HTTP sessions closed after session_idle_timeout_s without a call",
-    "untokenized_replies": "engine answers without token ids, recorded as context only"}
+    "untokenized_replies": "engine answers without token ids, recorded as context only",
+    "item_token_ids": "calls whose sent-back Responses token ids were used or overruled"}
 """Help text of the core's counters (`core.Gateway.counters`); any other key is exported too."""
 
 

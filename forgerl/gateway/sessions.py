@@ -32,10 +32,11 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from forgerl.gateway.conversation import Message, Tool
+from forgerl.gateway.conversation import ItemIds, Message, Tool
+from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.renderers.renderer import Renderer, call_arguments
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,13 @@ def matches(rules: Sequence[re.Pattern[str]], messages: Sequence[Message]) -> bo
 
 @dataclass(frozen=True)
 class PromptPlan:
-    """The prompt ids for a request and how they were built."""
+    """The prompt ids for a request and how they were built. note: what became of the ids a
+    client sent back (`Session.item_plan`), None when they agree with the record or none came."""
 
     prompt_ids: list[int]
     parent: int | None
     extends_previous: bool
+    note: str | None = None
 
 
 @dataclass
@@ -142,13 +145,39 @@ class Session:
     that then fails is an infrastructure abort (`agents.runner.infra_cause`)."""
     """A prompt of this session became a new trace because the template rewrote a turn."""
 
-    def plan(
-        self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
-    ) -> PromptPlan:
-        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix.
+    def plan(self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer,
+             item: ItemIds | None = None) -> PromptPlan:
+        """Prompt ids for `messages`, reusing recorded ids when a turn is a true prefix (and
+        ids sent back, `item_plan`). It always ends with the generation header (CASES.md C03)."""
+        own = self._recorded(messages, tools, renderer)
+        return own if item is None else self.item_plan(own, item, messages, tools, renderer)
 
-        The prompt always ends with the assistant generation header (CASES.md C03).
-        """
+    def item_plan(self, own: PromptPlan, item: ItemIds, messages: Sequence[Message],
+                  tools: Sequence[Tool], renderer: Renderer) -> PromptPlan:
+        """Ids sent back on reply `messages[item.index]` (NeMo-Gym): a recorded turn covering
+        it or a later reply wins (`own`; differing ids noted). Else they are the record: their
+        prompt + generation ids + the continuation, parent the turn with exactly those ids
+        (None: a new trace, no miss); `own` when the template rewrites turns (noted). Raises
+        GatewayError 400 for an id outside the vocabulary."""
+        sent = [*item.prompt_ids, *item.generation_ids]
+        if bad := [i for i in sent if not 0 <= i < len(renderer.tokenizer)][:1]:
+            raise GatewayError(400, f"{item.param}: token id {bad[0]} is outside the "
+                               "vocabulary", "invalid_value", item.param)
+        if own.parent is not None and (n := len(self.turns[own.parent].messages)) >= item.index:
+            turn = self.turns[own.parent]
+            full = turn.prompt_ids + turn.completion_ids
+            same = full[: len(sent)] == sent and (n > item.index or len(full) == len(sent))
+            return own if same else replace(own, note=f"session record ({item.param} differs)")
+        tail = renderer.continuation(messages[: item.index + 1], messages[item.index + 1:],
+                                     tools, list(item.generation_ids))
+        if tail is None:
+            return replace(own, note=f"{item.param} unused (the template rewrites turns)")
+        parent = next((i for i in range(len(self.turns) - 1, -1, -1)
+                       if self.turns[i].prompt_ids + self.turns[i].completion_ids == sent), None)
+        return PromptPlan(sent + tail, parent, True, f"from {item.param}")
+
+    def _recorded(self, messages: Sequence[Message], tools: Sequence[Tool], renderer: Renderer
+                  ) -> PromptPlan:
         keys = [message_key(m) for m in messages]
         for index in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[index]

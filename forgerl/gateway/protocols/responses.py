@@ -19,11 +19,13 @@ recorded turn and its ids are reused (TITO). What the gateway does with each req
 field in no row is kept (a 400 under `[gateway] strict`). Tools other than functions (hosted
 tools such as web_search, namespaces, mcp, custom) are left out of the rendering and counted;
 other tool_choice types, non-text parts and other item types are refused here.
+NeMo-Gym's token ids on items: out as `_output` says, back in as `Session.item_plan` rules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import uuid
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forgerl.gateway.conversation import (
     Conversation,
     ForcedTool,
+    ItemIds,
     Message,
     Sampling,
     Tool,
@@ -72,6 +75,9 @@ class Item(Loose):
     arguments: str | None = None
     output: str | list[Part] | None = None
     summary: list[Part] | None = None
+    prompt_token_ids: list[int] | None = Field(None, min_length=1)
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
 
 
 class FunctionTool(Loose):
@@ -194,13 +200,30 @@ def _assistant(out: list[Message], content: str = "", calls: tuple[ToolCall, ...
     out.append(Message("assistant", content, calls, reasoning=reasoning))
 
 
-def _messages(items: str | list[Item], known: set[str]) -> list[Message]:
-    """Input items as messages; `known`: call ids a function_call_output may answer (grows)."""
+def _sent_ids(it: Item, where: str) -> ItemIds:
+    """The token ids on an assistant-side item (NeMo-Gym); 400 naming a missing or bad one."""
+    if it.type == "function_call_output" or (it.type == "message" and it.role != "assistant"):
+        raise unsupported(f"{where}.prompt_token_ids", "token ids come back on replies only")
+    prompt = _need(it.prompt_token_ids, f"{where}.prompt_token_ids")
+    generated = _need(it.generation_token_ids, f"{where}.generation_token_ids")
+    if (lps := it.generation_log_probs) is not None and len(lps) != len(generated):
+        raise GatewayError(400, f"{where}.generation_log_probs: {len(lps)} for {len(generated)} "
+                           "ids", "invalid_value", f"{where}.generation_log_probs")
+    return ItemIds(-1, tuple(prompt), tuple(generated), where)
+
+
+def _messages(items: str | list[Item], known: set[str]
+              ) -> tuple[list[Message], ItemIds | None]:
+    """Input items as messages, and the ids the latest item carrying them sent back (`index`:
+    its message's); `known`: call ids a function_call_output may answer (grows)."""
     if isinstance(items, str):
-        return [Message("user", items)]
+        return [Message("user", items)], None
     out: list[Message] = []
+    sent = None
     for i, it in enumerate(items):
         where = f"input.{i}"
+        if it.prompt_token_ids is not None or it.generation_token_ids is not None:
+            sent = _sent_ids(it, where)
         if it.type == "message":
             role = _need(it.role, f"{where}.role")
             text = _text(_need(it.content, f"{where}.content"), f"{where}.content")
@@ -226,7 +249,9 @@ def _messages(items: str | list[Item], known: set[str]) -> list[Message]:
         else:
             raise unsupported(f"{where}.type", f"input item {it.type!r} is not supported (message, "
                               "function_call, function_call_output, reasoning are)")
-    return out
+        if sent is not None and sent.param == where:
+            sent = dataclasses.replace(sent, index=len(out) - 1)
+    return out, sent
 
 
 def _tools(req: ResponsesRequest, notes: dict[str, Any], strict: bool) -> tuple[Tool, ...]:
@@ -262,8 +287,11 @@ def to_conversation(req: ResponsesRequest, session: Session, strict: bool = Fals
     stored = previous_context(session, req.previous_response_id) if req.previous_response_id \
         else []
     known = {c.id for m in stored for c in m.tool_calls}
-    msgs = _join(stored, _messages(req.input, known))
+    new, sent = _messages(req.input, known)
+    msgs = _join(stored, new)
     msgs[:0] = [Message("system", req.instructions)] if req.instructions else []
+    if sent is not None:  # counted from the end: _join drops a head of `new` repeating `stored`
+        sent = dataclasses.replace(sent, index=len(msgs) - len(new) + sent.index)
     if not msgs:
         raise GatewayError(400, "input: at least one item is needed", "invalid_value", "input")
     sampling = Sampling(req.temperature, req.top_p, req.max_output_tokens)
@@ -272,7 +300,7 @@ def to_conversation(req: ResponsesRequest, session: Session, strict: bool = Fals
         req.model, tuple(msgs), tools, _tool_choice(req), req.parallel_tool_calls is not False,
         sampling, 1, "message.output_text.logprobs" in (req.include or ()),
         req.top_logprobs or 0, {"messages": "input", "max_tokens": "max_output_tokens"},
-        noted(notes), template_kwargs(req))
+        noted(notes), template_kwargs(req), sent)
 
 
 def parse(raw: bytes, session: Session, strict: bool = False
@@ -285,9 +313,10 @@ def parse(raw: bytes, session: Session, strict: bool = False
 # ---- Result -> response ---------------------------------------------------------------------
 
 
-def _output(rid: str, c: Choice) -> list[dict[str, Any]]:
+def _output(rid: str, c: Choice, token_ids: bool = False) -> list[dict[str, Any]]:
     """The output items of a reply: reasoning, message (text, or nothing beside tool calls),
-    function calls; ids derived from the response id."""
+    function calls; ids derived from the response id. `token_ids`: the last one carries the
+    token-exact record's ids and logprobs, as NeMo-Gym's vLLM model server does."""
     tag, status = rid[5:], "incomplete" if c.finish_reason == "length" else "completed"
     items: list[dict[str, Any]] = []
     if (reply := c.reply).reasoning is not None:
@@ -301,11 +330,14 @@ def _output(rid: str, c: Choice) -> list[dict[str, Any]]:
     items += [{"id": f"fc_{tag}_{j}", "type": "function_call", "call_id": call.id,
                "name": call.name, "arguments": call.arguments, "status": status}
               for j, call in enumerate(reply.tool_calls)]
+    if token_ids and (rec := c.completion).token_exact:
+        items[-1] |= {"prompt_token_ids": rec.prompt_ids, "generation_token_ids":
+                      rec.completion_ids, "generation_log_probs": rec.logprobs}
     return items
 
 
 def response_json(req: ResponsesRequest, rid: str, result: Result | None,
-                  started_at: float = 0.0) -> dict[str, Any]:
+                  started_at: float = 0.0, token_ids: bool = False) -> dict[str, Any]:
     """A `response` object; `result` None: the in-progress shell a stream opens with."""
     c = result.choices[0] if result else None
     incomplete = c is not None and c.finish_reason == "length"
@@ -318,7 +350,7 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None,
         "status": "in_progress" if c is None else "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "model": req.model, "output": _output(rid, c) if c else [],
+        "model": req.model, "output": _output(rid, c, token_ids) if c else [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "store": req.store is not False,
         "temperature": req.temperature, "top_p": req.top_p,
@@ -332,7 +364,8 @@ def response_json(req: ResponsesRequest, rid: str, result: Result | None,
 
 async def stream_events(req: ResponsesRequest, session: Session,
                         events: AsyncIterator[Started | Delta | Result],
-                        seq: Iterator[int] | None = None) -> AsyncIterator[str]:
+                        seq: Iterator[int] | None = None, token_ids: bool = False
+                        ) -> AsyncIterator[str]:
     """SSE lines as `Gateway.stream` yields. `Started`: response.created, .in_progress.
     Reasoning deltas: the reasoning item added, a reasoning_text.delta each (.done at the end).
     First text delta: the message item's output_item.added + content_part.added; each text delta: an
@@ -391,7 +424,7 @@ async def stream_events(req: ResponsesRequest, session: Session,
                             content_index=0, delta=ev.text, logprobs=_logprobs(ev.logprobs))
             elif isinstance(ev, Result):
                 bind(req, session, rid, ev)
-                final = response_json(req, rid, ev)
+                final = response_json(req, rid, ev, token_ids=token_ids)
                 for item in final["output"]:
                     if item["id"] not in opened:  # a message with no text at all
                         for line in add(item):
@@ -415,16 +448,18 @@ def _logprobs(lps: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
     return [token_json(t) for t in lps or ()]
 
 
-def respond(req: ResponsesRequest, session: Session, result: Result) -> JSONResponse:
+def respond(req: ResponsesRequest, session: Session, result: Result, token_ids: bool = False
+            ) -> JSONResponse:
     """The `response` object answering a plain call `Gateway.complete` recorded on `session`;
     its id names the recorded turn (`store: false`: an id naming nothing)."""
     rid = new_id(req)
     bind(req, session, rid, result)
-    return JSONResponse(response_json(req, rid, result))
+    return JSONResponse(response_json(req, rid, result, token_ids=token_ids))
 
 
 def respond_stream(req: ResponsesRequest, session: Session,
-                   events: AsyncIterator[Started | Delta | Result]) -> EventStream:
+                   events: AsyncIterator[Started | Delta | Result], token_ids: bool = False
+                   ) -> EventStream:
     """The SSE answer of `stream: true`, event by event as `Gateway.stream` samples (a client
     that leaves aborts the engine streams; nothing is recorded then, as for chat). A failure
     after the stream began is an `error` event (type, code, message, param, sequence_number)
@@ -437,4 +472,4 @@ def respond_stream(req: ResponsesRequest, session: Session,
                "error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
         return f"event: error\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    return EventStream(stream_events(req, session, events, seq), failed)
+    return EventStream(stream_events(req, session, events, seq, token_ids), failed)
