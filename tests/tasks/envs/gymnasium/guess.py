@@ -31,4 +31,6 @@ class GuessNumber(gymnasium.Env):
         return ("lower" if guess > self.target else "higher"), -0.1, False, False, {}
 
 
-gymnasium.register("forgerl-test/GuessNumber-v0", entry_point=GuessNumber, max_episode_steps=2)
+if "forgerl-test/GuessNumber-v0" not in gymnasium.registry:  # imported once per adapter
+    gymnasium.register("forgerl-test/GuessNumber-v0", entry_point=GuessNumber,
+                       max_episode_steps=2)
