@@ -33,9 +33,10 @@ class Adapter(Environment):
 
     def tasks(self, split, size, seed):
         key = "dataset" if split == "train" else "eval_dataset"
-        if key not in self.params:
-            raise ValueError(f"params.{key}: required (the resources server's JSONL tasks"
-                             + (")" if split == "train" else "; or set tasks.eval_size = 0)"))
+        for need in dict.fromkeys(("dataset", key)):
+            if need not in self.params:
+                raise ValueError(f"params.{need}: required (the resources server's JSONL tasks"
+                                 + (")" if need == "dataset" else "; or set tasks.eval_size = 0)"))
         path = Path(self.params[key])
         path = path if path.is_absolute() else self.base_dir / path
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
