@@ -97,8 +97,8 @@ class NemoEpisode(Episode):
         response = _response(messages[len(self.prompt):], self.row["responses_create_params"])
         verified = (await self.post("/verify", {**self.row, "response": response})).json()
         if verified.get("mask_sample"):
-            raise EnvironmentError(f"NeMo-Gym /verify masked the sample: "
-                                   f"{verified.get('failure_kind')} {verified.get('failure_reason')}")
+            why = f"{verified.get('failure_kind')} {verified.get('failure_reason')}"
+            raise EnvironmentError(f"NeMo-Gym /verify masked the sample: {why}")
         return float(verified["reward"])
 
     async def close(self):

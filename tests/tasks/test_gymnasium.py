@@ -20,7 +20,7 @@ from ..test_controller import sync, tiny_config
 from .conftest import script_policy
 
 pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed")
-from forgerl.tasks.gymnasium import Adapter  # noqa: E402
+from forgerl.tasks.gymnasium import Adapter
 
 GUESS = str(Path(__file__).parent / "envs" / "gymnasium" / "guess.py")
 ENV_ID = "forgerl-test/GuessNumber-v0"

@@ -11,8 +11,6 @@ from gymnasium import spaces
 
 
 class GuessNumber(gymnasium.Env):
-    metadata = {"render_modes": []}
-
     def __init__(self, actions: str = "text") -> None:
         self.observation_space = spaces.Text(max_length=200, charset=string.printable)
         self.action_space = (spaces.Text(max_length=2, charset=string.digits) if actions == "text"
