@@ -1,7 +1,7 @@
 """Gymnasium text environments (`gymnasium` package, the `gymnasium` extra): `[tasks] env` is a
 registered environment id (`gymnasium.make`; "pkg.module:Name-v0" imports pkg.module first),
 `params` are make's keyword arguments, except `module`: a module (dotted name, or a .py file
-relative to the config file) imported first so that it can call `gymnasium.register`.
+relative to `base_dir`) imported first so that it can call `gymnasium.register`.
 
     task            ─► a reset seed
     reset(seed) obs ─► the prompt (a user message)
