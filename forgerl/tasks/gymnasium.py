@@ -23,7 +23,7 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from forgerl.tasks.base import Environment, Episode, Step
+from forgerl.tasks.base import Environment, EnvironmentError, Episode, Step
 
 TOOL = "step"
 
@@ -52,8 +52,11 @@ class Adapter(Environment):
         await asyncio.to_thread(self._load)
 
     async def open(self, task, sandbox=None):
-        env = await asyncio.to_thread(self._make)
-        obs, _ = await asyncio.to_thread(env.reset, seed=int(task["seed"]))
+        try:
+            env = await asyncio.to_thread(self._make)
+            obs, _ = await asyncio.to_thread(env.reset, seed=int(task["seed"]))
+        except Exception as e:  # the environment's own code failed: not the policy's doing
+            raise EnvironmentError(f"{self.location} reset: {type(e).__name__}: {e}") from e
         return GymEpisode(prompt=[{"role": "user", "content": _text(obs)}],
                           tools=[_tool(env.action_space)], env=env)
 

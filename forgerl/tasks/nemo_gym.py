@@ -95,11 +95,17 @@ class NemoEpisode(Episode):
 
     async def score(self, answer, messages):
         response = _response(messages[len(self.prompt):], self.row["responses_create_params"])
-        verified = (await self.post("/verify", {**self.row, "response": response})).json()
+        reply = await self.post("/verify", {**self.row, "response": response})
+        try:
+            verified = reply.json()
+            reward = float(verified["reward"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise EnvironmentError(f"NeMo-Gym /verify answered no reward ({e}): "
+                                   f"{reply.text[:200]}") from None
         if verified.get("mask_sample"):
             why = f"{verified.get('failure_kind')} {verified.get('failure_reason')}"
             raise EnvironmentError(f"NeMo-Gym /verify masked the sample: {why}")
-        return float(verified["reward"])
+        return reward
 
     async def close(self):
         await self.http.aclose()

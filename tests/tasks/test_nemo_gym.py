@@ -103,6 +103,12 @@ def test_a_masked_sample_and_an_unreachable_server_are_infrastructure_failures(u
         with pytest.raises(EnvironmentError, match="masked the sample: resources_unavailable"):
             await episode.score("done", episode.prompt)
         await episode.close()
+        unverifiable = {**task, "row": {k: v for k, v in task["row"].items()
+                                        if k != "expected_count"}}
+        episode = await Adapter(url, PARAMS, Path.cwd()).open(unverifiable)
+        with pytest.raises(EnvironmentError, match=r"/verify: 422 .*expected_count"):
+            await episode.score("done", episode.prompt)
+        await episode.close()
         with pytest.raises(EnvironmentError, match=r"127\.0\.0\.1:9/seed_session: ConnectError"):
             await Adapter("http://127.0.0.1:9", PARAMS, Path.cwd()).open(task)
 
