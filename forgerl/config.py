@@ -187,7 +187,7 @@ class GatewayConfig(_Section):
     """NeMo-Gym's token contract on /v1/responses (its vLLM model server's
     `return_token_id_information`): each reply's last output item carries the call's recorded
     `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`. Ids sent back on
-    input items are taken whatever this says (docs/environments/nemo-gym.md)."""
+    input items are taken whatever this says (docs/environments/nemo-gym-tokens.md)."""
     admin_key: str | None = Field(None, pattern=r"^[!-~]+$")
     """The key POST /v1/sessions and the reward endpoint need (`Authorization: Bearer
     <admin_key>`, else 401); the sessions' own keys authenticate model calls. None: a random
@@ -319,7 +319,8 @@ class TasksConfig(_Section):
     relative path that exists resolves against the config file's directory."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the reasoning-gym dataset config (e.g. min_terms, max_digits), of
-    the task file's make_tasks, or of the environment (its standard's page says which)."""
+    the task file's make_tasks, or of the environment (its standard's page says which; for an
+    environment, a value naming a file relative to the config file resolves against it)."""
     python: str | None = None
     """The interpreter of the environment's own venv, for a standard whose package cannot
     install beside ForgeRL (verifiers, OpenEnv: `scripts/setup_envs.sh`); default: this one."""
@@ -688,6 +689,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if isinstance(tasks, dict) and isinstance(env := tasks.get("env"), str) and env and (
                 "://" not in env and (base / env).exists()):
             tasks["env"] = str(base / env)
+        if isinstance(tasks, dict) and isinstance(params := tasks.get("params"), dict) and (
+                tasks.get("source") not in (None, "reasoning_gym", "file")):
+            for key, value in params.items():  # a file an environment reads (dataset, module)
+                if isinstance(value, str) and "." in value and (base / value).is_file():
+                    params[key] = str(base / value)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
