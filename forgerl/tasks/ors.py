@@ -49,7 +49,7 @@ class Adapter(Environment):
         """The server's tasks of the split `params.split` ("train") or `params.eval_split`
         ("test"), a seeded sample of up to `size`; "question" is the spec's "question" when it
         is a string, else the spec as sorted JSON. Raises ValueError (one line) when the server
-        cannot be reached or refuses the split."""
+        cannot be reached, refuses the split or has no tasks in it."""
         name, ors_split = self.name, self.params.get(
             "split" if split == "train" else "eval_split", "train" if split == "train" else "test")
         try:
@@ -58,6 +58,9 @@ class Adapter(Environment):
         except Exception as e:
             raise ValueError(f"ORS server {self.location}, environment {name!r}, split "
                              f"{ors_split!r}: {_line(e)}") from None
+        if not listed:
+            raise ValueError(f"ORS server {self.location}, environment {name!r}: split "
+                             f"{ors_split!r} has no tasks")
         order = list(range(len(listed)))
         random.Random(seed).shuffle(order)
         return [{"question": _question(listed[i].task_spec), "ors_env": listed[i].environment_name,

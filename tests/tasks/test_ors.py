@@ -132,6 +132,9 @@ def test_bad_locations_are_one_line_config_errors(tmp_path, server):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"^tasks\.env: .*environment 'nope'.*404"):
         make_task_sets(_config(tmp_path, server, "--tasks.params", '{environment = "nope"}'))
+    with pytest.raises(ConfigError, match=r"^tasks\.env: .*split 'dev': .*400.*'Invalid split'"):
+        make_task_sets(_config(tmp_path, server, "--tasks.params",
+                               '{environment = "calculator", eval_split = "dev"}'))
     with pytest.raises(ConfigError, match=r"^tasks\.params: environment: required"):
         make_task_sets(_config(tmp_path, server, "--tasks.params", "{}"))
     train, held = make_task_sets(_config(tmp_path, server))
