@@ -16,6 +16,7 @@ tool's code raised) is an EnvironmentError, an infrastructure abort.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -80,13 +81,11 @@ class Adapter(Environment):
         session = self.client.environment(self.name).session(task=spec)
         try:
             await session.__aenter__()
-            try:
-                blocks = await session.get_prompt()
-                tools = await session.list_tools(format="openai")
-            except BaseException:
-                await session.__aexit__(None, None, None)
-                raise
+            blocks = await session.get_prompt()
+            tools = await session.list_tools(format="openai")
         except Exception as e:
+            with contextlib.suppress(Exception):  # delete what was created on the server
+                await session.__aexit__(None, None, None)
             raise EnvironmentError(f"ORS server {self.location}: {_line(e)}") from e
         return OrsEpisode(prompt=[{"role": "user", "content": _text(blocks)}],
                           tools=[_chat_tool(t) for t in tools], session=session,

@@ -117,6 +117,10 @@ async def _episode(adapter, task):
     with pytest.raises(EnvironmentError, match="ORS server"):  # the session is gone
         await episode.call("submit", {"answer": task["task_spec"]["answer"]})
     await adapter.stop()
+    gone = _adapter("http://127.0.0.1:9")
+    with pytest.raises(EnvironmentError, match=r"^ORS server http://127.0.0.1:9: MaxRetriesError"):
+        await gone.open(task)  # no server: an infrastructure failure, never a traceback
+    await gone.stop()
 
 
 def _config(tmp_path, url, *extra):
