@@ -98,7 +98,8 @@ class Rollouts:
         out = await run_episode(environment, task, play=functools.partial(
             play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
             max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
-            timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns))
+            timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns),
+            timeout_s=cfg.rollout.timeout_s)
         self.env_seconds += out.env_seconds
         return out.status, out.reward, out.turn_rewards, out.error
 

@@ -54,7 +54,8 @@ async def play(episode: Episode, base_url: str, api_key: str, model: str, max_tu
     """Play `episode` through the gateway at `base_url` (ending in /v1) with session `api_key`.
 
     Raises EnvironmentError from `episode.call` (infrastructure); a model call the gateway
-    refuses ends the episode as "failed" with the gateway's message.
+    refuses, or one that gets no answer in `timeout_s` (httpx's per-request timeout), ends the
+    episode as "failed" with the reason.
     """
     out = EpisodeResult(messages=[dict(m) for m in episode.prompt])
     headers = {"Authorization": f"Bearer {api_key}"}
@@ -66,8 +67,13 @@ async def play(episode: Episode, base_url: str, api_key: str, model: str, max_tu
             if max_tokens is not None:
                 body["max_tokens"] = max_tokens
             start = time.monotonic()
-            reply = await http.post("/chat/completions", json=body)
-            out.model_seconds += time.monotonic() - start
+            try:
+                reply = await http.post("/chat/completions", json=body)
+            except httpx.TransportError as e:  # a timeout or a dropped connection: no answer
+                out.status, out.error = "failed", f"model call: {type(e).__name__}: {e}"
+                return out
+            finally:
+                out.model_seconds += time.monotonic() - start
             if reply.status_code != 200:
                 out.status, out.error = "failed", _error_text(reply)
                 return out

@@ -4,6 +4,7 @@ that made the call (forgerl/tasks/base.py has the reward rules)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -30,12 +31,13 @@ async def run_episode(
     environment: Environment, task: dict,
     play: Callable[[Episode], Awaitable[EpisodeResult]],
     command: Callable[[str | None], Awaitable[tuple[str, str | None, str | None]]],
-    turns: Callable[[], int], sandbox: object = None,
+    turns: Callable[[], int], sandbox: object = None, timeout_s: float | None = None,
 ) -> Outcome:
     """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
     `agent` is "tools"); `command(cwd)`: the run's command agent in the episode's workdir, as
     (status, answer, error); `turns()`: the turns the session recorded, to place per-call
-    rewards (the k-th model call is the k-th turn). An EnvironmentError anywhere makes the
+    rewards (the k-th model call is the k-th turn); `timeout_s`: the tool agent's whole episode
+    (status "timeout"; a command agent has the runner's). An EnvironmentError anywhere makes the
     rollout "aborted_infra" (stored, never trained)."""
     episode, env_s, played = None, 0.0, None
     start = time.monotonic()
@@ -43,7 +45,12 @@ async def run_episode(
         episode = await environment.open(task, sandbox)
         env_s += time.monotonic() - start
         if environment.agent == "tools":
-            played = await play(episode)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    played = await play(episode)
+            except TimeoutError:
+                return Outcome("timeout", error=f"episode timed out after {timeout_s} s",
+                               env_seconds=env_s)
             env_s += played.env_seconds
             if played.status == "failed":
                 return Outcome("failed", error=f"agent failed: {played.error}", env_seconds=env_s)

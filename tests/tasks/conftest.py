@@ -9,19 +9,22 @@ real run: the gateway over HTTP, the data pool file, the trainer's step on the r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from forgerl.types import GenerateOutput
 
 
-def script_policy(services: Any, policy: Callable[[str], str]) -> list[str]:
+def script_policy(services: Any, policy: Callable[[str], str], delay_s: float = 0.0) -> list[str]:
     """Patch `services.engine`'s generate and stream so every model call of the run answers
-    `policy(decoded prompt)`; returns the list the answers are appended to."""
+    `policy(decoded prompt)` (after `delay_s` seconds); returns the list the answers are
+    appended to."""
     engine, renderer = services.engine, services.gateway.renderer
     answers: list[str] = []
 
     async def stream(prompt_ids, params):
+        await asyncio.sleep(delay_s)
         text = policy(renderer.decode(prompt_ids))
         answers.append(text)
         ids = [*renderer.encode(text), renderer.end_of_turn_id][: params.max_tokens]

@@ -144,6 +144,18 @@ async def test_an_unreachable_environment_is_an_infrastructure_abort(tmp_path):
 
 
 @sync
+async def test_a_model_call_past_the_rollout_timeout_fails_the_rollout_not_the_run(tmp_path):
+    config = _config(tmp_path, "--rollout.timeout_s", "1")
+    async with start_services(config) as s:
+        script_policy(s, _policy, delay_s=3.0)
+        s.admit()
+        batch = await s.next_batch()
+        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+    assert {t.status for t in trajs} == {"failed"}
+    assert all("timed out" in t.error or "ReadTimeout" in t.error for t in trajs)
+
+
+@sync
 async def test_a_run_logs_environment_seconds_per_step(tmp_path):
     config = _config(tmp_path, "--max_steps", "1", "--tasks.eval_size", "0")
     played = []
