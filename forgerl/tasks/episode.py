@@ -17,25 +17,28 @@ from forgerl.tasks.base import Environment, EnvironmentError, Episode
 class Outcome:
     """status: "finished", "failed", "timeout" or "aborted_infra"; reward: the outcome reward
     (0.0 unless finished); turn_rewards: per recorded turn, or None without per-call rewards;
-    error: why it did not finish; env_seconds: open + tool calls + score + close."""
+    error: why it did not finish; env_seconds: open + tool calls + score + close;
+    verifier: how the episode's own verifier ended ("ok", "timeout", "error"), where it has
+    one (Harbor's tests)."""
 
     status: str
     reward: float = 0.0
     turn_rewards: list[float] | None = None
     error: str | None = None
     env_seconds: float = 0.0
+    verifier: str | None = None
 
 
 async def run_episode(
     environment: Environment, task: dict,
     play: Callable[[Episode], Awaitable[EpisodeResult]],
-    command: Callable[[str | None], Awaitable[tuple[str, str | None, str | None]]],
+    command: Callable[[Episode], Awaitable[tuple[str, str | None, str | None]]],
     turns: Callable[[], int], sandbox: object = None,
 ) -> Outcome:
     """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
-    `agent` is "tools"); `command(cwd)`: the run's command agent in the episode's workdir, as
-    (status, answer, error); `turns()`: the turns the session recorded, to place per-call
-    rewards (the k-th model call is the k-th turn). An EnvironmentError anywhere makes the
+    `agent` is "tools"); `command(episode)`: the run's command agent in the episode's workdir
+    with its env, as (status, answer, error); `turns()`: the turns the session recorded, to
+    place per-call rewards (the k-th model call is the k-th turn). An EnvironmentError anywhere makes the
     rollout "aborted_infra" (stored, never trained)."""
     episode, env_s, played = None, 0.0, None
     start = time.monotonic()
@@ -49,14 +52,14 @@ async def run_episode(
                 return Outcome("failed", error=f"agent failed: {played.error}", env_seconds=env_s)
             answer, messages = played.answer, played.messages
         else:
-            status, answer, error = await command(
-                None if episode.workdir is None else str(episode.workdir))
+            status, answer, error = await command(episode)
             if status != "finished":
                 return Outcome(status, error=error, env_seconds=env_s)
             messages = []
         scoring = time.monotonic()
         reward = float(await episode.score(answer, messages))
         env_s += time.monotonic() - scoring
+        verifier = getattr(episode, "verifier_status", None)
     except EnvironmentError as e:
         return Outcome("aborted_infra", error=f"infrastructure: environment {e}",
                        env_seconds=env_s)
@@ -68,8 +71,8 @@ async def run_episode(
             env_s += time.monotonic() - closing
     n = turns()
     if played is None or not played.call_rewards or n == 0:
-        return Outcome("finished", reward, env_seconds=env_s)
+        return Outcome("finished", reward, env_seconds=env_s, verifier=verifier)
     turn_rewards = [0.0] * n
     for turn, value in played.call_rewards:
         turn_rewards[min(turn, n - 1)] += value
-    return Outcome("finished", reward, turn_rewards, env_seconds=env_s)
+    return Outcome("finished", reward, turn_rewards, env_seconds=env_s, verifier=verifier)
