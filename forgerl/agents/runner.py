@@ -34,6 +34,7 @@ from forgerl.agents.reaper import kill_tagged
 
 if TYPE_CHECKING:
     from forgerl.agents.forkserver import ForkServer
+    from forgerl.agents.sandbox import Sandbox
 
 AgentStatus = Literal["finished", "failed", "timeout"]
 AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
@@ -116,12 +117,14 @@ async def run_agent(
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
     forkserver: ForkServer | None = None,
+    sandbox: Sandbox | None = None,
 ) -> AgentResult:
-    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path`, `forkserver`
-    apply) or an async callable agent; see `run_command_agent` and `run_callable_agent`."""
+    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path`, `forkserver`,
+    `sandbox` apply) or an async callable agent; see `run_command_agent` and
+    `run_callable_agent`."""
     if isinstance(agent, list):
         return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env,
-                                       log_path=log_path, forkserver=forkserver)
+                                       log_path=log_path, forkserver=forkserver, sandbox=sandbox)
     return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
 
 
@@ -136,6 +139,7 @@ async def run_command_agent(
     grace_s: float = 2.0,
     log_path: Path | None = None,
     forkserver: ForkServer | None = None,
+    sandbox: Sandbox | None = None,
 ) -> AgentResult:
     """Run `command` as one agent episode and return its answer and status.
 
@@ -148,9 +152,13 @@ async def run_command_agent(
     a finished agent's leftover children get SIGKILL too. Cancellation re-raises
     `asyncio.CancelledError` after the group is dead. Never raises for agent faults. With
     `forkserver` (a Python script agent, `[agent] preload`) the process is forked from it
-    instead of exec'd (same contract; a plain process when the server is gone).
+    instead of exec'd (same contract; a plain process when the server is gone). With `sandbox`
+    the command runs inside it (`Sandbox.wrap`; `cwd` is a path inside, default its workdir;
+    no fork server); a SIGKILL of the sandbox's init counts as a SIGKILL from outside.
     """
     start = time.monotonic()
+    if sandbox is not None:
+        command, cwd, forkserver = sandbox.wrap(command, cwd), str(sandbox.workdir), None
     full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key),
                 EPISODE_VAR: secrets.token_hex(8)}
     log = None

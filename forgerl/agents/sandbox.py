@@ -272,8 +272,13 @@ class Sandbox:
 
 def _cgroups(token: str, limits: Limits) -> list[Path]:
     """The sandbox's cgroups with `limits` set: v2 one directory, v1 one per controller (pids,
-    memory); [] where they cannot be made (the limits fall back to rlimits)."""
-    name, made = f"forgerl-{token}", []
+    memory); [] where they cannot be made (the limits fall back to rlimits). Empty ones left by
+    a dead process (SIGKILLed before `close`) are removed first."""
+    name, made = f"forgerl-{os.getpid()}-{token}", []
+    for stale in [*CGROUPS.glob("forgerl-*-*"), *CGROUPS.glob("*/forgerl-*-*")]:
+        if not Path(f"/proc/{stale.name.split('-')[1]}").exists():
+            with contextlib.suppress(OSError):
+                stale.rmdir()
     if (CGROUPS / "cgroup.controllers").exists():  # v2
         plan = [(CGROUPS / name, {"pids.max": limits.processes, "memory.max": limits.memory_mb,
                                   "memory.swap.max": limits.memory_mb and 0})]
