@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from forgerl.agents.sandbox import Sandbox
 from forgerl.metrics import ProgressBar, agent_summary
 
 if TYPE_CHECKING:
@@ -69,9 +70,10 @@ class StepClock:
 
     def step_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """`metrics` (updated in place and returned) with this step's timing, idle fraction,
-        rollout tokens per second, groups without signal and env_seconds (seconds rollouts
+        rollout tokens per second, groups without signal, env_seconds (seconds rollouts
         spent in environments since the last step, summed over rollouts: with concurrent
-        rollouts it can exceed step_seconds); its `step_seconds` (the trainer's) becomes
+        rollouts it can exceed step_seconds) and sandboxes_peak (most rollout sandboxes open at
+        once since the last step); its `step_seconds` (the trainer's) becomes
         train_seconds."""
         seconds, train_seconds = time.time() - self.start, metrics.pop("step_seconds")
         generated = self.s.gateway.counters["completion_tokens"] - self.tokens
@@ -82,7 +84,8 @@ class StepClock:
                     "trainer_idle_fraction": max(0.0, 1 - train_seconds / seconds),
                     "rollout_tokens_per_second": generated / seconds,
                     "groups_without_signal": self.no_signal,
-                    "env_seconds": self.s.env_seconds - self.env_seconds}
+                    "env_seconds": self.s.env_seconds - self.env_seconds,
+                    "sandboxes_peak": Sandbox.take_peak()}
         return metrics
 
     def step_done(self, step: int, metrics: dict[str, Any]) -> None:

@@ -19,17 +19,19 @@ import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import infra_cause, run_agent
+from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
 from forgerl.config import AgentConfig, ConfigError
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
 from forgerl.tasks.agent import play
-from forgerl.tasks.base import Environment
+from forgerl.tasks.base import Environment, Episode
 from forgerl.tasks.episode import run_episode
 from forgerl.types import NO_CALL
 
@@ -51,11 +53,13 @@ class Rollouts:
         return self.domain_agents.get(task.get("domain", ""), (self.agent, self.config.agent))
 
     async def run_agent(self, task: dict, api_key: str, log_name: str,
-                        session: Session | None = None, cwd: str | None = None
+                        session: Session | None = None, cwd: str | None = None,
+                        episode_env: dict[str, str] | None = None, sandbox: Sandbox | None = None
                         ) -> tuple[str, str | None, str | None]:
         """One agent episode against the gateway: (status, answer, error), status "finished",
         "failed", "timeout" or "aborted_infra" (`runner.infra_cause`, counting the engine errors
-        of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log.
+        of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log;
+        it runs with `episode_env` added, inside `sandbox` when given (`cwd` a path inside).
         """
         cfg = self.config
         agent, agent_cfg = self.agent_for(task)
@@ -67,14 +71,14 @@ class Rollouts:
                    "FORGERL_MAX_TOKENS": str(cfg.rollout.max_tokens),
                    "OPENAI_MODEL": cfg.gateway.model_name,
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
-                   **(self.reaper.env() if self.reaper else {})}
+                   **(self.reaper.env() if self.reaper else {}), **(episode_env or {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
         preload = preload_of(agent, agent_cfg)
         forkserver = await self.forkserver(preload, env or {}) if preload else None
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(agent, task, self.server.base_url, api_key,
                                  cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
-                                 forkserver=forkserver)
+                                 forkserver=forkserver, sandbox=sandbox)
         if result.status == "finished":
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"
@@ -89,17 +93,33 @@ class Rollouts:
                           log_name: str, session: Session
                           ) -> tuple[str, float, list[float] | None, str | None]:
         """One episode of an environment (`forgerl.tasks.episode.run_episode`): (status,
-        reward, turn_rewards, error); its environment seconds add to `env_seconds`."""
-        cfg = self.config
+        reward, turn_rewards, error); its environment seconds add to `env_seconds`, its
+        verifier's status (Harbor's tests) to `reward_status`. A `sandboxed` environment's
+        episode gets a Sandbox, RUN_DIR/sandboxes/`log_name`, closed after it."""
+        cfg, sandbox = self.config, None
 
-        async def command(cwd: str | None) -> tuple[str, str | None, str | None]:
-            return await self.run_agent(task, api_key, log_name, session, cwd=cwd)
+        async def command(episode: Episode) -> tuple[str, str | None, str | None]:
+            cwd = None if episode.workdir is None else str(episode.workdir)
+            return await self.run_agent(task, api_key, log_name, session, cwd=cwd,
+                                        episode_env=episode.env, sandbox=sandbox)
 
-        out = await run_episode(environment, task, play=functools.partial(
-            play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
-            max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
-            timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns))
+        try:
+            if environment.sandboxed:
+                sandbox = await open_sandbox(self.run_dir / "sandboxes", log_name,
+                                             environment.mounts(task), self.server.port)
+            out = await run_episode(environment, task, play=functools.partial(
+                play, base_url=self.server.base_url, api_key=api_key,
+                model=cfg.gateway.model_name, max_turns=self.agent_turns(task),
+                max_tokens=cfg.rollout.max_tokens, timeout_s=cfg.rollout.timeout_s),
+                command=command, turns=lambda: len(session.turns), sandbox=sandbox)
+        except SandboxError as e:
+            return "aborted_infra", 0.0, None, f"infrastructure: sandbox: {e}"
+        finally:
+            if sandbox is not None:
+                await sandbox.close()
         self.env_seconds += out.env_seconds
+        if out.verifier is not None:
+            self.reward_status[f"verifier_{out.verifier}"] += 1
         return out.status, out.reward, out.turn_rewards, out.error
 
     def agent_turns(self, task: dict) -> int:
@@ -348,6 +368,13 @@ def agent_command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
     command = list(agent.command)
     return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
+
+
+async def open_sandbox(parent: Path, name: str, mounts: list[str], port: int) -> Sandbox:
+    """A rollout's Sandbox `parent/name` reaching the gateway on `port`, each of `mounts` (paths
+    inside) a directory of its own under its workdir (fs/<path>)."""
+    here = {m: parent / name / "fs" / m.strip("/") for m in mounts}
+    return await Sandbox.open(parent, name, Limits(), gateway_port=port, mounts=here)
 
 
 def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:

@@ -38,8 +38,8 @@ async def run_episode(
     """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
     `agent` is "tools"); `command(episode)`: the run's command agent in the episode's workdir
     with its env, as (status, answer, error); `turns()`: the turns the session recorded, to
-    place per-call rewards (the k-th model call is the k-th turn). An EnvironmentError anywhere makes the
-    rollout "aborted_infra" (stored, never trained)."""
+    place per-call rewards (the k-th model call is the k-th turn). An EnvironmentError
+    anywhere makes the rollout "aborted_infra" (stored, never trained)."""
     episode, env_s, played = None, 0.0, None
     start = time.monotonic()
     try:
