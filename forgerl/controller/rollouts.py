@@ -73,6 +73,8 @@ class Rollouts:
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
                    **(self.reaper.env() if self.reaper else {}), **(episode_env or {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
+        if sandbox is not None and isinstance(agent, list) and agent_cfg and agent_cfg.cwd:
+            agent = absolute(agent, agent_cfg.cwd)  # it starts in a directory inside
         preload = preload_of(agent, agent_cfg)
         forkserver = await self.forkserver(preload, env or {}) if preload else None
         task = {"question": task["question"]}  # the agent never sees the reference answer
@@ -368,6 +370,16 @@ def agent_command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
     command = list(agent.command)
     return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
+
+
+def absolute(command: list[str], cwd: str) -> list[str]:
+    """`command` with its relative script (a Python command's first argument) or program path
+    made absolute against `cwd`."""
+    i = 1 if command[0] == sys.executable else 0
+    if (i < len(command) and not command[i].startswith("-") and not os.path.isabs(command[i])
+            and (i == 1 or os.sep in command[i])):
+        return [*command[:i], os.path.join(cwd, command[i]), *command[i + 1:]]
+    return command
 
 
 async def open_sandbox(parent: Path, name: str, mounts: list[str], port: int) -> Sandbox:

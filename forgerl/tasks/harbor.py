@@ -91,7 +91,8 @@ def load(folder: str) -> dict[str, Any]:
 def _roots(paths: list[str]) -> list[str]:
     """The paths none of which lies below another."""
     ps = sorted({PurePosixPath(p) for p in paths}, key=lambda p: len(p.parts))
-    return [str(p) for i, p in enumerate(ps) if not any(p.is_relative_to(q) for q in ps[:i])]
+    return sorted(str(p) for i, p in enumerate(ps)
+                  if not any(p.is_relative_to(q) for q in ps[:i]))
 
 
 def _resolve(env: dict[str, str]) -> dict[str, str]:
@@ -207,7 +208,7 @@ def _copy(source: Path, dest: Path, into: bool) -> None:
 
 class Adapter(Environment):
     """`[tasks] env`: a Harbor task folder or a folder of them. `params`: `eval` (a folder of
-    held-out tasks; default: `eval_fraction` (0.2) of the tasks, a fixed draw)."""
+    held-out tasks; default: `eval_fraction` (0.2, rounded down) of the tasks, a fixed draw)."""
 
     standard = "harbor"
     agent = "command"
@@ -215,6 +216,8 @@ class Adapter(Environment):
 
     def folders(self, split: str) -> list[Path]:
         """The split's task folders (sorted; a fixed draw for the held-out part)."""
+        if unknown := set(self.params) - {"eval", "eval_fraction"}:
+            raise ValueError(f"unknown Harbor params {sorted(unknown)} (eval, eval_fraction)")
         root = (self.base_dir / self.location).resolve()
         if split == "eval" and self.params.get("eval"):
             root = (self.base_dir / self.params["eval"]).resolve()
@@ -224,10 +227,12 @@ class Adapter(Environment):
             [root] if (root / "task.toml").is_file() else [])
         if not found:
             raise ValueError(f"{root}: no Harbor task (a folder with task.toml)")
+        for folder in found:
+            load(str(folder))  # a task that cannot build fails the run's start
         if self.params.get("eval"):
             return found
         held = set(random.Random(0).sample(
-            found, math.ceil(len(found) * float(self.params.get("eval_fraction", 0.2)))))
+            found, int(len(found) * float(self.params.get("eval_fraction", 0.2)))))
         return [p for p in found if (p in held) == (split == "eval")]
 
     def tasks(self, split: str, size: int, seed: int) -> list[dict[str, Any]]:
