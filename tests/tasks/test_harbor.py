@@ -207,3 +207,23 @@ async def test_a_run_trains_on_harbor_tasks_through_a_shell_agent_in_sandboxes(
     assert set(status) == {"verifier_ok"}
     assert metrics["num_loss_tokens"] > 0 and s.trainer.step == 1
     assert not any((Path(config.run_dir) / "sandboxes").iterdir()) and Sandbox.take_peak() >= 1
+
+
+@sync
+async def test_an_environment_that_does_not_build_aborts_its_rollouts_as_infrastructure(
+        tmp_path):
+    write_task(tmp_path / "set", "a", "true\n", "FROM x\nWORKDIR /app\nRUN apt-get nothing\n")
+    write_task(tmp_path / "set", "b", "true\n", "FROM x\nWORKDIR /app\nRUN exit 1\n")
+    config = tiny_config(tmp_path / "run", "--tasks.source", "harbor", "--tasks.env",
+                         str(tmp_path / "set"), "--tasks.params", "{}", "--tasks.size", "4",
+                         "--tasks.eval_size", "0", "--agent.command",
+                         json.dumps(["python", "shell_agent.py"]), "--agent.cwd", str(EXAMPLE))
+    async with start_services(config) as s:
+        script_policy(s, lambda prompt: "true")
+        s.admit()
+        batch = await s.next_batch()
+        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+        metrics = await s.train(batch)
+    assert {t.status for t in trajs} == {"aborted_infra"}
+    assert all("environment build: RUN" in t.error for t in trajs)
+    assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0
