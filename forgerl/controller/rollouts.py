@@ -19,12 +19,10 @@ import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import infra_cause, run_agent
-from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
 from forgerl.config import AgentConfig, ConfigError
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
@@ -36,6 +34,7 @@ from forgerl.tasks.episode import run_episode
 from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
+    from forgerl.agents.sandbox import Sandbox
     from forgerl.gateway.sessions import Session
     from forgerl.types import Trajectory
 
@@ -74,7 +73,8 @@ class Rollouts:
                    **(self.reaper.env() if self.reaper else {}), **(episode_env or {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
         if sandbox is not None and isinstance(agent, list) and agent_cfg and agent_cfg.cwd:
-            agent = absolute(agent, agent_cfg.cwd)  # it starts in a directory inside
+            here = [os.path.join(agent_cfg.cwd, a) for a in agent]  # it starts elsewhere
+            agent = [h if os.path.isfile(h) else a for a, h in zip(agent, here, strict=True)]
         preload = preload_of(agent, agent_cfg)
         forkserver = await self.forkserver(preload, env or {}) if preload else None
         task = {"question": task["question"]}  # the agent never sees the reference answer
@@ -96,29 +96,21 @@ class Rollouts:
                           ) -> tuple[str, float, list[float] | None, str | None]:
         """One episode of an environment (`forgerl.tasks.episode.run_episode`): (status,
         reward, turn_rewards, error); its environment seconds add to `env_seconds`, its
-        verifier's status (Harbor's tests) to `reward_status`. A `sandboxed` environment's
-        episode gets a Sandbox, RUN_DIR/sandboxes/`log_name`, closed after it."""
-        cfg, sandbox = self.config, None
+        verifier's status (Harbor's tests) to `reward_status`; a `sandboxed` environment's
+        sandbox is RUN_DIR/sandboxes/`log_name`."""
+        cfg = self.config
 
-        async def command(episode: Episode) -> tuple[str, str | None, str | None]:
+        async def command(episode: Episode, sandbox: Sandbox | None
+                          ) -> tuple[str, str | None, str | None]:
             cwd = None if episode.workdir is None else str(episode.workdir)
             return await self.run_agent(task, api_key, log_name, session, cwd=cwd,
                                         episode_env=episode.env, sandbox=sandbox)
 
-        try:
-            if environment.sandboxed:
-                sandbox = await open_sandbox(self.run_dir / "sandboxes", log_name,
-                                             environment.mounts(task), self.server.port)
-            out = await run_episode(environment, task, play=functools.partial(
-                play, base_url=self.server.base_url, api_key=api_key,
-                model=cfg.gateway.model_name, max_turns=self.agent_turns(task),
-                max_tokens=cfg.rollout.max_tokens, timeout_s=cfg.rollout.timeout_s),
-                command=command, turns=lambda: len(session.turns), sandbox=sandbox)
-        except SandboxError as e:
-            return "aborted_infra", 0.0, None, f"infrastructure: sandbox: {e}"
-        finally:
-            if sandbox is not None:
-                await sandbox.close()
+        out = await run_episode(environment, task, play=functools.partial(
+            play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
+            max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
+            timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns),
+            sandbox_at=self.run_dir / "sandboxes" / log_name, gateway_port=self.server.port)
         self.env_seconds += out.env_seconds
         if out.verifier is not None:
             self.reward_status[f"verifier_{out.verifier}"] += 1
@@ -370,23 +362,6 @@ def agent_command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
     command = list(agent.command)
     return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
-
-
-def absolute(command: list[str], cwd: str) -> list[str]:
-    """`command` with its relative script (a Python command's first argument) or program path
-    made absolute against `cwd`."""
-    i = 1 if command[0] == sys.executable else 0
-    if (i < len(command) and not command[i].startswith("-") and not os.path.isabs(command[i])
-            and (i == 1 or os.sep in command[i])):
-        return [*command[:i], os.path.join(cwd, command[i]), *command[i + 1:]]
-    return command
-
-
-async def open_sandbox(parent: Path, name: str, mounts: list[str], port: int) -> Sandbox:
-    """A rollout's Sandbox `parent/name` reaching the gateway on `port`, each of `mounts` (paths
-    inside) a directory of its own under its workdir (fs/<path>)."""
-    here = {m: parent / name / "fs" / m.strip("/") for m in mounts}
-    return await Sandbox.open(parent, name, Limits(), gateway_port=port, mounts=here)
 
 
 def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:

@@ -8,7 +8,9 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
 from forgerl.tasks.agent import EpisodeResult
 from forgerl.tasks.base import Environment, EnvironmentError, Episode
 
@@ -32,17 +34,24 @@ class Outcome:
 async def run_episode(
     environment: Environment, task: dict,
     play: Callable[[Episode], Awaitable[EpisodeResult]],
-    command: Callable[[Episode], Awaitable[tuple[str, str | None, str | None]]],
-    turns: Callable[[], int], sandbox: object = None,
+    command: Callable[[Episode, Sandbox | None], Awaitable[tuple[str, str | None, str | None]]],
+    turns: Callable[[], int], sandbox_at: Path | None = None, gateway_port: int | None = None,
 ) -> Outcome:
     """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
-    `agent` is "tools"); `command(episode)`: the run's command agent in the episode's workdir
-    with its env, as (status, answer, error); `turns()`: the turns the session recorded, to
-    place per-call rewards (the k-th model call is the k-th turn). An EnvironmentError
-    anywhere makes the rollout "aborted_infra" (stored, never trained)."""
-    episode, env_s, played = None, 0.0, None
+    `agent` is "tools"); `command(episode, sandbox)`: the run's command agent in the episode's
+    workdir with its env (inside the sandbox), as (status, answer, error); `turns()`: the turns
+    the session recorded, to place per-call rewards (the k-th model call is the k-th turn). A
+    `sandboxed` environment's episode gets a Sandbox at `sandbox_at` (its mounts, reaching the
+    gateway on `gateway_port`), closed after it. An EnvironmentError or SandboxError anywhere
+    makes the rollout "aborted_infra" (stored, never trained)."""
+    episode, env_s, played, sandbox = None, 0.0, None, None
     start = time.monotonic()
     try:
+        if environment.sandboxed:
+            assert sandbox_at is not None
+            mounts = {m: sandbox_at / "fs" / m.strip("/") for m in environment.mounts(task)}
+            sandbox = await Sandbox.open(sandbox_at.parent, sandbox_at.name, Limits(),
+                                         gateway_port=gateway_port, mounts=mounts)
         episode = await environment.open(task, sandbox)
         env_s += time.monotonic() - start
         if environment.agent == "tools":
@@ -52,7 +61,7 @@ async def run_episode(
                 return Outcome("failed", error=f"agent failed: {played.error}", env_seconds=env_s)
             answer, messages = played.answer, played.messages
         else:
-            status, answer, error = await command(episode)
+            status, answer, error = await command(episode, sandbox)
             if status != "finished":
                 return Outcome(status, error=error, env_seconds=env_s)
             messages = []
@@ -60,15 +69,17 @@ async def run_episode(
         reward = float(await episode.score(answer, messages))
         env_s += time.monotonic() - scoring
         verifier = getattr(episode, "verifier_status", None)
-    except EnvironmentError as e:
-        return Outcome("aborted_infra", error=f"infrastructure: environment {e}",
-                       env_seconds=env_s)
+    except (EnvironmentError, SandboxError) as e:
+        what = "environment" if isinstance(e, EnvironmentError) else "sandbox"
+        return Outcome("aborted_infra", error=f"infrastructure: {what} {e}", env_seconds=env_s)
     finally:
-        if episode is not None:
-            closing = time.monotonic()
-            with contextlib.suppress(Exception):  # a failed close loses nothing recorded
+        closing = time.monotonic()
+        with contextlib.suppress(Exception):  # a failed close loses nothing recorded
+            if episode is not None:
                 await episode.close()
-            env_s += time.monotonic() - closing
+        if sandbox is not None:
+            await sandbox.close()
+        env_s += time.monotonic() - closing
     n = turns()
     if played is None or not played.call_rewards or n == 0:
         return Outcome("finished", reward, env_seconds=env_s, verifier=verifier)

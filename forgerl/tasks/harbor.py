@@ -1,20 +1,12 @@
-"""Harbor tasks (`harbor` 0.25.0's task folder format; docs/environments/harbor.md).
+"""Harbor tasks (`harbor` 0.25.0's task folders; docs/environments/harbor.md has the mapping).
 
-Harbor needs Python >= 3.12 and cannot install here, so this module reads its format itself
-(task.toml with tomllib, following harbor.models.task and harbor.verifier.verifier 0.25.0):
-
-    task/instruction.md ─► the task's question (what the [agent] command is asked)
-    task/environment/Dockerfile ─► built without Docker in the rollout's Sandbox: WORKDIR,
-        ENV, COPY/ADD of the build context, RUN executed inside; FROM (the host's userland),
-        ARG, USER, CMD and the other instructions are ignored
-    tests/ ─► copied to /tests after the agent; test.sh runs with [verifier] timeout_sec and env,
-        output to /logs/verifier/test-stdout.txt; /logs/verifier/reward.json (its "reward", or
-        its only value) else reward.txt ─► the outcome reward
-    solution/ ─► /solution, only for `HarborEpisode.solve` (Harbor's oracle agent)
-
-A verifier that times out, crashes without a reward file or writes an unreadable one gives
-reward 0 with verifier status "timeout" / "error"; a sandbox that cannot run a process is an
-EnvironmentError (the rollout is aborted_infra), as is an environment that does not build.
+Harbor needs Python >= 3.12 and cannot install beside ForgeRL, so this module reads the format
+itself, following harbor.models.task and harbor.verifier.verifier 0.25.0: instruction.md is the
+question; environment/Dockerfile is applied to the rollout's Sandbox without Docker (WORKDIR,
+ENV, COPY/ADD of the build context, RUN inside; FROM and the rest ignored); after the agent,
+tests/ goes to /tests and test.sh's /logs/verifier/reward.json (else reward.txt) is the outcome.
+A verifier that times out or leaves no readable reward gives 0 (status "timeout" / "error"); an
+environment that does not build or a sandbox that fails is an EnvironmentError.
 """
 
 from __future__ import annotations
@@ -31,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from forgerl.agents.sandbox import SandboxError
 from forgerl.tasks.base import Environment, EnvironmentError, Episode
 
 FIXED = ("/tests", "/logs", "/solution")  # Harbor's EnvironmentPaths
@@ -97,9 +90,8 @@ def _roots(paths: list[str]) -> list[str]:
 
 def _resolve(env: dict[str, str]) -> dict[str, str]:
     """Harbor's ${VAR} / ${VAR:-default} templates, from this process's environment."""
-    def one(m: re.Match) -> str:
-        return os.environ.get(m[1], m[3] or "")
-    return {k: re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, str(v)) for k, v in env.items()}
+    return {k: re.sub(r"\$\{(\w+)(:-([^}]*))?\}", lambda m: os.environ.get(m[1], m[3] or ""),
+                      str(v)) for k, v in env.items()}
 
 
 class HarborEpisode(Episode):
@@ -112,7 +104,6 @@ class HarborEpisode(Episode):
                          workdir=Path(spec["cwd"]), env=env)
         self.folder, self.spec, self.sandbox = folder, spec, sandbox
         self.verifier_status: str | None = None
-        self.verifier_error = ""
 
     def host(self, inside: str) -> Path:
         """The host path of `inside` (a path under one of the sandbox's mounts)."""
@@ -126,7 +117,7 @@ class HarborEpisode(Episode):
         try:
             done = await self.sandbox.run(["sh", "-c", command], timeout_s=timeout_s, env=env,
                                           cwd=str(self.workdir))
-        except Exception as e:  # SandboxError: closed or unusable
+        except SandboxError as e:  # closed or unusable
             raise EnvironmentError(f"sandbox: {e}") from None
         if done.returncode is None or (done.returncode == -9 and not done.timed_out):
             raise EnvironmentError(f"sandbox process lost: {done.stderr.strip()[-300:]}")
@@ -160,6 +151,7 @@ class HarborEpisode(Episode):
     async def score(self, answer: str | None, messages: list[dict[str, Any]]) -> float:
         verifier = self.spec["config"].get("verifier", {})
         logs = self.host("/logs/verifier")
+        logs.mkdir(parents=True, exist_ok=True)
         for name in ("reward.txt", "reward.json"):
             (logs / name).unlink(missing_ok=True)
         tests = self.host("/tests")
@@ -169,15 +161,13 @@ class HarborEpisode(Episode):
         env = {**self.env, **_resolve(verifier.get("env", {}))}
         done = await self.run("/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1",
                               float(verifier.get("timeout_sec", 600.0)), env)
+        self.verifier_status = "timeout" if done.timed_out else "error"
         if done.timed_out:
-            self.verifier_status = "timeout"
             return 0.0
         try:
-            reward = _reward(logs)
-        except (OSError, ValueError) as e:
-            self.verifier_status, self.verifier_error = "error", str(e)
+            reward, self.verifier_status = _reward(logs), "ok"
+        except (OSError, ValueError, TypeError):
             return 0.0
-        self.verifier_status = "ok"
         return reward
 
 
@@ -191,7 +181,7 @@ def _reward(logs: Path) -> float:
         value = values.get("reward", next(iter(values.values()), None))
     else:
         value = (logs / "reward.txt").read_text()
-    if isinstance(value, bool) or not math.isfinite(value := float(value)):
+    if not math.isfinite(value := float(value)):
         raise ValueError(f"reward {value!r} is not a finite number")
     return value
 

@@ -18,7 +18,6 @@ import pytest
 from forgerl.agents.sandbox import Sandbox
 from forgerl.config import ConfigError
 from forgerl.controller import make_task_sets, start_services
-from forgerl.controller.rollouts import open_sandbox
 from forgerl.tasks.base import EnvironmentError
 from forgerl.tasks.harbor import Adapter
 
@@ -49,6 +48,12 @@ def write_task(root: Path, name: str, test: str, dockerfile: str = "FROM x\nWORK
     (folder / "environment" / "Dockerfile").write_text(dockerfile)
     (folder / "tests" / "test.sh").write_text("#!/bin/bash\n" + test)
     return folder
+
+
+async def open_sandbox(parent: Path, name: str, mounts: list[str], port: int) -> Sandbox:
+    """A sandbox as a rollout's (forgerl/tasks/episode.py): each mount under its fs/."""
+    here = {m: parent / name / "fs" / m.strip("/") for m in mounts}
+    return await Sandbox.open(parent, name, gateway_port=port, mounts=here)
 
 
 async def episode_of(adapter: Adapter, task: dict, parent: Path, name: str):
