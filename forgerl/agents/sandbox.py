@@ -46,6 +46,7 @@ TAG_VAR = "FORGERL_SANDBOX"  # every sandboxed process's environment: the sandbo
 CALL_VAR = "FORGERL_SANDBOX_CALL"  # and, under `run`, its call's
 OUTPUT_KEEP = 1 << 20  # characters of a run's stdout and of its stderr kept (the last ones)
 GRACE_S = 1.0  # from a run's SIGTERM to its SIGKILL
+DEFAULT_LIMITS = Limits()
 
 
 class SandboxError(RuntimeError):
@@ -91,7 +92,7 @@ class Sandbox:
         return peak
 
     @classmethod
-    async def open(cls, parent: Path, name: str, limits: Limits = Limits(), *,
+    async def open(cls, parent: Path, name: str, limits: Limits = DEFAULT_LIMITS, *,
                    gateway_port: int | None = None, mounts: dict[str, Path] | None = None,
                    network: bool = False, isolation: str = "auto") -> Sandbox:
         """Make the sandbox `parent/name`. `mounts`: absolute path inside → host directory
@@ -204,22 +205,20 @@ class Sandbox:
         except OSError as exc:
             return RunResult(None, "", f"cannot start {argv!r}: {exc}", False, 0.0)
         out, err = bytearray(), bytearray()
-        readers = [asyncio.create_task(_read(proc.stdout, out)),
-                   asyncio.create_task(_read(proc.stderr, err)),
-                   asyncio.create_task(_feed(proc, stdin))]
+        readers = [asyncio.create_task(read_tail(proc.stdout, out, OUTPUT_KEEP * 4)),
+                   asyncio.create_task(read_tail(proc.stderr, err, OUTPUT_KEEP * 4)),
+                   asyncio.create_task(feed_stdin(proc, stdin))]
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(_exited(proc), timeout_s)
+                await asyncio.wait_for(exited(proc), timeout_s)
             except TimeoutError:
                 timed_out = True
-                _killpg(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_exited(proc), GRACE_S)
+                await terminate_group(proc, GRACE_S)
         finally:  # also when cancelled
-            _killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(kill_tagged, call, var=CALL_VAR)
-            await _exited(proc)
+            await exited(proc)
             _, pending = await asyncio.wait(readers, timeout=GRACE_S)
             for reader in pending:
                 reader.cancel()
@@ -247,9 +246,9 @@ class Sandbox:
         holds its token) until none is left, then remove its cgroups."""
         needle = f'"token": "{self.token}"'.encode()
         for _ in range(rounds):
-            pids = {int(p) for c in self.cgroups for p in _read_text(c / "cgroup.procs").split()}
+            pids = {int(p) for c in self.cgroups for p in _slurp(c / "cgroup.procs").split()}
             for entry in Path("/proc").glob("[0-9]*"):
-                if needle in _read_bytes(entry / "cmdline"):
+                if needle in _slurp(entry / "cmdline"):
                     pids.add(int(entry.name))
             pids.discard(os.getpid())
             for pid in pids:
@@ -306,27 +305,34 @@ def _cgroups(token: str, limits: Limits) -> list[Path]:
     return made
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _read_bytes(path: Path) -> bytes:
+def _slurp(path: Path) -> bytes:
+    """The file's bytes; b"" when it is gone (a process that exited, a removed cgroup)."""
     try:
         return path.read_bytes()
     except OSError:
         return b""
 
 
-async def _read(stream: asyncio.StreamReader | None, buf: bytearray) -> None:
+async def read_tail(stream: asyncio.StreamReader | None, buf: bytearray, keep: int) -> None:
+    """Read `stream` to EOF into `buf`, keeping only its last `keep` bytes."""
     while stream is not None and (chunk := await stream.read(65536)):
         buf += chunk
-        del buf[:-OUTPUT_KEEP * 4]
+        del buf[:-keep]
 
 
-async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+async def exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
+    """The leader's exit code, as soon as it exits.
+
+    `Process.wait()` also waits for the stdout/stderr pipes to close (Python 3.11), which a
+    grandchild holding them would delay forever; the return code is set on exit itself.
+    """
+    while proc.returncode is None:
+        await asyncio.sleep(poll_s)
+    return proc.returncode
+
+
+async def feed_stdin(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    """Write `data` to stdin and close it; a process that never reads it is fine."""
     assert proc.stdin is not None
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         proc.stdin.write(data)
@@ -334,13 +340,22 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         proc.stdin.close()
 
 
-async def _exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
-    """The exit code as soon as the process exits (`wait()` also waits for its pipes)."""
-    while proc.returncode is None:
-        await asyncio.sleep(poll_s)
-    return proc.returncode
-
-
-def _killpg(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to process group `pgid`; an already empty group is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+async def terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM `proc`'s group, wait up to `grace_s` for the leader, then SIGKILL the group.
+
+    The SIGKILL runs even if this wait is itself cancelled; asyncio's child watcher reaps the
+    leader, and the final wait makes sure it has been reaped before returning.
+    """
+    try:
+        signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited(proc), grace_s)
+    finally:
+        signal_group(proc.pid, signal.SIGKILL)
+    await exited(proc)

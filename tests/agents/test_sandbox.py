@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from forgerl.agents.runner import infra_cause, run_command_agent
-from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
+from forgerl.agents.sandbox import Sandbox, SandboxError
+from forgerl.config import ConfigError, load_config
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="namespaces and cgroups need root (CI is root)")
@@ -276,7 +277,9 @@ def test_limits_hold(tmp_path, isolation):
     (namespaces: the cgroup counts the whole sandbox; process_group: RLIMIT_NPROC, which root
     ignores, so left out there); memory_mb=64: a 256 MB hog is killed (SIGKILL by the cgroup's
     OOM killer, or MemoryError under RLIMIT_AS); cpu_s=1: a busy loop dies of SIGXCPU."""
-    limits = Limits(cpu_s=1, memory_mb=64, processes=12, file_mb=1)
+    limits = load_config(None, ["--sandbox.cpu_s", "1", "--sandbox.memory_mb", "64",
+                                "--sandbox.processes", "12", "--sandbox.file_mb", "1"]
+                         ).sandbox.limits()
 
     async def main() -> dict:
         box = await Sandbox.open(tmp_path, "box", limits, isolation=isolation)
@@ -325,6 +328,8 @@ def test_mounts_land_in_the_host_directory(tmp_path):
 
 
 def test_process_group_refuses_mounts_and_bad_names(tmp_path):
+    with pytest.raises(ConfigError, match=r"sandbox\.isolation"):
+        load_config(None, ["--sandbox.isolation", "docker"])
     start = Sandbox.alive
 
     async def main() -> None:
