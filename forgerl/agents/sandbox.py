@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -176,12 +175,18 @@ class Sandbox:
             rlimits["AS"] = lim.memory_mb << 20
         if lim.processes is not None and not self._cgroup("pids"):
             rlimits["NPROC"] = lim.processes
-        spec = {"mode": "ns" if self.isolation == "namespaces" else "pg", "token": self.token,
-                "parent": os.getpid(), "cgroups": [str(c) for c in self.cgroups],
-                "rlimits": rlimits, "network": self.network, "port": self.gateway_port,
-                "sock": str(self.sock), "mounts": [[k, str(v)] for k, v in self.mounts.items()],
-                "cwd": cwd or str(self.workdir), "env": {TAG_VAR: self.token, **(env or {})}}
-        return [sys.executable, "-I", "-S", str(INIT), json.dumps(spec), "--", *argv]
+        ns = self.isolation == "namespaces"
+        opts = ["--mode", "ns" if ns else "pg", "--token", self.token, "--parent",
+                str(os.getpid()), "--cwd", cwd or str(self.workdir)]
+        opts += [x for c in self.cgroups for x in ("--cgroup", str(c))]
+        opts += [x for k, v in rlimits.items() for x in ("--rlimit", k, str(v))]
+        opts += [x for k, v in self.mounts.items() for x in ("--mount", k, str(v))]
+        opts += [x for k, v in {TAG_VAR: self.token, **(env or {})}.items()
+                 for x in ("--env", k, v)]
+        if ns and not self.network:
+            opts += ["--net", *(["--port", str(self.gateway_port), "--sock", str(self.sock)]
+                                if self.sock else [])]
+        return [sys.executable, "-I", "-S", str(INIT), *opts, "--", *argv]
 
     def _cgroup(self, controller: str) -> bool:
         """Whether this sandbox's cgroups enforce `controller`'s limit."""
@@ -244,7 +249,7 @@ class Sandbox:
     def _kill_all(self, rounds: int = 50, pause_s: float = 0.02) -> None:
         """SIGKILL the sandbox's processes (its cgroups', and those whose argv or environment
         holds its token) until none is left, then remove its cgroups."""
-        needle = f'"token": "{self.token}"'.encode()
+        needle = f"\0--token\0{self.token}\0".encode()
         for _ in range(rounds):
             pids = {int(p) for c in self.cgroups for p in _slurp(c / "cgroup.procs").split()}
             for entry in Path("/proc").glob("[0-9]*"):
