@@ -15,12 +15,14 @@ or cleared environment does not escape a PID namespace). The outer stage forward
 signals to init, and exits as ARGV did (a signal death is re-raised); a SIGKILLed init is
 reported as a SIGKILL. The probe `python sandbox_init.py --probe` exits 0 when namespaces work.
 Every start costs an interpreter start, so the module imports only what starts fast (no json,
-no enum, hence `_signal`, no socket unless the gateway is relayed).
+no enum, hence `_signal` and `_socket`).
 """
 
 from __future__ import annotations
 
 import _signal as signal  # the signal module imports enum: tens of ms on every sandboxed start
+import _socket  # socket imports selectors and enum
+import _thread  # threading imports functools and more
 import ctypes
 import os
 import resource
@@ -125,6 +127,18 @@ def relay(listener, connect) -> None:
         threading.Thread(target=join, args=(conn,), daemon=True).start()
 
 
+def _serve(fd: int, sock: str) -> None:
+    """Relay the listening socket `fd` to the unix socket `sock` (init's relay thread)."""
+    import socket  # lazy: imported after the command has started
+
+    def connect():
+        peer = socket.socket(socket.AF_UNIX)
+        peer.connect(sock)
+        return peer
+
+    relay(socket.socket(fileno=fd), connect)
+
+
 def _exec(spec: dict, argv: list[str]) -> None:
     """In the forked (or, mode pg, the only) process: limits, environment, cwd, exec ARGV."""
     try:
@@ -178,16 +192,8 @@ def _init(spec: dict, argv: list[str], listener, status_w: int, life_r: int) -> 
         _exec(spec, argv)
     for sig in pending:
         forward(sig, None)
-    if listener is not None:
-        import socket  # lazy: only a relaying sandbox pays for the import
-        import threading  # lazy: as socket
-
-        def connect():
-            peer = socket.socket(socket.AF_UNIX)
-            peer.connect(spec["--sock"])
-            return peer
-
-        threading.Thread(target=relay, args=(listener, connect), daemon=True).start()
+    if listener is not None:  # the command starts meanwhile: connections wait in the backlog
+        _thread.start_new_thread(_serve, (listener.detach(), spec["--sock"]))
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == child:
@@ -209,8 +215,10 @@ def _outer(spec: dict, argv: list[str]) -> None:
     if "--net" in spec:
         _loopback_up()
         if "--port" in spec:
-            import socket  # lazy: only a relaying sandbox pays for the import
-            listener = socket.create_server(("127.0.0.1", int(spec["--port"])), backlog=128)
+            listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", int(spec["--port"])))
+            listener.listen(128)
     status_r, status_w = os.pipe()
     life_r, life_w = os.pipe()
     init = os.fork()
