@@ -46,6 +46,7 @@ CALL_VAR = "FORGERL_SANDBOX_CALL"  # and, under `run`, its call's
 OUTPUT_KEEP = 1 << 20  # characters of a run's stdout and of its stderr kept (the last ones)
 GRACE_S = 1.0  # from a run's SIGTERM to its SIGKILL
 DEFAULT_LIMITS = Limits()
+_WARNED: set[Path] = set()  # cgroup parents whose failure was logged
 
 
 class SandboxError(RuntimeError):
@@ -83,6 +84,9 @@ class Sandbox:
         self.gateway_port, self.closed = gateway_port, False
         self.sock: Path | None = None
         self._listener: socket.socket | None = None
+        uid = f"Uid:\t{os.getuid()}\t".encode()
+        self._user_processes = 0 if cgroups or limits.processes is None else sum(
+            uid in _slurp(p) for p in Path("/proc").glob("[0-9]*/status"))
 
     @classmethod
     def take_peak(cls) -> int:
@@ -138,8 +142,8 @@ class Sandbox:
             else:
                 done = subprocess.run([sys.executable, "-I", "-S", str(INIT), "--probe"],
                                       capture_output=True, text=True)
-                cls._no_namespaces = done.stderr.strip() or f"exit {done.returncode}" \
-                    if done.returncode else ""
+                cls._no_namespaces = (done.stderr.strip() or f"exit {done.returncode}"
+                                      if done.returncode else "")
             if cls._no_namespaces:
                 log.warning("sandbox: no namespaces (%s): process group + rlimits; a process "
                             "that clears its environment escapes, the network is shared",
@@ -173,8 +177,8 @@ class Sandbox:
             rlimits["FSIZE"] = lim.file_mb << 20
         if lim.memory_mb is not None and not self._cgroup("memory"):
             rlimits["AS"] = lim.memory_mb << 20
-        if lim.processes is not None and not self._cgroup("pids"):
-            rlimits["NPROC"] = lim.processes
+        if lim.processes is not None and not self._cgroup("pids"):  # counts all the user's
+            rlimits["NPROC"] = lim.processes + self._user_processes
         ns = self.isolation == "namespaces"
         opts = ["--mode", "ns" if ns else "pg", "--token", self.token, "--parent",
                 str(os.getpid()), "--cwd", cwd or str(self.workdir)]
@@ -302,7 +306,9 @@ def _cgroups(token: str, limits: Limits) -> list[Path]:
                     with contextlib.suppress(FileNotFoundError):  # no swap accounting
                         (path / file).write_text(str(value << 20 if mb else value))
         except OSError as exc:
-            log.warning("sandbox: cgroup %s unavailable (%s): rlimits instead", path, exc)
+            if path.parent not in _WARNED:  # once per controller and process
+                _WARNED.add(path.parent)
+                log.warning("sandbox: cgroup %s unavailable (%s): rlimits instead", path, exc)
             with contextlib.suppress(OSError):
                 path.rmdir()
             if made and made[-1] == path:

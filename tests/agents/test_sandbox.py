@@ -15,10 +15,12 @@ import contextlib
 import errno
 import http.server
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -398,4 +400,39 @@ def test_a_sigkilled_forgerl_leaves_no_sandbox_running(tmp_path):
     finally:
         forgerl.kill()
         forgerl.wait()
+    assert settle(mark) == set()
+
+
+SYSTEM_PY = "/usr/bin/python3.11"  # this venv's interpreter may sit in root's home
+
+
+@needs_root
+@pytest.mark.skipif(not Path(SYSTEM_PY).exists(), reason=f"needs {SYSTEM_PY} for user nobody")
+def test_without_root_the_fallback_says_so_and_still_kills_the_call():
+    """As `nobody` (setpriv), "auto" falls back to process_group with one log line naming why;
+    a timed-out call's setsid child still dies (it keeps the tag) and `close` cleans up."""
+    mark, parent = new_mark(), Path(tempfile.mkdtemp())  # tmp_path's parents are root's only
+    parent.chmod(0o777)
+    script = textwrap.dedent(f"""
+        import asyncio, logging
+        from pathlib import Path
+        from forgerl.agents.sandbox import Sandbox
+        logging.basicConfig(format="%(message)s")
+        async def main():
+            box = await Sandbox.open(Path({str(parent)!r}), "box")
+            result = await box.run(["sh", "-c", "setsid sleep {mark} & sleep {mark}"],
+                                   timeout_s=1)
+            await box.close()
+            print(box.isolation, result.timed_out, box.workdir.exists())
+        asyncio.run(main())
+    """)
+    try:
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               SYSTEM_PY, "-c", script], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    finally:
+        shutil.rmtree(parent)
+    assert done.stdout == "process_group True False\n", done.stderr
+    assert done.stderr.startswith("sandbox: no namespaces (not root): process group + rlimits")
+    assert done.stderr.count("\n") == 1
     assert settle(mark) == set()
