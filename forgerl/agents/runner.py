@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from forgerl.agents.reaper import kill_tagged
+from forgerl.agents.sandbox import exited, feed_stdin, read_tail, signal_group, terminate_group
 
 if TYPE_CHECKING:
     from forgerl.agents.forkserver import ForkServer
@@ -199,7 +200,7 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
     except asyncio.CancelledError:
         try:
             with contextlib.suppress(OSError):
-                await _terminate_group(await spawn, grace_s)
+                await terminate_group(await spawn, grace_s)
         finally:
             sweep()
         raise
@@ -209,26 +210,26 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
 
     out_buf, err_buf = bytearray(), bytearray()
     readers = {
-        asyncio.create_task(_read_tail(proc.stdout, out_buf, STDOUT_KEEP)),
-        asyncio.create_task(_read_tail(proc.stderr, err_buf, STDERR_KEEP)),
-        asyncio.create_task(_feed_stdin(proc, json.dumps(task).encode())),
+        asyncio.create_task(read_tail(proc.stdout, out_buf, STDOUT_KEEP)),
+        asyncio.create_task(read_tail(proc.stderr, err_buf, STDERR_KEEP)),
+        asyncio.create_task(feed_stdin(proc, json.dumps(task).encode())),
     }
     status: AgentStatus = "finished"
     try:
         async with asyncio.timeout(timeout_s):
-            await _exited(proc)
+            await exited(proc)
     except TimeoutError:
         status = "timeout"
-        await _terminate_group(proc, grace_s)
+        await terminate_group(proc, grace_s)
     except asyncio.CancelledError:
         try:
-            await _terminate_group(proc, grace_s)
+            await terminate_group(proc, grace_s)
         finally:  # even when cancelled again (asyncio.run's shutdown cancels every task)
             sweep()
             for reader in readers:
                 reader.cancel()
         raise
-    _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
+    signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
     await asyncio.to_thread(sweep)
     # The pipes close once the episode's processes are gone; one that left the group and
     # cleared its environment, still holding them, only costs us its unread output.
@@ -280,51 +281,3 @@ async def run_callable_agent(
         return AgentResult(None, "failed", None, tail, time.monotonic() - start)
     text = None if answer is None else str(answer).strip() or None
     return AgentResult(text, "finished", None, "", time.monotonic() - start)
-
-
-async def _read_tail(stream: asyncio.StreamReader | None, buf: bytearray, keep: int) -> None:
-    """Read `stream` to EOF into `buf`, keeping only its last `keep` bytes."""
-    while stream is not None and (chunk := await stream.read(65536)):
-        buf += chunk
-        del buf[:-keep]
-
-
-async def _exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
-    """The leader's exit code, as soon as it exits.
-
-    `Process.wait()` also waits for the stdout/stderr pipes to close (Python 3.11), which a
-    grandchild holding them would delay forever; the return code is set on exit itself.
-    """
-    while proc.returncode is None:
-        await asyncio.sleep(poll_s)
-    return proc.returncode
-
-
-async def _feed_stdin(proc: asyncio.subprocess.Process, data: bytes) -> None:
-    """Write the task to stdin and close it; an agent that never reads it is fine."""
-    assert proc.stdin is not None
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    """Send `sig` to process group `pgid`; an already empty group is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM the agent's group, wait up to `grace_s` for the leader, then SIGKILL the group.
-
-    The SIGKILL runs even if this wait is itself cancelled; asyncio's child watcher reaps the
-    leader, and the final wait makes sure it has been reaped before returning.
-    """
-    try:
-        _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(_exited(proc), grace_s)
-    finally:
-        _signal_group(proc.pid, signal.SIGKILL)
-    await _exited(proc)

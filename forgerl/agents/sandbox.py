@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -46,6 +45,8 @@ TAG_VAR = "FORGERL_SANDBOX"  # every sandboxed process's environment: the sandbo
 CALL_VAR = "FORGERL_SANDBOX_CALL"  # and, under `run`, its call's
 OUTPUT_KEEP = 1 << 20  # characters of a run's stdout and of its stderr kept (the last ones)
 GRACE_S = 1.0  # from a run's SIGTERM to its SIGKILL
+DEFAULT_LIMITS = Limits()
+_WARNED: set[Path] = set()  # cgroup parents whose failure was logged
 
 
 class SandboxError(RuntimeError):
@@ -83,6 +84,9 @@ class Sandbox:
         self.gateway_port, self.closed = gateway_port, False
         self.sock: Path | None = None
         self._listener: socket.socket | None = None
+        uid = f"Uid:\t{os.getuid()}\t".encode()
+        self._user_processes = 0 if cgroups or limits.processes is None else sum(
+            uid in _slurp(p) for p in Path("/proc").glob("[0-9]*/status"))
 
     @classmethod
     def take_peak(cls) -> int:
@@ -91,7 +95,7 @@ class Sandbox:
         return peak
 
     @classmethod
-    async def open(cls, parent: Path, name: str, limits: Limits = Limits(), *,
+    async def open(cls, parent: Path, name: str, limits: Limits = DEFAULT_LIMITS, *,
                    gateway_port: int | None = None, mounts: dict[str, Path] | None = None,
                    network: bool = False, isolation: str = "auto") -> Sandbox:
         """Make the sandbox `parent/name`. `mounts`: absolute path inside → host directory
@@ -138,8 +142,8 @@ class Sandbox:
             else:
                 done = subprocess.run([sys.executable, "-I", "-S", str(INIT), "--probe"],
                                       capture_output=True, text=True)
-                cls._no_namespaces = done.stderr.strip() or f"exit {done.returncode}" \
-                    if done.returncode else ""
+                cls._no_namespaces = (done.stderr.strip() or f"exit {done.returncode}"
+                                      if done.returncode else "")
             if cls._no_namespaces:
                 log.warning("sandbox: no namespaces (%s): process group + rlimits; a process "
                             "that clears its environment escapes, the network is shared",
@@ -173,14 +177,20 @@ class Sandbox:
             rlimits["FSIZE"] = lim.file_mb << 20
         if lim.memory_mb is not None and not self._cgroup("memory"):
             rlimits["AS"] = lim.memory_mb << 20
-        if lim.processes is not None and not self._cgroup("pids"):
-            rlimits["NPROC"] = lim.processes
-        spec = {"mode": "ns" if self.isolation == "namespaces" else "pg", "token": self.token,
-                "parent": os.getpid(), "cgroups": [str(c) for c in self.cgroups],
-                "rlimits": rlimits, "network": self.network, "port": self.gateway_port,
-                "sock": str(self.sock), "mounts": [[k, str(v)] for k, v in self.mounts.items()],
-                "cwd": cwd or str(self.workdir), "env": {TAG_VAR: self.token, **(env or {})}}
-        return [sys.executable, "-I", "-S", str(INIT), json.dumps(spec), "--", *argv]
+        if lim.processes is not None and not self._cgroup("pids"):  # counts all the user's
+            rlimits["NPROC"] = lim.processes + self._user_processes
+        ns = self.isolation == "namespaces"
+        opts = ["--mode", "ns" if ns else "pg", "--token", self.token, "--parent",
+                str(os.getpid()), "--cwd", cwd or str(self.workdir)]
+        opts += [x for c in self.cgroups for x in ("--cgroup", str(c))]
+        opts += [x for k, v in rlimits.items() for x in ("--rlimit", k, str(v))]
+        opts += [x for k, v in self.mounts.items() for x in ("--mount", k, str(v))]
+        opts += [x for k, v in {TAG_VAR: self.token, **(env or {})}.items()
+                 for x in ("--env", k, v)]
+        if ns and not self.network:
+            opts += ["--net", *(["--port", str(self.gateway_port), "--sock", str(self.sock)]
+                                if self.sock else [])]
+        return [sys.executable, "-I", "-S", str(INIT), *opts, "--", *argv]
 
     def _cgroup(self, controller: str) -> bool:
         """Whether this sandbox's cgroups enforce `controller`'s limit."""
@@ -204,22 +214,20 @@ class Sandbox:
         except OSError as exc:
             return RunResult(None, "", f"cannot start {argv!r}: {exc}", False, 0.0)
         out, err = bytearray(), bytearray()
-        readers = [asyncio.create_task(_read(proc.stdout, out)),
-                   asyncio.create_task(_read(proc.stderr, err)),
-                   asyncio.create_task(_feed(proc, stdin))]
+        readers = [asyncio.create_task(read_tail(proc.stdout, out, OUTPUT_KEEP * 4)),
+                   asyncio.create_task(read_tail(proc.stderr, err, OUTPUT_KEEP * 4)),
+                   asyncio.create_task(feed_stdin(proc, stdin))]
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(_exited(proc), timeout_s)
+                await asyncio.wait_for(exited(proc), timeout_s)
             except TimeoutError:
                 timed_out = True
-                _killpg(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_exited(proc), GRACE_S)
+                await terminate_group(proc, GRACE_S)
         finally:  # also when cancelled
-            _killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(kill_tagged, call, var=CALL_VAR)
-            await _exited(proc)
+            await exited(proc)
             _, pending = await asyncio.wait(readers, timeout=GRACE_S)
             for reader in pending:
                 reader.cancel()
@@ -245,11 +253,11 @@ class Sandbox:
     def _kill_all(self, rounds: int = 50, pause_s: float = 0.02) -> None:
         """SIGKILL the sandbox's processes (its cgroups', and those whose argv or environment
         holds its token) until none is left, then remove its cgroups."""
-        needle = f'"token": "{self.token}"'.encode()
+        needle = f"\0--token\0{self.token}\0".encode()
         for _ in range(rounds):
-            pids = {int(p) for c in self.cgroups for p in _read_text(c / "cgroup.procs").split()}
+            pids = {int(p) for c in self.cgroups for p in _slurp(c / "cgroup.procs").split()}
             for entry in Path("/proc").glob("[0-9]*"):
-                if needle in _read_bytes(entry / "cmdline"):
+                if needle in _slurp(entry / "cmdline"):
                     pids.add(int(entry.name))
             pids.discard(os.getpid())
             for pid in pids:
@@ -298,7 +306,9 @@ def _cgroups(token: str, limits: Limits) -> list[Path]:
                     with contextlib.suppress(FileNotFoundError):  # no swap accounting
                         (path / file).write_text(str(value << 20 if mb else value))
         except OSError as exc:
-            log.warning("sandbox: cgroup %s unavailable (%s): rlimits instead", path, exc)
+            if path.parent not in _WARNED:  # once per controller and process
+                _WARNED.add(path.parent)
+                log.warning("sandbox: cgroup %s unavailable (%s): rlimits instead", path, exc)
             with contextlib.suppress(OSError):
                 path.rmdir()
             if made and made[-1] == path:
@@ -306,27 +316,34 @@ def _cgroups(token: str, limits: Limits) -> list[Path]:
     return made
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _read_bytes(path: Path) -> bytes:
+def _slurp(path: Path) -> bytes:
+    """The file's bytes; b"" when it is gone (a process that exited, a removed cgroup)."""
     try:
         return path.read_bytes()
     except OSError:
         return b""
 
 
-async def _read(stream: asyncio.StreamReader | None, buf: bytearray) -> None:
+async def read_tail(stream: asyncio.StreamReader | None, buf: bytearray, keep: int) -> None:
+    """Read `stream` to EOF into `buf`, keeping only its last `keep` bytes."""
     while stream is not None and (chunk := await stream.read(65536)):
         buf += chunk
-        del buf[:-OUTPUT_KEEP * 4]
+        del buf[:-keep]
 
 
-async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+async def exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
+    """The leader's exit code, as soon as it exits.
+
+    `Process.wait()` also waits for the stdout/stderr pipes to close (Python 3.11), which a
+    grandchild holding them would delay forever; the return code is set on exit itself.
+    """
+    while proc.returncode is None:
+        await asyncio.sleep(poll_s)
+    return proc.returncode
+
+
+async def feed_stdin(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    """Write `data` to stdin and close it; a process that never reads it is fine."""
     assert proc.stdin is not None
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         proc.stdin.write(data)
@@ -334,13 +351,22 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         proc.stdin.close()
 
 
-async def _exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
-    """The exit code as soon as the process exits (`wait()` also waits for its pipes)."""
-    while proc.returncode is None:
-        await asyncio.sleep(poll_s)
-    return proc.returncode
-
-
-def _killpg(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to process group `pgid`; an already empty group is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+async def terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM `proc`'s group, wait up to `grace_s` for the leader, then SIGKILL the group.
+
+    The SIGKILL runs even if this wait is itself cancelled; asyncio's child watcher reaps the
+    leader, and the final wait makes sure it has been reaped before returning.
+    """
+    try:
+        signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited(proc), grace_s)
+    finally:
+        signal_group(proc.pid, signal.SIGKILL)
+    await exited(proc)

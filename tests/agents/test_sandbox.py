@@ -15,10 +15,12 @@ import contextlib
 import errno
 import http.server
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -28,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from forgerl.agents.runner import infra_cause, run_command_agent
-from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
+from forgerl.agents.sandbox import Sandbox, SandboxError
+from forgerl.config import ConfigError, load_config
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="namespaces and cgroups need root (CI is root)")
@@ -276,7 +279,9 @@ def test_limits_hold(tmp_path, isolation):
     (namespaces: the cgroup counts the whole sandbox; process_group: RLIMIT_NPROC, which root
     ignores, so left out there); memory_mb=64: a 256 MB hog is killed (SIGKILL by the cgroup's
     OOM killer, or MemoryError under RLIMIT_AS); cpu_s=1: a busy loop dies of SIGXCPU."""
-    limits = Limits(cpu_s=1, memory_mb=64, processes=12, file_mb=1)
+    limits = load_config(None, ["--sandbox.cpu_s", "1", "--sandbox.memory_mb", "64",
+                                "--sandbox.processes", "12", "--sandbox.file_mb", "1"]
+                         ).sandbox.limits()
 
     async def main() -> dict:
         box = await Sandbox.open(tmp_path, "box", limits, isolation=isolation)
@@ -325,6 +330,8 @@ def test_mounts_land_in_the_host_directory(tmp_path):
 
 
 def test_process_group_refuses_mounts_and_bad_names(tmp_path):
+    with pytest.raises(ConfigError, match=r"sandbox\.isolation"):
+        load_config(None, ["--sandbox.isolation", "docker"])
     start = Sandbox.alive
 
     async def main() -> None:
@@ -393,4 +400,39 @@ def test_a_sigkilled_forgerl_leaves_no_sandbox_running(tmp_path):
     finally:
         forgerl.kill()
         forgerl.wait()
+    assert settle(mark) == set()
+
+
+SYSTEM_PY = "/usr/bin/python3.11"  # this venv's interpreter may sit in root's home
+
+
+@needs_root
+@pytest.mark.skipif(not Path(SYSTEM_PY).exists(), reason=f"needs {SYSTEM_PY} for user nobody")
+def test_without_root_the_fallback_says_so_and_still_kills_the_call():
+    """As `nobody` (setpriv), "auto" falls back to process_group with one log line naming why;
+    a timed-out call's setsid child still dies (it keeps the tag) and `close` cleans up."""
+    mark, parent = new_mark(), Path(tempfile.mkdtemp())  # tmp_path's parents are root's only
+    parent.chmod(0o777)
+    script = textwrap.dedent(f"""
+        import asyncio, logging
+        from pathlib import Path
+        from forgerl.agents.sandbox import Sandbox
+        logging.basicConfig(format="%(message)s")
+        async def main():
+            box = await Sandbox.open(Path({str(parent)!r}), "box")
+            result = await box.run(["sh", "-c", "setsid sleep {mark} & sleep {mark}"],
+                                   timeout_s=1)
+            await box.close()
+            print(box.isolation, result.timed_out, box.workdir.exists())
+        asyncio.run(main())
+    """)
+    try:
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               SYSTEM_PY, "-c", script], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    finally:
+        shutil.rmtree(parent)
+    assert done.stdout == "process_group True False\n", done.stderr
+    assert done.stderr.startswith("sandbox: no namespaces (not root): process group + rlimits")
+    assert done.stderr.count("\n") == 1
     assert settle(mark) == set()
