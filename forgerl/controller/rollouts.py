@@ -110,7 +110,8 @@ class Rollouts:
             play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
             max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
             timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns),
-            sandbox_at=self.run_dir / "sandboxes" / log_name, gateway_port=self.server.port)
+            sandbox_at=self.run_dir / "sandboxes" / log_name, gateway_port=self.server.port,
+            sandbox_cfg=cfg.sandbox)
         self.env_seconds += out.env_seconds
         if out.verifier is not None:
             self.reward_status[f"verifier_{out.verifier}"] += 1

@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from forgerl.agents.sandbox import Limits, Sandbox, SandboxError
+from forgerl.agents.sandbox import Sandbox, SandboxError
+from forgerl.config import SandboxConfig
 from forgerl.tasks.agent import EpisodeResult
 from forgerl.tasks.base import Environment, EnvironmentError, Episode
 
@@ -36,22 +37,26 @@ async def run_episode(
     play: Callable[[Episode], Awaitable[EpisodeResult]],
     command: Callable[[Episode, Sandbox | None], Awaitable[tuple[str, str | None, str | None]]],
     turns: Callable[[], int], sandbox_at: Path | None = None, gateway_port: int | None = None,
+    sandbox_cfg: SandboxConfig | None = None,
 ) -> Outcome:
     """Play one episode of `task`. `play(episode)`: the built-in tool agent (environments whose
     `agent` is "tools"); `command(episode, sandbox)`: the run's command agent in the episode's
     workdir with its env (inside the sandbox), as (status, answer, error); `turns()`: the turns
     the session recorded, to place per-call rewards (the k-th model call is the k-th turn). A
     `sandboxed` environment's episode gets a Sandbox at `sandbox_at` (its mounts, reaching the
-    gateway on `gateway_port`), closed after it. An EnvironmentError or SandboxError anywhere
-    makes the rollout "aborted_infra" (stored, never trained)."""
+    gateway on `gateway_port`, `sandbox_cfg`'s limits and isolation), closed after it. An
+    EnvironmentError or SandboxError anywhere makes the rollout "aborted_infra" (stored, never
+    trained)."""
     episode, env_s, played, sandbox = None, 0.0, None, None
     start = time.monotonic()
     try:
         if environment.sandboxed:
             assert sandbox_at is not None
             mounts = {m: sandbox_at / "fs" / m.strip("/") for m in environment.mounts(task)}
-            sandbox = await Sandbox.open(sandbox_at.parent, sandbox_at.name, Limits(),
-                                         gateway_port=gateway_port, mounts=mounts)
+            cfg = sandbox_cfg or SandboxConfig()
+            sandbox = await Sandbox.open(
+                sandbox_at.parent, sandbox_at.name, cfg.limits(), gateway_port=gateway_port,
+                mounts=mounts, network=cfg.network, isolation=cfg.isolation)
         episode = await environment.open(task, sandbox)
         env_s += time.monotonic() - start
         if environment.agent == "tools":
