@@ -2,7 +2,7 @@
 
 `forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
 Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer]
-[reward] [cluster] [[domains]].
+[reward] [cluster] [sandbox] [[domains]].
 This module imports no torch, so `forgerl --help` and config errors are instant.
 """
 
@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from forgerl.types import RewardWeights
+from forgerl.types import Limits, RewardWeights
 
 
 class ConfigError(ValueError):
@@ -518,6 +518,33 @@ class WarmstartConfig(_Section):
     """The learning rate of these steps; None = trainer.lr."""
 
 
+class SandboxConfig(_Section):
+    """[sandbox]: where command agents and environment tool/test processes run
+    (forgerl/agents/sandbox.py, docs/agents.md#sandbox)."""
+
+    isolation: Literal["auto", "namespaces", "process_group"] = "auto"
+    """"namespaces": own PID, mount and network namespace and cgroups per call (needs root);
+    "process_group": a process group with rlimits; "auto": namespaces where they work."""
+    cpu_s: int | None = Field(600, ge=1)
+    """CPU seconds of each process (RLIMIT_CPU); None = unlimited."""
+    memory_mb: int | None = Field(4096, ge=16)
+    """Memory of the whole sandbox (cgroup), else of each process (RLIMIT_AS); None = unlimited."""
+    processes: int | None = Field(512, ge=4)
+    """Processes (and threads) of the whole sandbox (cgroup pids.max), else of the user
+    (RLIMIT_NPROC, which root ignores); None = unlimited."""
+    file_mb: int | None = Field(1024, ge=1)
+    """Largest file a process writes (RLIMIT_FSIZE); None = unlimited."""
+    network: bool = False
+    """Share the host's network; false = loopback only, plus the gateway's port."""
+    agents: bool = False
+    """Run every rollout's command agent in a sandbox (task sources that need one, Harbor,
+    use it regardless)."""
+
+    def limits(self) -> Limits:
+        """These limits as the sandbox's `Limits`."""
+        return Limits(self.cpu_s, self.memory_mb, self.processes, self.file_mb)
+
+
 class ClusterConfig(_Section):
     """[cluster]: where the engine instances and trainer workers run (forgerl/cluster.py)."""
 
@@ -568,6 +595,7 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     cluster: ClusterConfig = ClusterConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""

@@ -223,6 +223,19 @@ class RewardWeights:
     process: Mapping[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Limits of one sandbox (forgerl/agents/sandbox.py); None: unlimited. cpu_s: CPU seconds of
+    each process (RLIMIT_CPU: SIGXCPU, SIGKILL a second later). memory_mb and processes: the
+    whole sandbox (cgroup memory / pids.max) where cgroups work, else each process (RLIMIT_AS)
+    and the user (RLIMIT_NPROC). file_mb: largest file a process writes (RLIMIT_FSIZE: EFBIG)."""
+
+    cpu_s: int | None = 600
+    memory_mb: int | None = 4096
+    processes: int | None = 512
+    file_mb: int | None = 1024
+
+
 @dataclass
 class Group:
     """The G trajectories of one task: the baseline for advantages."""

@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from forgerl.agents.reaper import kill_tagged
+from forgerl.agents.sandbox import exited, feed_stdin, read_tail, signal_group, terminate_group
 
 if TYPE_CHECKING:
     from forgerl.agents.forkserver import ForkServer
+    from forgerl.agents.sandbox import Sandbox
 
 AgentStatus = Literal["finished", "failed", "timeout"]
 AgentFn = Callable[[dict, str, str], Awaitable[str | None]]
@@ -116,12 +118,14 @@ async def run_agent(
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
     forkserver: ForkServer | None = None,
+    sandbox: Sandbox | None = None,
 ) -> AgentResult:
-    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path`, `forkserver`
-    apply) or an async callable agent; see `run_command_agent` and `run_callable_agent`."""
+    """Run a command agent (list of argv strings; `cwd`, `env`, `log_path`, `forkserver`,
+    `sandbox` apply) or an async callable agent; see `run_command_agent` and
+    `run_callable_agent`."""
     if isinstance(agent, list):
         return await run_command_agent(agent, task, base_url, api_key, timeout_s, cwd, env,
-                                       log_path=log_path, forkserver=forkserver)
+                                       log_path=log_path, forkserver=forkserver, sandbox=sandbox)
     return await run_callable_agent(agent, task, base_url, api_key, timeout_s)
 
 
@@ -136,6 +140,7 @@ async def run_command_agent(
     grace_s: float = 2.0,
     log_path: Path | None = None,
     forkserver: ForkServer | None = None,
+    sandbox: Sandbox | None = None,
 ) -> AgentResult:
     """Run `command` as one agent episode and return its answer and status.
 
@@ -148,9 +153,13 @@ async def run_command_agent(
     a finished agent's leftover children get SIGKILL too. Cancellation re-raises
     `asyncio.CancelledError` after the group is dead. Never raises for agent faults. With
     `forkserver` (a Python script agent, `[agent] preload`) the process is forked from it
-    instead of exec'd (same contract; a plain process when the server is gone).
+    instead of exec'd (same contract; a plain process when the server is gone). With `sandbox`
+    the command runs inside it (`Sandbox.wrap`; `cwd` is a path inside, default its workdir;
+    no fork server); a SIGKILL of the sandbox's init counts as a SIGKILL from outside.
     """
     start = time.monotonic()
+    if sandbox is not None:
+        command, cwd, forkserver = sandbox.wrap(command, cwd), str(sandbox.workdir), None
     full_env = {**os.environ, **(env or {}), **agent_env(task, base_url, api_key),
                 EPISODE_VAR: secrets.token_hex(8)}
     log = None
@@ -191,7 +200,7 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
     except asyncio.CancelledError:
         try:
             with contextlib.suppress(OSError):
-                await _terminate_group(await spawn, grace_s)
+                await terminate_group(await spawn, grace_s)
         finally:
             sweep()
         raise
@@ -201,26 +210,26 @@ async def _run_command(command: list[str], task: dict, full_env: dict[str, str],
 
     out_buf, err_buf = bytearray(), bytearray()
     readers = {
-        asyncio.create_task(_read_tail(proc.stdout, out_buf, STDOUT_KEEP)),
-        asyncio.create_task(_read_tail(proc.stderr, err_buf, STDERR_KEEP)),
-        asyncio.create_task(_feed_stdin(proc, json.dumps(task).encode())),
+        asyncio.create_task(read_tail(proc.stdout, out_buf, STDOUT_KEEP)),
+        asyncio.create_task(read_tail(proc.stderr, err_buf, STDERR_KEEP)),
+        asyncio.create_task(feed_stdin(proc, json.dumps(task).encode())),
     }
     status: AgentStatus = "finished"
     try:
         async with asyncio.timeout(timeout_s):
-            await _exited(proc)
+            await exited(proc)
     except TimeoutError:
         status = "timeout"
-        await _terminate_group(proc, grace_s)
+        await terminate_group(proc, grace_s)
     except asyncio.CancelledError:
         try:
-            await _terminate_group(proc, grace_s)
+            await terminate_group(proc, grace_s)
         finally:  # even when cancelled again (asyncio.run's shutdown cancels every task)
             sweep()
             for reader in readers:
                 reader.cancel()
         raise
-    _signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
+    signal_group(proc.pid, signal.SIGKILL)  # no orphans, even of a finished agent
     await asyncio.to_thread(sweep)
     # The pipes close once the episode's processes are gone; one that left the group and
     # cleared its environment, still holding them, only costs us its unread output.
@@ -272,51 +281,3 @@ async def run_callable_agent(
         return AgentResult(None, "failed", None, tail, time.monotonic() - start)
     text = None if answer is None else str(answer).strip() or None
     return AgentResult(text, "finished", None, "", time.monotonic() - start)
-
-
-async def _read_tail(stream: asyncio.StreamReader | None, buf: bytearray, keep: int) -> None:
-    """Read `stream` to EOF into `buf`, keeping only its last `keep` bytes."""
-    while stream is not None and (chunk := await stream.read(65536)):
-        buf += chunk
-        del buf[:-keep]
-
-
-async def _exited(proc: asyncio.subprocess.Process, poll_s: float = 0.02) -> int:
-    """The leader's exit code, as soon as it exits.
-
-    `Process.wait()` also waits for the stdout/stderr pipes to close (Python 3.11), which a
-    grandchild holding them would delay forever; the return code is set on exit itself.
-    """
-    while proc.returncode is None:
-        await asyncio.sleep(poll_s)
-    return proc.returncode
-
-
-async def _feed_stdin(proc: asyncio.subprocess.Process, data: bytes) -> None:
-    """Write the task to stdin and close it; an agent that never reads it is fine."""
-    assert proc.stdin is not None
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    """Send `sig` to process group `pgid`; an already empty group is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM the agent's group, wait up to `grace_s` for the leader, then SIGKILL the group.
-
-    The SIGKILL runs even if this wait is itself cancelled; asyncio's child watcher reaps the
-    leader, and the final wait makes sure it has been reaped before returning.
-    """
-    try:
-        _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(_exited(proc), grace_s)
-    finally:
-        _signal_group(proc.pid, signal.SIGKILL)
-    await _exited(proc)

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from forgerl.agents.sandbox import Sandbox
 from forgerl.metrics import ProgressBar, agent_summary
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ class StepClock:
         """`metrics` (updated in place and returned) with this step's timing, idle fraction,
         rollout tokens per second, groups without signal, env_seconds (seconds rollouts
         spent in environments since the last step, summed over rollouts: with concurrent
-        rollouts it can exceed step_seconds) and generation_seconds (the engine's prefill and
-        decode seconds since the last step); its `step_seconds` (the trainer's) becomes
+        rollouts it can exceed step_seconds), generation_seconds (the engine's prefill and
+        decode seconds since the last step) and sandboxes_peak (most rollout sandboxes open at
+        once since the last step); its `step_seconds` (the trainer's) becomes
         train_seconds."""
         seconds, train_seconds = time.time() - self.start, metrics.pop("step_seconds")
         generated = self.s.gateway.counters["completion_tokens"] - self.tokens
@@ -84,7 +86,8 @@ class StepClock:
                     "rollout_tokens_per_second": generated / seconds,
                     "groups_without_signal": self.no_signal,
                     "env_seconds": self.s.env_seconds - self.env_seconds,
-                    "generation_seconds": self.engine_seconds() - self.gen_seconds}
+                    "generation_seconds": self.engine_seconds() - self.gen_seconds,
+                    "sandboxes_peak": Sandbox.take_peak()}
         return metrics
 
     def engine_seconds(self) -> float:

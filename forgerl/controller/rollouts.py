@@ -29,11 +29,12 @@ from forgerl.rewards.composite import duration_s
 from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
 from forgerl.tasks.agent import play
-from forgerl.tasks.base import Environment
+from forgerl.tasks.base import Environment, Episode
 from forgerl.tasks.episode import run_episode
 from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
+    from forgerl.agents.sandbox import Sandbox
     from forgerl.gateway.sessions import Session
     from forgerl.types import Trajectory
 
@@ -51,11 +52,13 @@ class Rollouts:
         return self.domain_agents.get(task.get("domain", ""), (self.agent, self.config.agent))
 
     async def run_agent(self, task: dict, api_key: str, log_name: str,
-                        session: Session | None = None, cwd: str | None = None
+                        session: Session | None = None, cwd: str | None = None,
+                        episode_env: dict[str, str] | None = None, sandbox: Sandbox | None = None
                         ) -> tuple[str, str | None, str | None]:
         """One agent episode against the gateway: (status, answer, error), status "finished",
         "failed", "timeout" or "aborted_infra" (`runner.infra_cause`, counting the engine errors
-        of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log.
+        of `session`). A command agent's stderr is appended to RUN_DIR/agent_logs/`log_name`.log;
+        it runs with `episode_env` added, inside `sandbox` when given (`cwd` a path inside).
         """
         cfg = self.config
         agent, agent_cfg = self.agent_for(task)
@@ -67,14 +70,17 @@ class Rollouts:
                    "FORGERL_MAX_TOKENS": str(cfg.rollout.max_tokens),
                    "OPENAI_MODEL": cfg.gateway.model_name,
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
-                   **(self.reaper.env() if self.reaper else {})}
+                   **(self.reaper.env() if self.reaper else {}), **(episode_env or {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
+        if sandbox is not None and isinstance(agent, list) and agent_cfg and agent_cfg.cwd:
+            here = [os.path.join(agent_cfg.cwd, a) for a in agent]  # it starts elsewhere
+            agent = [h if os.path.isfile(h) else a for a, h in zip(agent, here, strict=True)]
         preload = preload_of(agent, agent_cfg)
         forkserver = await self.forkserver(preload, env or {}) if preload else None
         task = {"question": task["question"]}  # the agent never sees the reference answer
         result = await run_agent(agent, task, self.server.base_url, api_key,
                                  cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
-                                 forkserver=forkserver)
+                                 forkserver=forkserver, sandbox=sandbox)
         if result.status == "finished":
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"
@@ -89,18 +95,26 @@ class Rollouts:
                           log_name: str, session: Session
                           ) -> tuple[str, float, list[float] | None, str | None]:
         """One episode of an environment (`forgerl.tasks.episode.run_episode`): (status,
-        reward, turn_rewards, error); its environment seconds add to `env_seconds`."""
+        reward, turn_rewards, error); its environment seconds add to `env_seconds`, its
+        verifier's status (Harbor's tests) to `reward_status`; a `sandboxed` environment's
+        sandbox is RUN_DIR/sandboxes/`log_name`."""
         cfg = self.config
 
-        async def command(cwd: str | None) -> tuple[str, str | None, str | None]:
-            return await self.run_agent(task, api_key, log_name, session, cwd=cwd)
+        async def command(episode: Episode, sandbox: Sandbox | None
+                          ) -> tuple[str, str | None, str | None]:
+            cwd = None if episode.workdir is None else str(episode.workdir)
+            return await self.run_agent(task, api_key, log_name, session, cwd=cwd,
+                                        episode_env=episode.env, sandbox=sandbox)
 
         out = await run_episode(environment, task, play=functools.partial(
             play, base_url=self.server.base_url, api_key=api_key, model=cfg.gateway.model_name,
             max_turns=self.agent_turns(task), max_tokens=cfg.rollout.max_tokens,
             timeout_s=cfg.rollout.timeout_s), command=command, turns=lambda: len(session.turns),
-            timeout_s=cfg.rollout.timeout_s)
+            sandbox_at=self.run_dir / "sandboxes" / log_name, gateway_port=self.server.port,
+            sandbox_cfg=cfg.sandbox, timeout_s=cfg.rollout.timeout_s)
         self.env_seconds += out.env_seconds
+        if out.verifier is not None:
+            self.reward_status[f"verifier_{out.verifier}"] += 1
         return out.status, out.reward, out.turn_rewards, out.error
 
     def agent_turns(self, task: dict) -> int:

@@ -52,12 +52,14 @@ class Episode:
         "parameters"}}`; [] for an environment without tools (a command agent works in
         `workdir`, e.g. Harbor).
     workdir: the directory a command agent runs in (inside the rollout's sandbox), or None.
+    env: environment variables a command agent runs with (the task's own).
     final_reward: the reward of the `finished` Step, once one came.
     """
 
     prompt: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     workdir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
     final_reward: float | None = None
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Step:
@@ -100,6 +102,11 @@ class Environment:
         "question" (the task's prompt text: logs and the train/held-out overlap check use it).
         Runs in a child process at the run's start (nothing of `start` is available)."""
         raise NotImplementedError
+
+    def mounts(self, task: dict[str, Any]) -> list[str]:
+        """Absolute paths inside the rollout's sandbox that are the rollout's own (each a
+        directory under the sandbox's workdir, bind-mounted there) when `sandboxed`."""
+        return []
 
     async def start(self) -> None:
         """Connect, start servers or workers; before the first `open`."""
