@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
                          ids=lambda p: p.parent.name)
 def test_example_config_loads_and_its_files_exist(config):
     cfg = load_config(config)
-    agents = [cfg.agent] + [d.agent for d in cfg.domains if d.agent is not None]
+    agents = [a for a in [cfg.agent, *(d.agent for d in cfg.domains)] if a is not None]
     for agent in agents:
         script = next((a for a in agent.command if a.endswith(".py")), None)
         if script is not None:
