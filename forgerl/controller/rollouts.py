@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.agents.forkserver import ForkServer, script_imports
 from forgerl.agents.runner import infra_cause, run_agent
+from forgerl.agents.sandbox import SandboxError
 from forgerl.config import AgentConfig, ConfigError
 from forgerl.metrics import rollout_stats
 from forgerl.rewards.composite import duration_s
@@ -30,7 +31,7 @@ from forgerl.rewards.reasoning_gym import score
 from forgerl.rewards.scoring import score_with_timeout
 from forgerl.tasks.agent import play
 from forgerl.tasks.base import Environment, Episode
-from forgerl.tasks.episode import run_episode
+from forgerl.tasks.episode import open_sandbox, run_episode
 from forgerl.types import NO_CALL
 
 if TYPE_CHECKING:
@@ -72,15 +73,27 @@ class Rollouts:
                    "FORGERL_SESSION_ID": self.gateway.sessions.get(api_key).trajectory_id,
                    **(self.reaper.env() if self.reaper else {}), **(episode_env or {})}
             log_path = self.run_dir / "agent_logs" / f"{log_name}.log"
+        own = None  # `[sandbox] agents`: this rollout's own sandbox, closed with its episode
+        if sandbox is None and isinstance(agent, list) and cfg.sandbox.agents:
+            try:
+                sandbox = own = await open_sandbox(
+                    cfg.sandbox, self.run_dir / "sandboxes" / log_name, self.server.port)
+            except SandboxError as e:
+                return "aborted_infra", None, f"infrastructure: sandbox: {e}"
         if sandbox is not None and isinstance(agent, list) and agent_cfg and agent_cfg.cwd:
             here = [os.path.join(agent_cfg.cwd, a) for a in agent]  # it starts elsewhere
             agent = [h if os.path.isfile(h) else a for a, h in zip(agent, here, strict=True)]
         preload = preload_of(agent, agent_cfg)
-        forkserver = await self.forkserver(preload, env or {}) if preload else None
+        forkserver = (await self.forkserver(preload, env or {})
+                      if preload and sandbox is None else None)  # a fork is not in the sandbox
         task = {"question": task["question"]}  # the agent never sees the reference answer
-        result = await run_agent(agent, task, self.server.base_url, api_key,
-                                 cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
-                                 forkserver=forkserver, sandbox=sandbox)
+        try:
+            result = await run_agent(agent, task, self.server.base_url, api_key,
+                                     cfg.rollout.timeout_s, cwd=cwd, env=env, log_path=log_path,
+                                     forkserver=forkserver, sandbox=sandbox)
+        finally:
+            if own is not None:
+                await own.close()
         if result.status == "finished":
             return result.status, result.answer, None
         code = "" if result.returncode is None else f" (exit code {result.returncode})"

@@ -33,6 +33,14 @@ class Outcome:
     verifier: str | None = None
 
 
+async def open_sandbox(cfg: SandboxConfig, at: Path, gateway_port: int | None,
+                       mounts: dict[str, Path] | None = None) -> Sandbox:
+    """A rollout's sandbox at `at` under `[sandbox]` `cfg`, reaching the gateway on
+    `gateway_port`; raises SandboxError when it cannot be made."""
+    return await Sandbox.open(at.parent, at.name, cfg.limits(), gateway_port=gateway_port,
+                              mounts=mounts, network=cfg.network, isolation=cfg.isolation)
+
+
 async def run_episode(
     environment: Environment, task: dict,
     play: Callable[[Episode], Awaitable[EpisodeResult]],
@@ -56,10 +64,8 @@ async def run_episode(
         if environment.sandboxed:
             assert sandbox_at is not None
             mounts = {m: sandbox_at / "fs" / m.strip("/") for m in environment.mounts(task)}
-            cfg = sandbox_cfg or SandboxConfig()
-            sandbox = await Sandbox.open(
-                sandbox_at.parent, sandbox_at.name, cfg.limits(), gateway_port=gateway_port,
-                mounts=mounts, network=cfg.network, isolation=cfg.isolation)
+            sandbox = await open_sandbox(sandbox_cfg or SandboxConfig(), sandbox_at,
+                                         gateway_port, mounts)
         episode = await environment.open(task, sandbox)
         env_s += time.monotonic() - start
         if environment.agent == "tools":

@@ -7,6 +7,7 @@ as the outcome, an unreachable environment as an infrastructure abort, and a tra
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import ClassVar
 
@@ -194,3 +195,48 @@ async def test_a_run_logs_environment_seconds_per_step(tmp_path):
     assert step["env_seconds"] > 0.0 and played and played[0]
     # the scripted engine decodes nothing: generation seconds stay the engine's own (none)
     assert step["generation_seconds"] == 0.0 and step["train_seconds"] > 0.0
+
+
+NS_AGENT = """
+import json, os, sys, urllib.request
+task = json.load(sys.stdin)
+request = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": "policy", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": task["question"]}]}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+             "Content-Type": "application/json"})
+urllib.request.urlopen(request).read()
+with open(sys.argv[1], "a") as f:
+    f.write(os.readlink("/proc/self/ns/net") + " " + os.readlink("/proc/self/ns/pid") + "\\n")
+print("0")
+"""
+
+
+@sync
+async def test_sandbox_agents_puts_each_command_agent_in_its_own_namespaces(tmp_path):
+    """`[sandbox] agents = true` on plain reasoning-gym tasks: each rollout's command agent
+    reaches the gateway at the usual URL from its own network and PID namespaces, and no
+    sandbox directory is left behind."""
+    from forgerl.agents.sandbox import Sandbox
+
+    probe = await Sandbox.open(tmp_path, "probe")
+    isolated = probe.isolation == "namespaces"
+    await probe.close()
+    if not isolated:
+        pytest.skip("namespaces need root: this machine gives the process-group sandbox only")
+    (tmp_path / "agent.py").write_text(NS_AGENT)
+    seen = tmp_path / "seen.txt"
+    config = tiny_config(tmp_path / "run", "--agent.command",
+                         f'["python", "{tmp_path / "agent.py"}", "{seen}"]',
+                         "--agent.preload", "[]", "--sandbox.agents", "true")
+    async with start_services(config) as s:
+        s.admit()
+        batch = await s.next_batch()
+        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+    assert {t.status for t in trajs} == {"finished"} and all(t.completions for t in trajs)
+    namespaces = seen.read_text().split("\n")[:-1]
+    here = f"{os.readlink('/proc/self/ns/net')} {os.readlink('/proc/self/ns/pid')}"
+    assert len(namespaces) >= 8 and len(set(namespaces)) == len(namespaces)  # one each
+    assert here not in namespaces
+    assert not any((tmp_path / "run" / "sandboxes").iterdir())
