@@ -12,7 +12,8 @@ group (the agent and every process it spawned) gets SIGTERM, then SIGKILL after 
 When an episode ends, however it ends, every process whose environment holds its
 `FORGERL_EPISODE=<token>` gets SIGKILL too (`reaper.kill_tagged`), so a child that left the
 group (`setsid`, a double fork) dies with its call (CASES.md C24). Only a process that cleared
-its environment, or a fork server agent's fork without exec, escapes until the run's end.
+its environment, or a fork server agent's fork without exec, escapes until the run's end;
+in a sandbox with namespaces (`sandbox.py`) none does.
 """
 
 from __future__ import annotations

@@ -226,7 +226,8 @@ class Sandbox:
                 await terminate_group(proc, GRACE_S)
         finally:  # also when cancelled
             signal_group(proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(kill_tagged, call, var=CALL_VAR)
+            if self.isolation == "process_group":  # namespaces: gone with the call's init
+                await asyncio.to_thread(kill_tagged, call, var=CALL_VAR)
             await exited(proc)
             _, pending = await asyncio.wait(readers, timeout=GRACE_S)
             for reader in pending:
