@@ -169,7 +169,7 @@ async def test_openenv_episodes_train_through_the_gateway(tmp_path):
     config = tiny_config(
         tmp_path / "run", "--tasks.source", "openenv", "--tasks.env", "guess_env.server:app",
         "--tasks.params", f'{{path = ["{ENVS}"]}}', "--tasks.size", "6",
-        "--rollout.max_tokens", "64", "--model.max_model_len", "1024")
+        "--rollout.max_tokens", "96", "--model.max_model_len", "1024")
     async with start_services(config) as s:
         env = s.environments[""]
         assert env.url.startswith("http://127.0.0.1:")
