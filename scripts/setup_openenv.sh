@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Optional: a separate venv .venv-openenv with OpenEnv (`openenv`), for `[tasks] source =
 # "openenv"` (forgerl/tasks/openenv.py runs OpenEnv's own client in a worker under this venv,
-# forgerl/tasks/openenv_worker.py, and serves an environment's app from it) and its tests
+# scripts/openenv_worker.py, and serves an environment's app from it) and its tests
 # (tests/tasks/test_openenv.py). Kept apart from .venv because openenv 0.10 pins fastmcp<4,
 # which pins mcp<2 (ForgeRL's dev venv has mcp 2 for openai-agents), and it pulls gradio and
 # pandas. Idempotent: after a successful install the hash of this script and the venv's Python

@@ -161,8 +161,12 @@ class Adapter(Environment):
         rid = next(self._ids)
         future = self._pending[rid] = asyncio.get_running_loop().create_future()
         assert self._worker.stdin is not None
-        self._worker.stdin.write(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
-        await self._worker.stdin.drain()
+        try:
+            self._worker.stdin.write(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
+            await self._worker.stdin.drain()
+        except (ConnectionError, RuntimeError) as e:
+            self._pending.pop(rid, None)
+            raise EnvironmentError(f"the OpenEnv worker is gone ({e})") from e
         reply = await future
         if "error" in reply and not (op == "step" and reply.get("policy")):
             raise EnvironmentError(f"{op}: {reply['error']}")

@@ -134,7 +134,11 @@ async def test_a_dead_server_or_missing_venv_or_app_is_said_in_one_line(echo_ser
     try:
         proc.kill()
         proc.wait()
-        with pytest.raises(EnvironmentError, match="open: .*Error"):
+        with pytest.raises(EnvironmentError, match=r"^open: .*Error"):
+            await env.open({"reset": {}})
+        env._worker.kill()  # the worker dies: every later request is an infrastructure failure
+        await env._worker.wait()
+        with pytest.raises(EnvironmentError, match="OpenEnv worker"):
             await env.open({"reset": {}})
     finally:
         await env.stop()
