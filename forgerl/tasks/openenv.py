@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -80,10 +81,11 @@ class Adapter(Environment):
         self._ids, self._reader = itertools.count(), None
 
     def tasks(self, split: Split, size: int, seed: int) -> list[dict[str, Any]]:
-        listed = self.params.get("eval_tasks" if split == "eval" else "tasks")
-        if listed is not None:
-            if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
-                raise ConfigError("tasks.params.tasks: a list of tables of reset arguments")
+        key = "eval_tasks" if split == "eval" else "tasks"
+        if (listed := self.params.get(key)) is not None:
+            if not listed or not isinstance(listed, list) or not all(
+                    isinstance(t, dict) for t in listed):
+                raise ConfigError(f"tasks.params.{key}: a list of tables of reset arguments")
             kwargs = [dict(t) for t in itertools.islice(itertools.cycle(listed), size)]
         else:
             kwargs = [{**self.params.get("reset", {}), "seed": seed + i} for i in range(size)]
@@ -92,7 +94,7 @@ class Adapter(Environment):
 
     async def start(self) -> None:
         python = self.python or (str(VENV_PYTHON) if VENV_PYTHON.exists() else None)
-        if python is None or not Path(python).exists():
+        if python is None or shutil.which(python) is None:
             raise ConfigError(f"tasks.python: no OpenEnv venv at {python or VENV_PYTHON} (run "
                               "scripts/setup_openenv.sh, or name a python that has openenv)")
         if "://" in self.location:

@@ -69,8 +69,10 @@ def test_tasks_are_reset_arguments_listed_or_seeded():
     assert [t["reset"] for t in listed.tasks("train", 3, 0)] == [{"seed": 1}, {"seed": 2},
                                                                  {"seed": 1}]
     assert [t["reset"] for t in listed.tasks("eval", 2, 5)] == [{"seed": 9}, {"seed": 9}]
-    with pytest.raises(ConfigError, match=r"tasks\.params\.tasks"):
+    with pytest.raises(ConfigError, match=r"^tasks\.params\.tasks: a list of tables"):
         _adapter("x:app", tasks={"seed": 1}).tasks("train", 1, 0)
+    with pytest.raises(ConfigError, match=r"^tasks\.params\.eval_tasks: a list of tables"):
+        _adapter("x:app", eval_tasks=[]).tasks("eval", 1, 0)
 
 
 @needs_venv
@@ -211,3 +213,6 @@ async def test_an_environment_that_dies_mid_run_aborts_its_rollouts(tmp_path, ec
     assert {t.status for t in trajs} == {"aborted_infra"}
     assert all("infrastructure: environment open:" in t.error for t in trajs)
     assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0
+    with pytest.raises(ConfigError, match=r"^tasks\.env: no OpenEnv server at http"):
+        async with start_services(config):  # a server that is not there at the start
+            pass
