@@ -7,8 +7,8 @@ scripts/openenv_worker.py, speaking JSON lines. docs/environments/openenv.md has
 
     [tasks] env      a server URL, or "module:app" served here (uvicorn, 127.0.0.1, free port)
     a task           reset keyword arguments: params.tasks / params.eval_tasks, else {"seed": n}
-    prompt           the reset observation's text (params.observation_field, else its one text
-                     field, else its JSON), after params.system
+    prompt           the reset observation as text (params.observation_field, else its only
+                     non-empty field when text, else its JSON), after params.system
     tools            the MCP tools (list_tools), else the action schema as one tool ("step")
     a call           a step: its reward a process reward, `done` finishes with the outcome
 """
