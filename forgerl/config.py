@@ -323,7 +323,8 @@ class TasksConfig(_Section):
     environment, a value naming a file relative to the config file resolves against it)."""
     python: str | None = None
     """The interpreter of the environment's own venv, for a standard whose package cannot
-    install beside ForgeRL (verifiers, OpenEnv: `scripts/setup_envs.sh`); default: this one."""
+    install beside ForgeRL (OpenEnv, verifiers: `scripts/setup_<source>.sh` builds
+    `.venv-<source>`); default: that venv's python where it exists."""
     seed: int = 0
     size: int = Field(10_000, ge=1)
     """Training tasks generated (the queue cycles through them)."""
