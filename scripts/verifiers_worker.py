@@ -170,12 +170,9 @@ def _with(fn, state, var):
 
 
 def _text(result: Any) -> str:
-    """An MCP tool result as the tool message's text."""
-    if isinstance(result, tuple):  # (content blocks, structured output)
-        result = result[0]
-    if isinstance(result, (list, tuple)):
-        return "\n".join(getattr(b, "text", None) or str(b) for b in result)
-    return result if isinstance(result, str) else json.dumps(result)
+    """An MCP CallToolResult as the tool message's text ("error: ..." when it is an error)."""
+    text = "\n".join(getattr(b, "text", None) or str(b) for b in result.content)
+    return f"error: {text}" if getattr(result, "is_error", False) else text
 
 
 def _vf_message(m: dict[str, Any]) -> dict[str, Any]:

@@ -128,8 +128,13 @@ class Adapter(Environment):
             self._proc.stdin.write((json.dumps({"id": rid, "op": op, **args}) + "\n").encode())
             await self._proc.stdin.drain()
             answer = await asyncio.wait_for(future, TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise EnvironmentError(f"verifiers worker: {op}: {type(e).__name__} {e}") from e
+        except OSError as e:  # the pipe broke: the worker is gone
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._proc.wait(), 10)
+            raise EnvironmentError(f"verifiers worker exited (status {self._proc.returncode})"
+                                   ) from e
+        except asyncio.TimeoutError as e:
+            raise EnvironmentError(f"verifiers worker: no answer to {op} in {TIMEOUT_S} s") from e
         finally:
             self._waiting.pop(rid, None)
         if "error" in answer:
