@@ -122,7 +122,7 @@ def _calculator_policy(prompt: str) -> str:
 def _config(tmp_path, *extra):
     return tiny_config(tmp_path / "run", "--tasks.source", "verifiers", "--tasks.env", "vf-calc",
                        "--tasks.params", "{num_tasks = 12}", "--tasks.size", "6",
-                       "--rollout.max_tokens", "64", "--model.max_model_len", "1024", *extra)
+                       "--rollout.max_tokens", "96", "--model.max_model_len", "2048", *extra)
 
 
 @sync
