@@ -76,7 +76,8 @@ class Worker:
         if view.bounded:
             view = view.shuffle(seed)
         return [{"question": t.data.prompt_text, "vf_type": type(t).__name__,
-                 "vf_data": t.data.model_dump(mode="json", exclude_defaults=True)} for t in view.take(size)]
+                 "vf_data": t.data.model_dump(mode="json", exclude_defaults=True)}
+                for t in view.take(size)]
 
     async def open(self, task: dict[str, Any]) -> dict[str, Any]:
         """A new episode: the task rebuilt from its data, its toolsets (per task, then the

@@ -129,11 +129,11 @@ class Adapter(Environment):
             await self._proc.stdin.drain()
             answer = await asyncio.wait_for(future, TIMEOUT_S)
         except OSError as e:  # the pipe broke: the worker is gone
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._proc.wait(), 10)
             raise EnvironmentError(f"verifiers worker exited (status {self._proc.returncode})"
                                    ) from e
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise EnvironmentError(f"verifiers worker: no answer to {op} in {TIMEOUT_S} s") from e
         finally:
             self._waiting.pop(rid, None)
@@ -151,7 +151,7 @@ class Adapter(Environment):
                 self._proc.stdin.close()  # type: ignore[union-attr]
             try:
                 await asyncio.wait_for(self._proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
         if self._reader is not None:
