@@ -107,7 +107,8 @@ class Worker:
                     "name": full, "description": tool.description or "",
                     "parameters": tool.input_schema}})
         episode = next(self.ids)
-        self.episodes[episode] = {"task": vtask, "state": state, "dispatch": dispatch}
+        self.episodes[episode] = {"task": vtask, "state": state, "dispatch": dispatch,
+                                  "toolsets": toolsets}
         prompt = vtask.data.prompt
         messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                     else [m.model_dump(exclude_none=True) for m in prompt or []])
@@ -151,7 +152,9 @@ class Worker:
                 "metrics": trace.metrics}
 
     async def close(self, episode: int) -> None:
-        self.episodes.pop(episode, None)
+        """Forget the episode; release what its toolsets' setup entered (their exit stacks)."""
+        for toolset in self.episodes.pop(episode, {}).get("toolsets", []):
+            await toolset._exit_stack.aclose()
 
 
 def _with(fn, state, var):

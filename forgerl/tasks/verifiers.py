@@ -79,8 +79,11 @@ class Adapter(Environment):
     def tasks(self, split: str, size: int, seed: int) -> list[dict[str, Any]]:
         """The taskset's tasks of `split` (see docs/environments/verifiers.md), in a worker."""
         line = json.dumps({"id": 0, "op": "tasks", "split": split, "size": size, "seed": seed})
-        done = subprocess.run(self._argv(), input=line + "\n", capture_output=True, text=True,
-                              timeout=TIMEOUT_S, check=False)
+        try:
+            done = subprocess.run(self._argv(), input=line + "\n", capture_output=True,
+                                  text=True, timeout=TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"verifiers: no task list in {TIMEOUT_S} s") from None
         lines = done.stdout.splitlines()
         first = json.loads(lines[0]) if lines else {"fatal": _last(done.stderr)}
         if "fatal" in first:
