@@ -28,6 +28,8 @@ fi
 bash scripts/setup_vllm.sh
 # OpenEnv in its own venv (.venv-openenv) for `[tasks] source = "openenv"` and its tests.
 bash scripts/setup_openenv.sh
+# verifiers (pins mcp==2.0, openai<3) in its own venv (.venv-verifiers) for the verifiers source.
+bash scripts/setup_verifiers.sh
 # Dequantise the GGUF once into a safetensors cache (~40 s the first time; later runs load it).
 .venv/bin/python -c "from forgerl.models import smollm2_dir; smollm2_dir()"
 # The model families' real chat templates and tokenizers for the differential template tests

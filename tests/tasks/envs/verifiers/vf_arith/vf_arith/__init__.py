@@ -1,0 +1,3 @@
+from vf_arith.taskset import ArithTaskset
+
+__all__ = ["ArithTaskset"]

@@ -1,0 +1,3 @@
+from vf_calc.taskset import CalcTaskset
+
+__all__ = ["CalcTaskset"]
