@@ -242,6 +242,16 @@ class Sandbox:
             return
         self.closed = True
         Sandbox.alive -= 1
+        teardown = asyncio.ensure_future(self._teardown())
+        try:
+            await asyncio.shield(teardown)
+        except asyncio.CancelledError:  # a cancelled rollout still leaves nothing behind
+            await teardown
+            raise
+
+    async def _teardown(self) -> None:
+        """`close`'s work; the workdir is removed until it is gone (a dying process may still
+        write into it)."""
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -249,7 +259,11 @@ class Sandbox:
         await asyncio.to_thread(self._kill_all)
         if self.sock is not None:
             self.sock.unlink(missing_ok=True)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        for _ in range(20):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            if not self.workdir.exists():
+                break
+            await asyncio.sleep(0.05)
 
     def _kill_all(self, rounds: int = 50, pause_s: float = 0.02) -> None:
         """SIGKILL the sandbox's processes (its cgroups', and those whose argv or environment

@@ -239,4 +239,4 @@ async def test_sandbox_agents_puts_each_command_agent_in_its_own_namespaces(tmp_
     here = f"{os.readlink('/proc/self/ns/net')} {os.readlink('/proc/self/ns/pid')}"
     assert len(namespaces) >= 8 and len(set(namespaces)) == len(namespaces)  # one each
     assert here not in namespaces
-    assert not any((tmp_path / "run" / "sandboxes").iterdir())
+    assert not list((tmp_path / "run" / "sandboxes").iterdir())
