@@ -51,6 +51,9 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
             field = (f"{where}.env" if environment is not None and not isinstance(e, TypeError)
                      else f"{where}.dataset" if named else f"{where}.params")
             message = (str(e).splitlines() or [""])[0] or type(e).__name__
+            key, colon, rest = message.partition(": ")
+            if key.startswith("params.") and colon:  # the adapter named the key
+                field, message = f"{where}.{key}", rest
             what = f"dataset {t.dataset!r}" if environment is None else f"env {t.env!r}"
             raise ConfigError(f"{field}: {message} ({what}, params {t.params})") from None
         return tasks if domain is None else [{**task, "domain": domain} for task in tasks]
