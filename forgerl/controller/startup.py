@@ -180,9 +180,8 @@ def warn_positions(max_model_len: int, model_config: Any) -> str | None:
 
 @contextlib.asynccontextmanager
 async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
-    """Start the environments and the data-parallel trainer's ranks 1.. (from rank 0's state);
-    on the way out (also when a start fails) cancel the running rollouts, then stop the
-    gateway, environments, engines, logger, pool, workers and cluster."""
+    """Start the environments, then the data-parallel trainer's ranks 1.. (from rank 0's state);
+    on the way out, a failed start's too, stop everything `_build` and this started."""
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers  # lazy: torch
 
     s, workers = services, None

@@ -204,6 +204,7 @@ class Adapter(Environment):
     held-out tasks; default: `eval_fraction` (0.2, rounded down) of the tasks, a fixed draw)."""
 
     standard = "harbor"
+    params_known = ("eval", "eval_fraction")
     agent = "command"
     sandboxed = True
 

@@ -31,6 +31,7 @@ from forgerl.tasks.base import Environment, EnvironmentError, Episode, Step
 
 class Adapter(Environment):
     standard = "nemo_gym"
+    params_known = ("dataset", "eval_dataset", "timeout_s")
 
     def tasks(self, split, size, seed):
         key = "dataset" if split == "train" else "eval_dataset"

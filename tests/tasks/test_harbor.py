@@ -170,7 +170,9 @@ def test_bad_task_folders_are_one_line_config_errors(tmp_path):
             (tmp_path / "toml", "{}", "env: .*/broken/task.toml: not valid TOML"),
             (tmp_path / "good", "{eval_fraction = 7}", r"params.eval_fraction: a number in "
                                                        r"\[0, 1\), got 7"),
-            (tmp_path / "good", '{eval_fraction = "x"}', "params.eval_fraction: a number")]:
+            (tmp_path / "good", '{eval_fraction = "x"}', "params.eval_fraction: a number"),
+            (tmp_path / "good", "{evals = 'x'}", r"params: unknown keys \['evals'\] for source "
+                                                 r"'harbor' \(it reads eval, eval_fraction\)")]:
         config = tiny_config(tmp_path / "run", "--tasks.source", "harbor", "--tasks.env",
                              str(env), "--tasks.params", params, "--tasks.eval_size", "0")
         with pytest.raises(ConfigError, match=f"^tasks.{message}") as e:

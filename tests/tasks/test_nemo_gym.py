@@ -127,6 +127,10 @@ def test_a_missing_dataset_is_a_one_line_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^tasks\.params\.dataset: required") as e:
         make_task_sets(_config(tmp_path, params="{}"))
     assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^tasks\.params: unknown keys \['timeout'\] for "
+                                          r"source 'nemo_gym' \(it reads dataset, eval_dataset"):
+        make_task_sets(_config(tmp_path, params=f'{{dataset = "{PARAMS["dataset"]}", '
+                                                f'timeout = 5}}'))  # a typo of timeout_s
     with pytest.raises(ConfigError, match=r"params\.eval_dataset: required .*eval_size = 0"):
         make_task_sets(_config(tmp_path, params=f'{{dataset = "{PARAMS["dataset"]}"}}'))
     bad = tmp_path / "bad.jsonl"
