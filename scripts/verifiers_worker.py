@@ -206,7 +206,7 @@ async def serve(worker: Worker) -> None:
             result = getattr(worker, op)(**args)
             out["result"] = await result if inspect.isawaitable(result) else result
         except Exception as e:
-            out["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            out["error"] = _line(e)
         PROTOCOL.write(json.dumps(out) + "\n")
         PROTOCOL.flush()
 
@@ -218,6 +218,13 @@ async def serve(worker: Worker) -> None:
         await asyncio.gather(*pending)
 
 
+def _line(e: Exception) -> str:
+    """`e` in one line: its first three lines joined (a pydantic ValidationError's first
+    names the config class, the next two the field and what is wrong with it)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()][:3]
+    return f"{type(e).__name__}: {'; '.join(lines)}"[:500]
+
+
 PROTOCOL = sys.stdout
 """The JSON-lines channel; whatever else prints goes to stderr (sys.stdout is swapped)."""
 
@@ -227,8 +234,7 @@ def main() -> None:
     try:
         worker = Worker(sys.argv[1], json.loads(sys.argv[2]))
     except Exception as e:
-        print(json.dumps({"fatal": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}),
-              file=PROTOCOL, flush=True)
+        print(json.dumps({"fatal": _line(e)}), file=PROTOCOL, flush=True)
         sys.exit(1)
     print(json.dumps({"ready": True}), file=PROTOCOL, flush=True)
     asyncio.run(serve(worker))

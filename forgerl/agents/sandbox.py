@@ -98,12 +98,13 @@ class Sandbox:
     async def open(cls, parent: Path, name: str, limits: Limits = DEFAULT_LIMITS, *,
                    gateway_port: int | None = None, mounts: dict[str, Path] | None = None,
                    network: bool = False, isolation: str = "auto") -> Sandbox:
-        """Make the sandbox `parent/name`. `mounts`: absolute path inside → host directory
-        (both created when missing: a mount point on the host is an empty directory, left
-        there). `network`: the host's network instead of loopback only. `isolation`: "auto"
-        (namespaces where they work, else process_group, said in one log line), "namespaces"
-        or "process_group". Raises SandboxError: a bad name or mount path, namespaces asked for
-        where they fail, mounts without namespaces."""
+        """Make the sandbox `parent/name`, empty (what a killed run left there is removed:
+        a resumed rollout must not start from its last attempt's files). `mounts`: absolute
+        path inside → host directory (both created when missing: a mount point on the host is
+        an empty directory, left there). `network`: the host's network instead of loopback
+        only. `isolation`: "auto" (namespaces where they work, else process_group, said in one
+        log line), "namespaces" or "process_group". Raises SandboxError: a bad name or mount
+        path, namespaces asked for where they fail, mounts without namespaces."""
         if not name or "/" in name or name in (".", ".."):
             raise SandboxError(f"sandbox name {name!r} must be one path component")
         if isolation not in ("auto", "namespaces", "process_group"):
@@ -121,6 +122,7 @@ class Sandbox:
                 raise SandboxError(f"mount point {inside!r} must be an absolute path below /")
         token = secrets.token_hex(6)
         workdir = Path(parent).resolve() / name
+        shutil.rmtree(workdir, ignore_errors=True)  # a killed run's leftover: start empty
         workdir.mkdir(parents=True, exist_ok=True)
         for inside, host in mounts.items():
             host.mkdir(parents=True, exist_ok=True)

@@ -157,12 +157,11 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         trainer.domain_of = services.domain_of
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
                               if d.agent is not None}
-    if training:  # the environments of the run's domains (forgerl/tasks/), started
+    if training:  # the environments of the run's domains (forgerl/tasks/); `_running` starts them
         sections = [(d.name, d.tasks) for d in config.domains] or [("", config.tasks)]
         for name, tasks_cfg in sections:
             if (environment := build_environment(tasks_cfg)) is not None:
                 services.environments[name] = environment
-                await environment.start()
     return services, cluster
 
 
@@ -181,12 +180,14 @@ def warn_positions(max_model_len: int, model_config: Any) -> str | None:
 
 @contextlib.asynccontextmanager
 async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
-    """Start the data-parallel trainer's ranks 1.. (from rank 0's state); on the way out cancel
-    the running rollouts, then stop the gateway, engines, logger, pool, workers and cluster."""
+    """Start the environments, then the data-parallel trainer's ranks 1.. (from rank 0's state);
+    on the way out, a failed start's too, stop everything `_build` and this started."""
     from forgerl.trainer.data_parallel import DataParallelTrainer, TrainerWorkers  # lazy: torch
 
     s, workers = services, None
     try:
+        for environment in s.environments.values():  # one that fails stops all (finally)
+            await environment.start()
         if isinstance(s.trainer, DataParallelTrainer):  # ranks 1.. start from rank 0's state
             start = (functools.partial(TrainerWorkers, s.config, s.run_dir) if cluster is None
                      else functools.partial(cluster.trainer_workers, s.trainer))

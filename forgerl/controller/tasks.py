@@ -41,6 +41,9 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
         environment = build_environment(t)
     except ValueError as e:
         raise ConfigError(f"{where}.source: {e}") from None
+    if (known := environment and environment.params_known) and set(t.params) - set(known):
+        raise ConfigError(f"{where}.params: unknown keys {sorted(set(t.params) - set(known))} "
+                          f"for source {t.source!r} (it reads {', '.join(known)})")
 
     def generate(size: int, seed: int, split: str) -> list[dict]:
         try:
@@ -51,6 +54,8 @@ def _task_sets(t: TasksConfig, where: str, domain: str | None) -> tuple[list[dic
             field = (f"{where}.env" if environment is not None and not isinstance(e, TypeError)
                      else f"{where}.dataset" if named else f"{where}.params")
             message = (str(e).splitlines() or [""])[0] or type(e).__name__
+            if (key := message.partition(": ")[0]).startswith("params.") and ": " in message:
+                field, message = f"{where}.{key}", message.partition(": ")[2]  # it named it
             what = f"dataset {t.dataset!r}" if environment is None else f"env {t.env!r}"
             raise ConfigError(f"{field}: {message} ({what}, params {t.params})") from None
         return tasks if domain is None else [{**task, "domain": domain} for task in tasks]

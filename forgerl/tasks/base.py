@@ -92,6 +92,9 @@ class Environment:
     episode's tools); "command", the run's [agent] command in the episode's workdir (Harbor)."""
     sandboxed: ClassVar[bool] = False
     """Episodes need a Sandbox (their tool and test processes run on this machine)."""
+    params_known: ClassVar[tuple[str, ...] | None] = None
+    """The `[tasks] params` keys the adapter reads (any other is a config error: a typo must
+    not be silently ignored); None: params pass on to the environment, which checks them."""
 
     def __init__(self, location: str, params: dict[str, Any], base_dir: Path,
                  python: str | None = None) -> None:

@@ -39,7 +39,10 @@ def load(folder: str) -> dict[str, Any]:
     root = Path(folder)
     if not (root / "instruction.md").is_file() or not (root / "task.toml").is_file():
         raise ValueError(f"{root}: not a Harbor task (instruction.md and task.toml needed)")
-    config = tomllib.loads((root / "task.toml").read_text())
+    try:
+        config = tomllib.loads((root / "task.toml").read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{root}/task.toml: not valid TOML ({e})") from None
     if config.get("steps"):
         raise ValueError(f"{root}/task.toml: multi-step tasks are not supported")
     if not (root / "tests" / "test.sh").is_file():
@@ -201,6 +204,7 @@ class Adapter(Environment):
     held-out tasks; default: `eval_fraction` (0.2, rounded down) of the tasks, a fixed draw)."""
 
     standard = "harbor"
+    params_known = ("eval", "eval_fraction")
     agent = "command"
     sandboxed = True
 
@@ -221,8 +225,10 @@ class Adapter(Environment):
             load(str(folder))  # a task that cannot build fails the run's start
         if self.params.get("eval"):
             return found
-        held = set(random.Random(0).sample(
-            found, int(len(found) * float(self.params.get("eval_fraction", 0.2)))))
+        fraction = self.params.get("eval_fraction", 0.2)
+        if not isinstance(fraction, int | float) or not 0 <= fraction < 1:
+            raise ValueError(f"params.eval_fraction: a number in [0, 1), got {fraction!r}")
+        held = set(random.Random(0).sample(found, int(len(found) * fraction)))
         return [p for p in found if (p in held) == (split == "eval")]
 
     def tasks(self, split: str, size: int, seed: int) -> list[dict[str, Any]]:

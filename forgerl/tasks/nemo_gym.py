@@ -25,11 +25,13 @@ from typing import Any
 
 import httpx
 
+from forgerl.config import ConfigError
 from forgerl.tasks.base import Environment, EnvironmentError, Episode, Step
 
 
 class Adapter(Environment):
     standard = "nemo_gym"
+    params_known = ("dataset", "eval_dataset", "timeout_s")
 
     def tasks(self, split, size, seed):
         key = "dataset" if split == "train" else "eval_dataset"
@@ -39,18 +41,35 @@ class Adapter(Environment):
                                  + (")" if need == "dataset" else "; or set tasks.eval_size = 0)"))
         path = Path(self.params[key])
         path = path if path.is_absolute() else self.base_dir / path
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not rows or any("responses_create_params" not in r for r in rows):
-            raise ValueError(f"params.{key}: {path} needs rows with responses_create_params")
-        for i, row in enumerate(rows):  # the prompt and tools convert, or the run does not start
-            try:
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:  # each row parses, its prompt and tools convert, or the run does not start
+                row = json.loads(line)
+                if not isinstance(row, dict) or "responses_create_params" not in row:
+                    raise ValueError("not an object with responses_create_params")
                 _prompt(row["responses_create_params"]), _tools(row["responses_create_params"]
                                                                 .get("tools") or [])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"params.{key}: {path} line {i + 1}: not JSON ({e})") from None
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"params.{key}: {path} row {i + 1}: {e}") from None
+                raise ValueError(f"params.{key}: {path} line {i + 1}: {e}") from None
+            rows.append(row)
+        if not rows:
+            raise ValueError(f"params.{key}: {path} has no rows")
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
         return [{"question": _question(rows[i]), "row": rows[i]} for i in order[:size]]
+
+    async def start(self):
+        """The resources server must answer (any HTTP status) before the run starts."""
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                await http.get(self.location)
+        except httpx.HTTPError as e:
+            raise ConfigError(f"tasks.env: no NeMo-Gym resources server at {self.location} "
+                              f"({type(e).__name__}: {e})") from None
 
     async def open(self, task, sandbox=None):
         row = task["row"]

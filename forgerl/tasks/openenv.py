@@ -71,6 +71,8 @@ class Adapter(Environment):
     docs/environments/openenv.md)."""
 
     standard = "openenv"
+    params_known = ("tasks", "eval_tasks", "reset", "tools", "action_tool", "observation_field",
+                    "system", "timeout", "start_timeout", "path")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -33,6 +33,7 @@ class Adapter(Environment):
     tasks; default "train" / "test")."""
 
     standard = "ors"
+    params_known = ("environment", "split", "eval_split")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

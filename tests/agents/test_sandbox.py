@@ -331,6 +331,22 @@ def test_mounts_land_in_the_host_directory(tmp_path):
                 os.rmdir(made)
 
 
+def test_a_sandbox_starts_empty_over_a_killed_runs_leftover(tmp_path):
+    """A SIGKILLed run leaves RUN_DIR/sandboxes/NAME behind; the resumed rollout's sandbox of
+    the same name must not start from its last attempt's files (a Harbor task half done)."""
+    left = tmp_path / "box" / "fs" / "app"
+    left.mkdir(parents=True)
+    (left / "done.txt").write_text("the killed attempt's work\n")
+
+    async def main() -> tuple[str, bool]:
+        box = await Sandbox.open(tmp_path, "box", isolation="process_group")
+        run = await box.run(["sh", "-c", "ls -A"], timeout_s=10)
+        await box.close()
+        return run.stdout, box.workdir.exists()
+
+    assert asyncio.run(main()) == ("", False)
+
+
 def test_process_group_refuses_mounts_and_bad_names(tmp_path):
     with pytest.raises(ConfigError, match=r"sandbox\.isolation"):
         load_config(None, ["--sandbox.isolation", "docker"])

@@ -124,17 +124,29 @@ def _config(tmp_path, *extra, env="http://127.0.0.1:9", params=None):
 
 
 def test_a_missing_dataset_is_a_one_line_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"tasks\.env: params\.dataset: required") as e:
+    with pytest.raises(ConfigError, match=r"^tasks\.params\.dataset: required") as e:
         make_task_sets(_config(tmp_path, params="{}"))
     assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^tasks\.params: unknown keys \['timeout'\] for "
+                                          r"source 'nemo_gym' \(it reads dataset, eval_dataset"):
+        make_task_sets(_config(tmp_path, params=f'{{dataset = "{PARAMS["dataset"]}", '
+                                                f'timeout = 5}}'))  # a typo of timeout_s
     with pytest.raises(ConfigError, match=r"params\.eval_dataset: required .*eval_size = 0"):
         make_task_sets(_config(tmp_path, params=f'{{dataset = "{PARAMS["dataset"]}"}}'))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"responses_create_params": {"input": "hi", "tools": [{"type": '
                    '"web_search"}]}}\n')
-    with pytest.raises(ConfigError, match=r"row 1: .*'web_search' tools are not supported"):
+    with pytest.raises(ConfigError, match=r"line 1: .*'web_search' tools are not supported"):
         make_task_sets(_config(tmp_path, "--tasks.eval_size", "0",
                                params=f'{{dataset = "{bad}"}}'))
+    for row, message in [('{"oops"', "line 2: not JSON (Expecting ':'"),
+                         ("[1]", "line 2: not an object with responses_create_params")]:
+        bad.write_text(f'{{"responses_create_params": {{"input": "hi"}}}}\n{row}\n')
+        with pytest.raises(ConfigError, match=rf"^tasks\.params\.dataset: {bad} "
+                                              rf"{re.escape(message)}") as e:
+            make_task_sets(_config(tmp_path, "--tasks.eval_size", "0",
+                                   params=f'{{dataset = "{bad}"}}'))
+        assert "\n" not in str(e.value)
 
 
 TRIES: dict[str, int] = {}
@@ -170,11 +182,11 @@ async def test_nemo_gym_episodes_train_through_the_gateway(tmp_path, url):
 
 @pytest.mark.slow
 @sync
-async def test_an_unreachable_resources_server_aborts_rollouts_as_infrastructure(tmp_path):
-    async with start_services(_config(tmp_path)) as s:
-        script_policy(s, _policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-    assert {t.status for t in trajs} == {"aborted_infra"}
-    assert all("seed_session: ConnectError" in t.error for t in trajs)
+async def test_a_resources_server_down_at_the_start_is_a_config_error(tmp_path):
+    """Down at the start: the run does not start (a one-line error naming tasks.env); one that
+    goes away later aborts rollouts as infrastructure (the adapter test above)."""
+    with pytest.raises(ConfigError, match=r"^tasks\.env: no NeMo-Gym resources server at "
+                                          r"http://127\.0\.0\.1:9 \(ConnectError") as e:
+        async with start_services(_config(tmp_path)):
+            pass
+    assert "\n" not in str(e.value)

@@ -200,7 +200,7 @@ async def test_openenv_episodes_train_through_the_gateway(tmp_path):
 async def test_an_environment_that_dies_mid_run_aborts_its_rollouts(tmp_path, echo_server):
     url, proc = echo_server
     config = tiny_config(tmp_path / "run", "--tasks.source", "openenv", "--tasks.env", url,
-                         "--tasks.size", "6", "--rollout.max_tokens", "64",
+                         "--tasks.params", "{}", "--tasks.size", "6", "--rollout.max_tokens", "64",
                          "--model.max_model_len", "1024")
     async with start_services(config) as s:
         proc.kill()

@@ -240,3 +240,43 @@ async def test_sandbox_agents_puts_each_command_agent_in_its_own_namespaces(tmp_
     assert len(namespaces) >= 8 and len(set(namespaces)) == len(namespaces)  # one each
     assert here not in namespaces
     assert not list((tmp_path / "run" / "sandboxes").iterdir())
+
+
+ODD: list[int] = []
+
+
+def _odd_policy(prompt: str) -> str:
+    """Text beside tool calls (a non-object argument, an unknown tool, one or, every other
+    episode, two good adds), then two adds a turn until max_turns; never submits."""
+    calls = ['{"name": "add", "arguments": [1, 2]}', '{"name": "mul", "arguments": {"n": 2}}',
+             '{"name": "add", "arguments": {"n": 1}}', '{"name": "add", "arguments": {"n": 2}}']
+    if "total" in prompt:
+        calls = calls[2:]
+    else:
+        ODD.append(1)
+        calls = calls[: 3 + len(ODD) % 2]
+    return "Let me add.\n" + "".join(f"<tool_call>\n{c}\n</tool_call>\n" for c in calls)
+
+
+@sync
+async def test_odd_replies_keep_one_turn_reward_per_recorded_turn(tmp_path):
+    """Per-call rewards of many calls in one turn add up on that turn; a call the environment
+    never saw (bad arguments, unknown tool) has none; an episode out of turns is scored
+    (submit never came: outcome 0.0); turn_rewards has one entry per recorded completion. An
+    [agent] section (its command unused) is how a tool-agent source sets max_turns."""
+    config = _config(tmp_path, "--agent.command", '["true"]', "--agent.max_turns", "3",
+                     "--rollout.max_tokens", "400", "--model.max_model_len", "4096")
+    async with start_services(config) as s:
+        script_policy(s, _odd_policy)
+        s.admit()
+        batch = await s.next_batch()
+        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+        await s.train(batch)  # the trainer checks len(turn_rewards) against the completions
+        step = s.trainer.step
+    assert {t.status for t in trajs} == {"finished"}
+    firsts = []
+    for t in trajs:
+        assert len(t.completions) == 3 and t.reward == 0.0
+        assert t.turn_rewards[1:] == pytest.approx([0.2, 0.2])
+        firsts.append(round(t.turn_rewards[0], 6))
+    assert sorted(set(firsts)) == [0.1, 0.2] and step == 1

@@ -148,6 +148,10 @@ def test_a_missing_environment_or_venv_is_a_one_line_config_error(tmp_path):
                        r"taskset 'vf-nowhere' not found") as e:
         make_task_sets(_config(tmp_path, "--tasks.env", "vf-nowhere"))
     assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"ValidationError: 1 validation error for \w+; "
+                       r"nonsense; Extra inputs are not permitted") as e:  # names the field
+        make_task_sets(_config(tmp_path, "--tasks.params", "{nonsense = 3}"))
+    assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"tasks\.env: no verifiers venv at /nowhere/python: "
                        r"run scripts/setup_verifiers\.sh"):
         make_task_sets(_config(tmp_path, "--tasks.python", "/nowhere/python"))
