@@ -297,11 +297,14 @@ class Sandbox:
 
 def _cgroups(token: str, limits: Limits) -> list[Path]:
     """The sandbox's cgroups with `limits` set: v2 one directory, v1 one per controller (pids,
-    memory); [] where they cannot be made (the limits fall back to rlimits). Empty ones left by
-    a dead process (SIGKILLed before `close`) are removed first."""
+    memory); [] where they cannot be made (the limits fall back to rlimits). Those of a dead
+    process (SIGKILLed before `close`) are emptied (SIGKILL) and removed first."""
     name, made = f"forgerl-{os.getpid()}-{token}", []
     for stale in [*CGROUPS.glob("forgerl-*-*"), *CGROUPS.glob("*/forgerl-*-*")]:
-        if not Path(f"/proc/{stale.name.split('-')[1]}").exists():
+        if not Path(f"/proc/{stale.name.split('-')[1]}").exists():  # its owner is gone:
+            for pid in _slurp(stale / "cgroup.procs").split():  # so are its processes
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
             with contextlib.suppress(OSError):
                 stale.rmdir()
     if (CGROUPS / "cgroup.controllers").exists():  # v2

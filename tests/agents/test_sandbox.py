@@ -454,3 +454,26 @@ def test_without_root_the_fallback_says_so_and_still_kills_the_call():
     assert done.stderr.startswith("sandbox: no namespaces (not root): process group + rlimits")
     assert done.stderr.count("\n") == 1
     assert settle(mark) == set()
+
+
+@needs_root
+def test_a_dead_runs_cgroup_is_emptied_and_removed_by_the_next_open(tmp_path):
+    """Processes left in the cgroup of a ForgeRL process that died (SIGKILL before `close`)
+    are killed, and the cgroup removed, when a sandbox opens next."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = Path(f"/sys/fs/cgroup/pids/forgerl-{dead.pid}-deadbeef0000")
+    if not stale.parent.is_dir():
+        pytest.skip("no cgroup v1 pids controller on this machine")
+    stale.mkdir()
+    left = subprocess.Popen(["sleep", "60"])
+    (stale / "cgroup.procs").write_text(str(left.pid))
+
+    async def open_and_close():
+        box = await Sandbox.open(tmp_path, "next")
+        await box.close()
+
+    asyncio.run(open_and_close())
+    assert left.wait(timeout=5) == -signal.SIGKILL
+    asyncio.run(open_and_close())  # the killed process has left it: this open removes it
+    assert not stale.exists()
