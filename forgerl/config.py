@@ -287,10 +287,11 @@ class RolloutConfig(_Section):
 class AgentConfig(_Section):
     """[agent]: the black-box agent command run once per rollout."""
 
-    command: list[str] = Field(min_length=1)
+    command: list[str] | None = Field(None, min_length=1)
     """The black-box agent: a program run once per rollout with OPENAI_BASE_URL, OPENAI_API_KEY,
     FORGERL_TASK (JSON) in its environment; its last stdout line is the answer. A leading
-    "python" runs with this interpreter. Runs in the config file's directory."""
+    "python" runs with this interpreter. Runs in the config file's directory. Required, unless
+    the tasks' environment is played by the built-in tool agent (docs/environments/)."""
     max_turns: int = Field(3, ge=1, le=1000)
     """Passed to the agent as FORGERL_MAX_TURNS."""
     cwd: str | None = None

@@ -23,7 +23,7 @@ def test_example_config_loads_and_its_files_exist(config):
     cfg = load_config(config)
     agents = [a for a in [cfg.agent, *(d.agent for d in cfg.domains)] if a is not None]
     for agent in agents:
-        script = next((a for a in agent.command if a.endswith(".py")), None)
+        script = next((a for a in agent.command or () if a.endswith(".py")), None)
         if script is not None:
             assert (Path(agent.cwd) / script).is_file(), script
     for tasks in [cfg.tasks] + [d.tasks for d in cfg.domains]:

@@ -38,8 +38,9 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     """
     share_malloc_arena()  # before the engine, trainer and gateway threads allocate
     sections = [(d.agent, d.tasks) for d in config.domains] or [(None, config.tasks)]
-    if agent is None and config.agent is None and any(
-            a is None and t.source not in PLAYED_BY_TOOL_AGENT for a, t in sections):
+    if agent is None and (config.agent is None or config.agent.command is None) and any(
+            (a is None or a.command is None) and t.source not in PLAYED_BY_TOOL_AGENT
+            for a, t in sections):
         raise ConfigError("agent.command: required (no agent callable was given)")
     if (done := checkpoint_step(config.run_dir)) >= config.max_steps and done > 0:
         print(f"forgerl: {config.run_dir} is finished: step {done} of max_steps "

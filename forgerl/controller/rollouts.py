@@ -361,7 +361,7 @@ def check_agent_command(agent: AgentConfig | None) -> None:
     """Raise ConfigError (`agent.command`) when the agent cannot start: a "python" command's
     script is not a file in the agent's directory, or its program is not an executable (a
     path relative to that directory, else a name on PATH). Nothing to check for None."""
-    if agent is None:
+    if agent is None or agent.command is None:
         return
     cwd, (program, *args) = agent.cwd or os.getcwd(), agent.command
     if program in ("python", "python3"):
@@ -374,7 +374,7 @@ def check_agent_command(agent: AgentConfig | None) -> None:
 
 def agent_command(agent: AgentConfig) -> list[str]:
     """The agent's command, a leading "python" replaced by this interpreter."""
-    command = list(agent.command)
+    command = list(agent.command or ())
     return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else command
 
 

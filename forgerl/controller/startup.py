@@ -84,7 +84,7 @@ def _start_forkservers(config: Config, agent: Agent | None, training: bool,
     if not training:
         return forkservers
     agents = [] if agent is not None or config.agent is None else [config.agent]
-    for agent_cfg in agents + [d.agent for d in config.domains if d.agent is not None]:
+    for agent_cfg in [a for a in agents + [d.agent for d in config.domains] if a and a.command]:
         preload = preload_of(agent_command(agent_cfg), agent_cfg)
         if preload and preload not in forkservers:
             forkservers[preload] = start_forkserver(preload, reaper.env())
@@ -148,7 +148,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         raise ConfigError(f"gateway.host / gateway.port: cannot listen on {config.gateway.host}:"
                           f"{config.gateway.port} ({e.strerror or e})") from e
     save_config(run_dir, config)
-    if agent is None and config.agent is not None:
+    if agent is None and config.agent is not None and config.agent.command:
         agent = agent_command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
                         eval_tasks, agent, MetricsLogger(run_dir, trainer.step), reaper,
@@ -156,7 +156,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     if config.domains:  # per-domain entropy (`Trainer.domain_of`)
         trainer.domain_of = services.domain_of
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
-                              if d.agent is not None}
+                              if d.agent is not None and d.agent.command}
     if training:  # the environments of the run's domains (forgerl/tasks/); `_running` starts them
         sections = [(d.name, d.tasks) for d in config.domains] or [("", config.tasks)]
         for name, tasks_cfg in sections:

@@ -263,8 +263,8 @@ async def test_odd_replies_keep_one_turn_reward_per_recorded_turn(tmp_path):
     """Per-call rewards of many calls in one turn add up on that turn; a call the environment
     never saw (bad arguments, unknown tool) has none; an episode out of turns is scored
     (submit never came: outcome 0.0); turn_rewards has one entry per recorded completion. An
-    [agent] section (its command unused) is how a tool-agent source sets max_turns."""
-    config = _config(tmp_path, "--agent.command", '["true"]', "--agent.max_turns", "3",
+    [agent] section without a command is how a tool-agent source sets max_turns."""
+    config = _config(tmp_path, "--agent.max_turns", "3",
                      "--rollout.max_tokens", "400", "--model.max_model_len", "4096")
     async with start_services(config) as s:
         script_policy(s, _odd_policy)
