@@ -113,7 +113,7 @@ class Sandbox:
         why = await asyncio.to_thread(cls._probe) if isolation != "process_group" else "asked"
         if isolation == "namespaces" and why:
             raise SandboxError(f"isolation 'namespaces' unavailable: {why}")
-        mounts = {k: Path(v) for k, v in (mounts or {}).items()}
+        mounts = {k: Path(v).resolve() for k, v in (mounts or {}).items()}  # init runs elsewhere
         if why and mounts:
             raise SandboxError(f"mounts {sorted(mounts)} need root (mount namespace): "
                                f"process_group isolation ({why})")

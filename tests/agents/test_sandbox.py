@@ -477,3 +477,21 @@ def test_a_dead_runs_cgroup_is_emptied_and_removed_by_the_next_open(tmp_path):
     assert left.wait(timeout=5) == -signal.SIGKILL
     asyncio.run(open_and_close())  # the killed process has left it: this open removes it
     assert not stale.exists()
+
+
+@needs_root
+def test_a_relative_mount_source_is_the_callers_path(tmp_path, monkeypatch):
+    """A relative host path (a relative run_dir, as in `run_dir = "runs/x"`) names the
+    caller's directory, not one relative to where the sandbox's init runs."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel" / "app").mkdir(parents=True)
+
+    async def main():
+        box = await Sandbox.open(Path("boxes"), "b", mounts={"/app": Path("rel/app")})
+        try:
+            return await box.run(["sh", "-c", "echo hi > /app/x"], timeout_s=10)
+        finally:
+            await box.close()
+
+    assert asyncio.run(main()).returncode == 0
+    assert (tmp_path / "rel" / "app" / "x").read_text() == "hi\n"
