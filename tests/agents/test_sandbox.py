@@ -33,6 +33,8 @@ from forgerl.agents.runner import infra_cause, run_command_agent
 from forgerl.agents.sandbox import Sandbox, SandboxError
 from forgerl.config import ConfigError, load_config
 
+from .test_process_hygiene import descendants
+
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="namespaces and cgroups need root (CI is root)")
 PY = sys.executable
@@ -70,21 +72,6 @@ def settle(mark: str, within_s: float = 2.0) -> set[int]:
     while (left := marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.02)
     return left
-
-
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, IndexError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] not in "ZX":
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
 
 
 def procs(box: Sandbox) -> list[int]:
