@@ -36,7 +36,7 @@ class EpisodeResult:
         0-based index of the model call that made it; the `finished` Step's reward is not
         among them (it is `Episode.final_reward`, the outcome).
     messages: the conversation, prompt first.
-    env_seconds / model_seconds: wall-clock seconds in `episode.call` / in model calls.
+    env_seconds: wall-clock seconds in `episode.call`.
     error: why a "failed" episode failed (the gateway's error message).
     """
 
@@ -45,7 +45,6 @@ class EpisodeResult:
     call_rewards: list[tuple[int, float]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     env_seconds: float = 0.0
-    model_seconds: float = 0.0
     error: str | None = None
 
 
@@ -66,14 +65,11 @@ async def play(episode: Episode, base_url: str, api_key: str, model: str, max_tu
                 body["tools"] = episode.tools
             if max_tokens is not None:
                 body["max_tokens"] = max_tokens
-            start = time.monotonic()
             try:
                 reply = await http.post("/chat/completions", json=body)
             except httpx.TransportError as e:  # a timeout or a dropped connection: no answer
                 out.status, out.error = "failed", f"model call: {type(e).__name__}: {e}"
                 return out
-            finally:
-                out.model_seconds += time.monotonic() - start
             if reply.status_code != 200:
                 out.status, out.error = "failed", _error_text(reply)
                 return out

@@ -54,6 +54,8 @@ class Episode:
     workdir: the directory a command agent runs in (inside the rollout's sandbox), or None.
     env: environment variables a command agent runs with (the task's own).
     final_reward: the reward of the `finished` Step, once one came.
+    verifier_status: how the episode's own verifier ended ("ok", "timeout", "error"), set by
+        `score` where the episode has one (Harbor's tests); None otherwise.
     """
 
     prompt: list[dict[str, Any]]
@@ -61,6 +63,7 @@ class Episode:
     workdir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     final_reward: float | None = None
+    verifier_status: str | None = None
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Step:
         """Run tool `name` with JSON `arguments`. An unknown tool or bad arguments is the

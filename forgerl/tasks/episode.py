@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forgerl.agents.sandbox import Sandbox, SandboxError
@@ -55,11 +55,29 @@ async def run_episode(
     `sandboxed` environment's episode gets a Sandbox at `sandbox_at` (its mounts, reaching the
     gateway on `gateway_port`, `sandbox_cfg`'s limits and isolation), closed after it;
     `timeout_s`: the tool agent's whole episode (status "timeout"; a command agent has the
-    runner's). An
-    EnvironmentError or SandboxError anywhere makes the rollout "aborted_infra" (stored, never
-    trained)."""
-    episode, env_s, played, sandbox = None, 0.0, None, None
-    start = time.monotonic()
+    runner's). An EnvironmentError or SandboxError anywhere makes the rollout "aborted_infra"
+    (stored, never trained)."""
+    spent = [0.0]  # seconds in the environment: open, tool calls, score, close (every path)
+    out, call_rewards = await _play(environment, task, play, command, sandbox_at, gateway_port,
+                                    sandbox_cfg, timeout_s, spent)
+    n = turns()
+    if not call_rewards or n == 0:
+        return replace(out, env_seconds=spent[0])
+    turn_rewards = [0.0] * n
+    for turn, value in call_rewards:
+        turn_rewards[min(turn, n - 1)] += value
+    return replace(out, turn_rewards=turn_rewards, env_seconds=spent[0])
+
+
+async def _play(environment: Environment, task: dict,
+                play: Callable[[Episode], Awaitable[EpisodeResult]],
+                command: Callable[..., Awaitable[tuple[str, str | None, str | None]]],
+                sandbox_at: Path | None, gateway_port: int | None,
+                sandbox_cfg: SandboxConfig | None, timeout_s: float | None,
+                spent: list[float]) -> tuple[Outcome, list[tuple[int, float]] | None]:
+    """`run_episode`'s episode, and the tool agent's (turn, reward) pairs of a finished one
+    (None otherwise). Environment seconds add to `spent[0]`."""
+    episode, sandbox, start = None, None, time.monotonic()
     try:
         if environment.sandboxed:
             assert sandbox_at is not None
@@ -67,30 +85,29 @@ async def run_episode(
             sandbox = await open_sandbox(sandbox_cfg or SandboxConfig(), sandbox_at,
                                          gateway_port, mounts)
         episode = await environment.open(task, sandbox)
-        env_s += time.monotonic() - start
+        spent[0] += time.monotonic() - start
         if environment.agent == "tools":
             try:
                 async with asyncio.timeout(timeout_s):
                     played = await play(episode)
             except TimeoutError:
-                return Outcome("timeout", error=f"episode timed out after {timeout_s} s",
-                               env_seconds=env_s)
-            env_s += played.env_seconds
+                return Outcome("timeout", error=f"episode timed out after {timeout_s} s"), None
+            spent[0] += played.env_seconds
             if played.status == "failed":
-                return Outcome("failed", error=f"agent failed: {played.error}", env_seconds=env_s)
-            answer, messages = played.answer, played.messages
+                return Outcome("failed", error=f"agent failed: {played.error}"), None
+            answer, messages, calls = played.answer, played.messages, played.call_rewards
         else:
             status, answer, error = await command(episode, sandbox)
             if status != "finished":
-                return Outcome(status, error=error, env_seconds=env_s)
-            messages = []
+                return Outcome(status, error=error), None
+            messages, calls = [], None
         scoring = time.monotonic()
         reward = float(await episode.score(answer, messages))
-        env_s += time.monotonic() - scoring
-        verifier = getattr(episode, "verifier_status", None)
+        spent[0] += time.monotonic() - scoring
+        return Outcome("finished", reward, verifier=episode.verifier_status), calls
     except (EnvironmentError, SandboxError) as e:
         what = "environment" if isinstance(e, EnvironmentError) else "sandbox"
-        return Outcome("aborted_infra", error=f"infrastructure: {what} {e}", env_seconds=env_s)
+        return Outcome("aborted_infra", error=f"infrastructure: {what} {e}"), None
     finally:
         closing = time.monotonic()
         with contextlib.suppress(Exception):  # a failed close loses nothing recorded
@@ -98,11 +115,4 @@ async def run_episode(
                 await episode.close()
         if sandbox is not None:
             await sandbox.close()
-        env_s += time.monotonic() - closing
-    n = turns()
-    if played is None or not played.call_rewards or n == 0:
-        return Outcome("finished", reward, env_seconds=env_s, verifier=verifier)
-    turn_rewards = [0.0] * n
-    for turn, value in played.call_rewards:
-        turn_rewards[min(turn, n - 1)] += value
-    return Outcome("finished", reward, turn_rewards, env_seconds=env_s, verifier=verifier)
+        spent[0] += time.monotonic() - closing

@@ -106,7 +106,6 @@ class HarborEpisode(Episode):
         super().__init__([{"role": "user", "content": spec["instruction"]}],
                          workdir=Path(spec["cwd"]), env=env)
         self.folder, self.spec, self.sandbox = folder, spec, sandbox
-        self.verifier_status: str | None = None
 
     def host(self, inside: str) -> Path:
         """The host path of `inside` (a path under one of the sandbox's mounts)."""
