@@ -37,3 +37,21 @@ def script_policy(services: Any, policy: Callable[[str], str], delay_s: float = 
 
     engine.stream, engine.generate = stream, generate
     return answers
+
+
+
+async def _take(services: Any) -> tuple[list[int], list]:
+    services.admit()
+    batch = await services.next_batch()
+    return batch, [t for i in batch for t in services.pool.get_group(i).trajectories]
+
+
+async def first_batch(services: Any) -> list:
+    """Admit tasks and wait for the first batch the scheduler releases: its trajectories."""
+    return (await _take(services))[1]
+
+
+async def one_step(services: Any) -> tuple[list, dict]:
+    """`first_batch`, then one training step on it: (its trajectories, the step's metrics)."""
+    batch, trajs = await _take(services)
+    return trajs, await services.train(batch)

@@ -17,7 +17,7 @@ from forgerl.controller import make_task_sets, start_services
 from forgerl.tasks.base import Step
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import one_step, script_policy
 
 pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed")
 from forgerl.tasks.gymnasium import Adapter
@@ -117,10 +117,7 @@ async def test_gymnasium_episodes_train_through_the_gateway(tmp_path):
     assert [t["seed"] for t in held] == [1_000_003, 1_000_004]
     async with start_services(_config(tmp_path)) as s:
         script_policy(s, _policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert len(trajs) == 8 and {t.status for t in trajs} == {"finished"}
     right = [t for t in trajs if t.reward == 1.0]
     wrong = [t for t in trajs if t.reward != 1.0]

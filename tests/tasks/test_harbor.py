@@ -21,7 +21,7 @@ from forgerl.tasks.base import EnvironmentError
 from forgerl.tasks.harbor import Adapter
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import one_step, script_policy
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,10 +208,7 @@ async def test_a_run_trains_on_harbor_tasks_through_a_shell_agent_in_sandboxes(
                          "--agent.max_turns", "2", "--agent.preload", "[]")
     async with start_services(config) as s:
         answers = script_policy(s, policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
         status = dict(s.reward_status)
     assert len(trajs) == 8 and {t.status for t in trajs} == {"finished"}, [t.error for t in trajs]
     assert sorted(t.reward for t in trajs) == [0.0] * 4 + [1.0] * 4  # solution ↔ no-op
@@ -233,10 +230,7 @@ async def test_an_environment_that_does_not_build_aborts_its_rollouts_as_infrast
                          json.dumps(["python", "shell_agent.py"]), "--agent.cwd", str(EXAMPLE))
     async with start_services(config) as s:
         script_policy(s, lambda prompt: "true")
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert {t.status for t in trajs} == {"aborted_infra"}
     assert all("environment build: RUN" in t.error for t in trajs)
     assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0

@@ -22,7 +22,7 @@ from forgerl.tasks.base import EnvironmentError, Step
 from forgerl.tasks.nemo_gym import Adapter
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import one_step, script_policy
 from .envs.nemo_gym import app as server
 
 DATA = Path(__file__).parent / "envs" / "nemo_gym"
@@ -169,10 +169,7 @@ def _policy(prompt: str) -> str:
 async def test_nemo_gym_episodes_train_through_the_gateway(tmp_path, url):
     async with start_services(_config(tmp_path, env=url)) as s:
         script_policy(s, _policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert len(trajs) == 8 and {t.status for t in trajs} == {"finished"}
     assert {t.reward for t in trajs} == {0.0, 1.0}
     for t in trajs:  # the tool call, then "done"; no per-call rewards in NeMo-Gym

@@ -24,7 +24,7 @@ from forgerl.tasks import openenv
 from forgerl.tasks.base import EnvironmentError, Step
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import one_step, script_policy
 
 ENVS = Path(__file__).parent / "envs" / "openenv"
 needs_venv = pytest.mark.skipif(
@@ -206,10 +206,7 @@ async def test_an_environment_that_dies_mid_run_aborts_its_rollouts(tmp_path, ec
         proc.kill()
         await asyncio.to_thread(proc.wait)
         script_policy(s, lambda prompt: "hello")
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert {t.status for t in trajs} == {"aborted_infra"}
     assert all("infrastructure: environment open:" in t.error for t in trajs)
     assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0

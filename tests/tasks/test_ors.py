@@ -27,7 +27,7 @@ from forgerl.tasks.base import EnvironmentError
 from forgerl.tasks.ors import Adapter
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import one_step, script_policy
 
 pytestmark = pytest.mark.slow
 SERVER = Path(__file__).parents[2] / "examples" / "ors_calculator" / "server.py"
@@ -166,10 +166,7 @@ def _policy(prompt: str) -> str:
 async def test_rollouts_through_the_gateway_carry_the_servers_rewards_and_train(tmp_path, server):
     async with start_services(_config(tmp_path, server)) as s:
         script_policy(s, _policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert len(trajs) == 8 and {t.status for t in trajs} == {"finished"}
     for t in trajs:  # turn 0 calculated (a process reward), turn 1 submitted (the outcome)
         assert len(t.completions) == 2

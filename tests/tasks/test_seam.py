@@ -19,7 +19,7 @@ from forgerl.tasks import sources
 from forgerl.tasks.base import Environment, EnvironmentError, Episode, Step
 
 from ..test_controller import sync, tiny_config
-from .conftest import script_policy
+from .conftest import first_batch, one_step, script_policy
 
 pytestmark = pytest.mark.slow
 
@@ -135,10 +135,7 @@ async def test_an_unreachable_environment_is_an_infrastructure_abort(tmp_path):
     config = _config(tmp_path, "--tasks.params", "{fail = true}")
     async with start_services(config) as s:
         script_policy(s, _policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        metrics = await s.train(batch)
+        trajs, metrics = await one_step(s)
     assert {t.status for t in trajs} == {"aborted_infra"}
     assert all("connection refused" in t.error for t in trajs)
     assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0
@@ -149,9 +146,7 @@ async def test_a_model_call_past_the_rollout_timeout_fails_the_rollout_not_the_r
     config = _config(tmp_path, "--rollout.timeout_s", "1")
     async with start_services(config) as s:
         script_policy(s, _policy, delay_s=3.0)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+        trajs = await first_batch(s)
     assert {t.status for t in trajs} == {"failed"}
     assert all("timed out" in t.error or "ReadTimeout" in t.error for t in trajs)
 
@@ -231,9 +226,7 @@ async def test_sandbox_agents_puts_each_command_agent_in_its_own_namespaces(tmp_
                          f'["python", "{tmp_path / "agent.py"}", "{seen}"]',
                          "--agent.preload", "[]", "--sandbox.agents", "true")
     async with start_services(config) as s:
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
+        trajs = await first_batch(s)
     assert {t.status for t in trajs} == {"finished"} and all(t.completions for t in trajs)
     namespaces = seen.read_text().split("\n")[:-1]
     here = f"{os.readlink('/proc/self/ns/net')} {os.readlink('/proc/self/ns/pid')}"
@@ -268,10 +261,7 @@ async def test_odd_replies_keep_one_turn_reward_per_recorded_turn(tmp_path):
                      "--rollout.max_tokens", "400", "--model.max_model_len", "4096")
     async with start_services(config) as s:
         script_policy(s, _odd_policy)
-        s.admit()
-        batch = await s.next_batch()
-        trajs = [t for i in batch for t in s.pool.get_group(i).trajectories]
-        await s.train(batch)  # the trainer checks len(turn_rewards) against the completions
+        trajs, _ = await one_step(s)  # the trainer checks len(turn_rewards) against the turns
         step = s.trainer.step
     assert {t.status for t in trajs} == {"finished"}
     firsts = []
