@@ -18,11 +18,12 @@ from forgerl.cpu_share import CpuShare
 from forgerl.engines.local.kv_batch import _Batch, _fail, _KVCache, _Request
 from forgerl.engines.local.prefix_cache import KV, PrefixCache, common_prefix
 from forgerl.engines.local.sampler import sample_tokens
+from forgerl.engines.local.speculative import SpeculativeDecoder
 
 WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(SpeculativeDecoder):
     """The decode loop's state and step, the base of `LocalEngine` (which sets every attribute
     below in its constructor and runs `_step` on its worker thread)."""
 
@@ -81,7 +82,10 @@ class ContinuousBatcher:
             _fail(rows, exc)
 
     def _decode(self, batch: _Batch) -> _Batch:
-        """Feed each row's pending token through the cache; sample the next one."""
+        """Feed each row's pending token through the cache; sample the next one (or run a
+        speculative step of drafts, `speculative.py`)."""
+        if k := self.spec_ready(batch):
+            return self.spec_decode(batch, k)
         ones = batch.mask.new_ones(len(batch.rows), 1)
         batch.mask = torch.cat([batch.mask, ones], dim=1)  # (B, L + 1)
         out = self.model(
@@ -92,6 +96,7 @@ class ContinuousBatcher:
             use_cache=True,
         )
         batch.positions = batch.positions + 1
+        self.note_hidden(batch.rows)
         batch.next_ids = self._sample(batch.rows, out.logits[:, -1])
         return batch
 
@@ -146,6 +151,8 @@ class ContinuousBatcher:
             for i, (n, _) in enumerate(hits):
                 mask[i, past - n :] = 1
             pending = torch.tensor([s[-1] for s in seqs], device=self.device)
+            for r in rows:  # no forward: no hidden state to draft from until the next one
+                r.draft_hidden = None
             return _Batch(rows, _KVCache(self._stack_past(hits, past)), mask, mask.sum(1), pending)
         new = max(len(s) - n for s, (n, _) in zip(seqs, hits, strict=True))
         ids = torch.zeros(len(rows), new, dtype=torch.long, device=self.device)  # (B, S)
@@ -166,6 +173,7 @@ class ContinuousBatcher:
             use_cache=True,
             logits_to_keep=1,
         )
+        self.note_hidden(rows)
         batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
         if self.prefix_cache.max_tokens:
             for i, seq in enumerate(seqs):

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from forgerl.cpu_share import CpuShare
+from forgerl.drafter import PREFIX, Drafter
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
@@ -53,6 +54,11 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
     (steps run on half of the cores beside the trainer, `cpu_share`).
+    drafter, speculative_tokens: an MTP draft head (`forgerl.drafter.Drafter`, copied) and
+    the drafts per speculative decode step (0: off; > 0 needs a drafter; speculative.py). The
+    drafter's tensors are engine weights named `drafter.<name>`, updated by `update_weights`
+    and `apply_delta` like the policy's; stats then count "spec_steps", "draft_tokens",
+    "accepted_tokens" and "spec_tokens".
     """
 
     _closed_message = "LocalEngine is closed"
@@ -67,7 +73,12 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         dtype: torch.dtype | None = None,
         packed_weights: bool = False,
         cpu_share: CpuShare | None = None,
+        drafter: Drafter | None = None,
+        speculative_tokens: int = 0,
     ) -> None:
+        if speculative_tokens < 0 or (speculative_tokens and drafter is None):
+            raise ValueError(f"speculative_tokens ({speculative_tokens}) must be >= 0, and > 0 "
+                             "only with a drafter")
         if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
                 f"max_model_len ({max_model_len}) must be >= 2, max_batch_size "
@@ -83,6 +94,11 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         self.weight_version = 0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._params = self.model.state_dict()  # name → tensor sharing the parameter's storage
+        if drafter is not None:  # synced with the policy under its prefix (forgerl.drafter)
+            self.drafter = copy.deepcopy(drafter).to(self.device, self.weight_dtype).eval()
+            self.speculative_tokens = speculative_tokens
+            self._params.update({PREFIX + k: v for k, v in self.drafter.state_dict().items()})
+            self.watch_hidden()
         self._packed = packed_weights and pack_linears(self.model)
         self.cpu_share = cpu_share
         self._waiting: deque[_Request] = deque()
@@ -91,7 +107,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-                      "cpu_shared_steps": 0}
+                      "cpu_shared_steps": 0, "spec_steps": 0, "draft_tokens": 0,
+                      "accepted_tokens": 0, "spec_tokens": 0}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------

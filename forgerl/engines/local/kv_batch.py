@@ -40,6 +40,7 @@ class _Request:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     cancelled: bool = False
+    draft_hidden: torch.Tensor | None = None  # (H,) last final hidden state (speculative.py)
 
     def record(self, token: int, logprob: float, version: int, sampled_at: float) -> None:
         """Append and stream one sampled token; set finish_reason when it stops the completion."""

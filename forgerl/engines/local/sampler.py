@@ -97,12 +97,20 @@ def sample_tokens(
     batched cumsum + searchsorted. The logprob is `sampling_logprobs(...)[i, token]`.
     """
     logp = sampling_logprobs(logits, params, contexts)  # (B, V)
+    tokens = draw(logp, params, generators)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def draw(logp: torch.Tensor, params: Sequence[SamplingParams],
+         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Token ids (B,) int64 from log-probabilities (B, V) (unnormalised allowed): argmax for
+    greedy rows, else the inverse-CDF draw of `sample_tokens`."""
     tokens = logp.argmax(dim=-1)  # (B,)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         cdf = logp[drawn].exp().cumsum(dim=-1)  # (S, V)
-        u = torch.cat([torch.rand(1, generator=generators[i], device=logits.device)
+        u = torch.cat([torch.rand(1, generator=generators[i], device=logp.device)
                        for i in drawn])  # (S,)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
         tokens[drawn] = pick.squeeze(-1).clamp(max=logp.shape[-1] - 1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens
