@@ -64,6 +64,16 @@ class LocalEngineConfig(_Section):
     (engines/local/kernels.pack_linears), which cost memory for the packed copies."""
     instances: int = Field(1, ge=1, le=64)
     """Engine copies in this process, each with its own weights; > 1 puts a router before them."""
+    speculative_tokens: int = Field(0, ge=0, le=16)
+    """Drafts per speculative decode step from an MTP draft head trained online by the trainer
+    and synced with the weights (docs/speculative.md); 0 = off. Exact: the completions and
+    their logprobs are distributed as without it. Not with [cluster] backend = "ray"."""
+    drafter_lr: float = Field(1e-3, gt=0, le=1)
+    """AdamW learning rate of the draft head's online training (speculative_tokens > 0)."""
+    drafter_top_k: int = Field(16, ge=1, le=1024)
+    """Tokens of the policy's next-token distribution in the drafter's top-K KL loss."""
+    drafter_warm_start_steps: int = Field(100, ge=0, le=10_000)
+    """Distillation steps of the draft head on the initial policy's own samples before step 0."""
     router: Literal["cost_aware", "affinity", "round_robin"] = "cost_aware"
     """How each request picks an instance when instances > 1 (forgerl/gateway/router.py):
     cost_aware = least uncached prefill + marginal decode slowdown (measured t(B) = a + b·B)
@@ -625,6 +635,10 @@ class Config(_Section):
                                      or self.warmstart.steps > self.max_steps):
             raise ValueError("warmstart.steps needs warmstart.demos, trainer.workers = 1 and "
                              "max_steps >= it (max_steps counts warm-start and RL steps)")
+        if (self.engine.type == "local" and self.engine.speculative_tokens
+                and (self.cluster.backend == "ray" or self.trainer.workers > 1)):
+            raise ValueError("engine.speculative_tokens > 0 needs cluster.backend = \"local\" "
+                             "and trainer.workers = 1 (the drafter trains beside one trainer)")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

@@ -67,7 +67,7 @@ class Drafter(nn.Module):
 
 def topk_kl(draft_logits: Tensor, policy_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(KL (M,), top-1 agreement (M,) float) of the drafter to the policy's next-token
-    distribution restricted to its top k tokens: Σ_{v ∈ topk(p)} p_v (log p_v − log q_v), p =
+    distribution restricted to its top k tokens: Σ_{v ∈ topk(p)} p_v (log p_v - log q_v), p =
     softmax(policy_logits) (detached), q = softmax(draft_logits) over the whole vocabulary.
     Both logits (M, V)."""
     with torch.no_grad():
@@ -89,13 +89,13 @@ def drafter_loss(drafter: Drafter, model: nn.Module, hidden: Tensor, input_ids: 
     (g[parent j], embed(x_j)) → p_j, g = the head's depth-1 output at parent j. Returns (mean
     top-k KL over both depths, {"drafter_kl": depth-1 mean KL, "drafter_top1": depth-1 top-1
     agreement, "drafter_positions": M}); a zero loss without positions."""
-    hidden = hidden.detach()
+    hidden = hidden.detach().to(drafter.proj.weight.dtype)
     j = positions[parent[positions] >= 0]
     if j.numel() == 0:
         return hidden.new_zeros(()), {}
     with torch.no_grad():
         target = F.linear(hidden[j], model.get_output_embeddings().weight)  # (M, V)
-    g, logits = drafter.draft(model, hidden[parent[j]], input_ids[j])
+    _, logits = drafter.draft(model, hidden[parent[j]], input_ids[j])
     kl, top1 = topk_kl(logits, target, k)
     loss, deep = kl.mean(), parent[parent[j]] >= 0
     if deep.any():  # depth 2 from the head's own output at the parent
@@ -136,3 +136,18 @@ def warm_start(drafter: Drafter, model: nn.Module, sequences: list[list[int]], s
         optimizer.zero_grad(set_to_none=True)
         kls.append(total)
     return kls
+
+
+@torch.no_grad()
+def policy_samples(model: nn.Module, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` sequences of `length` tokens sampled (T = 1) from `model` itself, each after one
+    random start token (seeded): the warm start's data when no prompts are at hand."""
+    device = model.get_input_embeddings().weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(vocab, (n, 1), generator=gen, device=device)
+    for _ in range(length - 1):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids.tolist()

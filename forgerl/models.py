@@ -55,8 +55,11 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(vocab_size: int = 259, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised 2-layer Llama (hidden 64, 4 heads, 2 KV heads), fp32, eval mode."""
+def build_tiny_model(vocab_size: int = 259, seed: int = 0,
+                     head_std: float | None = None) -> LlamaForCausalLM:
+    """A randomly initialised 2-layer Llama (hidden 64, 4 heads, 2 KV heads), fp32, eval mode.
+    Its next-token distributions are almost flat; head_std gives it an LM head of its own
+    (untied), N(0, head_std²), for sharper ones (0.2: top token ~0.14 on average)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -67,12 +70,14 @@ def build_tiny_model(vocab_size: int = 259, seed: int = 0) -> LlamaForCausalLM:
         num_key_value_heads=2,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=head_std is None,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
+    if head_std is not None:
+        torch.nn.init.normal_(model.lm_head.weight, std=head_std)
     model.config._attn_implementation = "sdpa"
     return model.eval()
 

@@ -266,10 +266,13 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         dtype = engine_dtype(ec.dtype, trainer.device)
         if cores is not None:  # one CPU, two busy threads
             trainer.cpu_share = CpuShare(cores)
+        if ec.speculative_tokens:  # a draft head, warmed up on the policy, trained online
+            await asyncio.to_thread(_attach_drafter, trainer, ec)
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size, device=str(trainer.device),
                                prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
-                               packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share)
+                               packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share,
+                               drafter=trainer.drafter, speculative_tokens=ec.speculative_tokens)
                    for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]
@@ -281,6 +284,18 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     return engine, cluster
+
+
+def _attach_drafter(trainer: Any, ec: Any) -> None:
+    """Give `trainer` an MTP draft head (`forgerl.drafter`), distilled for
+    ec.drafter_warm_start_steps steps on 16 of the policy's own 64-token samples."""
+    from forgerl.drafter import Drafter, policy_samples, warm_start  # lazy: torch
+
+    drafter = Drafter.for_model(trainer.model)
+    if ec.drafter_warm_start_steps:
+        samples = policy_samples(trainer.model, 16, 64)
+        warm_start(drafter, trainer.model, samples, ec.drafter_warm_start_steps, k=ec.drafter_top_k)
+    trainer.attach_drafter(drafter, ec.drafter_lr, ec.drafter_top_k)
 
 
 def eos_ids(model: Any) -> list[int]:

@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from forgerl.cpu_share import CpuShare
+from forgerl.drafter import PREFIX, Drafter, drafter_loss
 from forgerl.models import engine_dtype
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import attn_implementation
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
-from forgerl.trainer.prefix_tree import TreeBatch, build_tree_batch
+from forgerl.trainer.prefix_tree import TreeBatch, TreeRow, build_tree_batch
 from forgerl.trainer.samples import (
     TraceMode,
     TrainingSample,
@@ -173,6 +174,24 @@ class Trainer:
         self.cpu_share: CpuShare | None = None  # set by the controller beside a local engine
         self.domain_of: Callable[[int], str] | None = None  # set by the controller: [[domains]]
         self.step = 0
+        self.drafter: Drafter | None = None
+        self._hidden: Tensor | None = None
+
+    def attach_drafter(self, drafter: Drafter, lr: float = 1e-3, top_k: int = 16) -> None:
+        """Train `drafter` (an MTP head, `forgerl.drafter`) in every later step: per tree row,
+        `drafter_loss` (top-`top_k` KL to the policy's next-token distribution at the row's
+        prediction positions) on the final hidden states of the policy's own forward, detached
+        (the policy's loss and gradients are unchanged), with an AdamW of its own (`lr`, no
+        clipping). Its tensors join `state_dict_for_sync` as `drafter.<name>`; step metrics
+        gain drafter_kl, drafter_top1 (top-1 agreement with the policy: an acceptance proxy)
+        and drafter_seconds."""
+        self.drafter = drafter.to(self.device).train()
+        self.drafter_top_k = top_k
+        self.drafter_optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
+
+        def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+            self._hidden = output.last_hidden_state  # type: ignore[attr-defined]
+        self.model.get_decoder().register_forward_hook(keep)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on `groups`; returns metrics (floats).
@@ -237,11 +256,15 @@ class Trainer:
                             "the reward scale: mean |advantage| "
                             f"{metrics.get('advantage_abs_mean', float('nan')):.3g})")
                     self.optimizer.step()
+                    if self.drafter is not None:
+                        self.drafter_optimizer.step()
                     self.step += 1
                 else:
                     metrics["grad_norm"] = 0.0
             finally:  # a step that raises leaves no partial gradients for the next one
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.drafter is not None:
+                    self.drafter_optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         metrics["step_seconds"] = seconds
         metrics["tokens_per_second"] = batch.tree.num_tree_tokens / max(seconds, 1e-9)
@@ -375,6 +398,7 @@ class Trainer:
         total_loss, ratio_sum, ratio_max, clipped, kept, nonfinite = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         if batch.num_loss_tokens == 0:
             return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
+        drafted: dict[str, float] = {}
         for row in batch.tree.rows:
             if row.pred_pos.numel() == 0:
                 continue
@@ -393,6 +417,7 @@ class Trainer:
                     batch.num_loss_tokens,
                 )
                 loss.backward()
+            self._train_drafter(row, len(batch.tree.rows), drafted)
             total_loss += loss.item()
             ratio_sum += stats["ratio_mean"] * stats["num_tokens"]
             ratio_max = max(ratio_max, stats["ratio_max"])
@@ -408,7 +433,28 @@ class Trainer:
             "ratio_max": ratio_max,
             "clip_frac": clipped / max(kept, 1.0),
             "nonfinite_tokens": batch.metrics.get("nonfinite_tokens", 0.0) + nonfinite,
+            **{k: v / drafted["drafter_positions"] if k in ("drafter_kl", "drafter_top1") else v
+               for k, v in drafted.items() if drafted.get("drafter_positions")},
         }
+
+    def _train_drafter(self, row: TreeRow, rows: int, acc: dict[str, float]) -> None:
+        """Backward of the drafter's loss on this row's hidden states (`attach_drafter`), its
+        metrics summed into `acc` (KL and top-1 weighted by positions)."""
+        if self.drafter is None or self._hidden is None:
+            return
+        start, dev = time.perf_counter(), self.device
+        loss, stats = drafter_loss(self.drafter, self.model, self._hidden[0],
+                                   row.input_ids.to(dev), row.parent.to(dev),
+                                   torch.unique(row.pred_pos).to(dev), self.drafter_top_k)
+        if stats:
+            (loss / rows).backward()
+            n = stats["drafter_positions"]
+            for key, value in (("drafter_kl", stats["drafter_kl"] * n),
+                               ("drafter_top1", stats["drafter_top1"] * n),
+                               ("drafter_positions", n)):
+                acc[key] = acc.get(key, 0.0) + value
+        self._hidden = None
+        acc["drafter_seconds"] = acc.get("drafter_seconds", 0.0) + time.perf_counter() - start
 
     def _entropy_metrics(self, batch: PreparedBatch) -> dict[str, float]:
         """entropy_mean over all loss tokens and, with `domain_of`, domain_<name>_entropy over
@@ -431,7 +477,10 @@ class Trainer:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
         trainer's device; `LocalEngine.update_weights` copies across devices)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        weights = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.drafter is not None:  # the engine's drafter follows the trainer's
+            weights |= {PREFIX + k: v.detach() for k, v in self.drafter.state_dict().items()}
+        return weights
 
 
 def _finite_rewards(traj: Trajectory) -> bool:

@@ -9,7 +9,7 @@ so far, drafts included); ONE policy forward over [pending, d_1..d_k] (k + 1 tok
 gives p_0..p_k, the processed sampling distributions at each position (same transforms and
 context). Per row, exact speculative rejection sampling (Leviathan et al. 2023, Alg. 1; Chen
 et al. 2023): d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first
-rejection a token is drawn from norm(max(0, p_j − q_j)) (p_j when that is all zero); when all
+rejection a token is drawn from norm(max(0, p_j - q_j)) (p_j when that is all zero); when all
 k pass a bonus token is drawn from p_k. Greedy rows (temperature 0) accept d_j iff it is the
 argmax of p_j and take that argmax otherwise. Every emitted token is therefore distributed as
 the policy's sampling distribution (every transform of the sampler is expressed exactly, so no
@@ -75,7 +75,7 @@ class SpeculativeDecoder:
         params, gens = [r.params for r in rows], [r.generator for r in rows]
         hidden = torch.stack([r.draft_hidden for r in rows])  # (B, H)
         tokens, drafts, logq = batch.next_ids, [], []
-        for j in range(k):
+        for _ in range(k):
             hidden, logits = self.drafter.draft(self.model, hidden, tokens)
             logq.append(sampling_logprobs(logits, params, _contexts(rows, drafts)))
             tokens = draw(logq[-1], params, gens)
@@ -83,9 +83,9 @@ class SpeculativeDecoder:
         ids = torch.stack([batch.next_ids, *drafts], dim=1)  # (B, k + 1)
         width = batch.mask.shape[1]
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(b, k + 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=batch.mask, cache=batch.cache,
-                         position_ids=batch.positions[:, None] + torch.arange(k + 1, device=ids.device),
-                         use_cache=True)
+        positions = batch.positions[:, None] + torch.arange(k + 1, device=ids.device)
+        out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
+                         cache=batch.cache, use_cache=True)
         logp = [sampling_logprobs(out.logits[:, j], params, _contexts(rows, drafts[:j]))
                 for j in range(k + 1)]  # p_0..p_k, each (B, V)
         verified = self._hidden

@@ -1,0 +1,241 @@
+"""Speculative decoding in the local engine with an MTP drafter (forgerl/drafter.py,
+forgerl/engines/local/speculative.py), and the drafter's online training and sync.
+
+The tiny random Llama's next-token distributions are almost flat; `peaky` gives it an untied
+LM head with sharper ones (a policy a drafter can learn), and `drafter` distils a
+head on that policy's own samples (the warm start), so drafts are accepted often enough for
+every branch of the verifier to run."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from forgerl.drafter import PREFIX, Drafter, drafter_loss, policy_samples, warm_start
+from forgerl.engines.local import LocalEngine
+from forgerl.engines.local.sampler import sampling_logprobs
+from forgerl.engines.local.speculative import SpeculativeDecoder
+from forgerl.models import build_tiny_model
+from forgerl.trainer.trainer import Trainer
+from forgerl.trainer.weight_sync import WeightSync
+from forgerl.types import Group, SamplingParams
+from tests.factories import completion, trajectory
+
+PROMPTS = [[3, 4, 5], [60, 61, 62, 63, 64, 65], [7], [100, 101, 102, 103]]
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    return build_tiny_model(head_std=0.25)
+
+
+@pytest.fixture(scope="module")
+def drafter(peaky):
+    head = Drafter.for_model(peaky)
+    kls = warm_start(head, peaky, policy_samples(peaky, 16, 48), steps=60)
+    assert kls[-1] < kls[0] / 4  # the warm start learns
+    return head
+
+
+async def _generate(model, params: list[SamplingParams], k: int, head=None, prompts=PROMPTS,
+                    engine_out: list | None = None):
+    engine = LocalEngine(model, max_model_len=256, max_batch_size=4, drafter=head,
+                         speculative_tokens=k)
+    try:
+        outs = await asyncio.gather(*(engine.generate(p, s)
+                                      for p, s in zip(prompts, params, strict=True)))
+        if engine_out is not None:
+            engine_out.append(dict(engine.stats))
+        return outs
+    finally:
+        await engine.close()
+
+
+@dataclass
+class _Row:
+    """What `SpeculativeDecoder._accept` reads of a request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    completion_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def record(self, token: int, logprob: float, version: int, at: float) -> None:
+        self.completion_ids.append(token)
+
+
+def test_rejection_sampling_gives_the_policy_distribution():
+    """First emitted token over 40 000 seeded trials of one draft from q verified against p:
+    its frequencies are p's (chi-square, 4 degrees of freedom, under the 0.1 % critical value
+    18.47), not q's (a statistic in the thousands); the acceptance rate is Σ min(p, q)."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3])
+    spec = SpeculativeDecoder()
+    spec.weight_version, spec.stats = 0, {"accepted_tokens": 0}
+    gen = torch.Generator().manual_seed(0)
+    counts, trials = torch.zeros(5), 40_000
+    draws = torch.multinomial(q, trials, replacement=True, generator=gen).tolist()
+    for x in draws:
+        row = _Row(SamplingParams(1.0), gen)
+        spec._accept(row, [x], [p.log(), p.log()], [q.log()], 0.0)
+        counts[row.completion_ids[0]] += 1
+    chi2 = lambda dist: float(((counts - trials * dist) ** 2 / (trials * dist)).sum())  # noqa: E731
+    assert chi2(p) < 18.47
+    assert chi2(q) > 1000
+    assert spec.stats["accepted_tokens"] / trials == pytest.approx(float(torch.minimum(p, q).sum()),
+                                                                   abs=0.01)
+
+
+def test_greedy_speculative_equals_plain_greedy(peaky, drafter):
+    """Token for token and logprob for logprob (1e-5), four rows decoded together, with drafts
+    accepted and rejected."""
+    params = [SamplingParams(0.0, max_tokens=n) for n in (30, 24, 17, 40)]
+    plain = asyncio.run(_generate(peaky, params, 0))
+    stats: list = []
+    spec = asyncio.run(_generate(peaky, params, 4, drafter, engine_out=stats))
+    for a, b in zip(plain, spec, strict=True):
+        assert b.completion_ids == a.completion_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+        assert b.finish_reason == "length"
+    s = stats[0]
+    assert s["spec_steps"] > 0 and 0 < s["accepted_tokens"] < s["draft_tokens"]
+    assert s["spec_tokens"] <= sum(len(o.completion_ids) for o in spec)
+
+
+def test_sampled_logprobs_are_the_policys(peaky, drafter):
+    """Seeded sampled rows with temperature, top_p, top_k and a repetition penalty: every
+    recorded logprob equals the processed distribution of a teacher-forced forward over the
+    prompt and the completion so far (1e-5), i.e. the policy's own (C04, C18)."""
+    params = [SamplingParams(0.7, max_tokens=32, seed=1),
+              SamplingParams(1.0, max_tokens=32, seed=2, top_p=0.9),
+              SamplingParams(0.9, max_tokens=32, seed=3, top_k=20, repetition_penalty=1.2),
+              SamplingParams(1.3, max_tokens=32, seed=4, min_p=0.05)]
+    stats: list = []
+    outs = asyncio.run(_generate(peaky, params, 3, drafter, engine_out=stats))
+    assert stats[0]["accepted_tokens"] > 0
+    for prompt, sp, out in zip(PROMPTS, params, outs, strict=True):
+        ids = prompt + out.completion_ids
+        with torch.no_grad():
+            logits = peaky(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+        contexts = [(prompt, out.completion_ids[:t]) for t in range(len(out.completion_ids))]
+        ref = sampling_logprobs(logits, [sp] * len(contexts), contexts)
+        ref = ref.gather(1, torch.tensor(out.completion_ids)[:, None])[:, 0]
+        assert torch.allclose(ref, torch.tensor(out.logprobs), atol=1e-5)
+
+
+def test_stop_and_max_tokens_mid_draft(peaky, drafter):
+    """A stop id met inside a draft ends the row there ("stop", the stop id last); max_tokens
+    below the draft length ends it at max_tokens; a later request reusing the finished row's
+    KV from the prefix cache (rejected columns masked out) continues exactly as plain decode."""
+    (ref,) = asyncio.run(_generate(peaky, [SamplingParams(0.0, max_tokens=40)], 0,
+                                   prompts=PROMPTS[:1]))
+    stop = ref.completion_ids[9]
+    cut = ref.completion_ids.index(stop)
+    params = [SamplingParams(0.0, max_tokens=40, stop_token_ids=(stop,)),
+              SamplingParams(0.0, max_tokens=2)]
+    outs = asyncio.run(_generate(peaky, params, 4, drafter, prompts=[PROMPTS[0], PROMPTS[0]]))
+    assert outs[0].completion_ids == ref.completion_ids[:cut + 1]
+    assert outs[0].finish_reason == "stop"
+    assert outs[1].completion_ids == ref.completion_ids[:2] and outs[1].finish_reason == "length"
+
+    async def twice():
+        engine = LocalEngine(peaky, max_model_len=256, drafter=drafter, speculative_tokens=4)
+        try:
+            first = await engine.generate(PROMPTS[0], SamplingParams(0.0, max_tokens=20))
+            prompt = PROMPTS[0] + first.completion_ids
+            second = await engine.generate(prompt, SamplingParams(0.0, max_tokens=20))
+            return first, second, engine.stats["prefix_hit_tokens"]
+        finally:
+            await engine.close()
+
+    first, second, hits = asyncio.run(twice())
+    assert first.completion_ids + second.completion_ids == ref.completion_ids
+    assert hits >= len(PROMPTS[0]) + 19  # the second prompt came from the cache
+
+
+def _groups(outs, prompts, temperature) -> list[Group]:
+    trajs = [trajectory(f"t{i}", [completion(p, o.completion_ids, o.logprobs,
+                                             temperature=temperature)], reward=float(i % 2))
+             for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+    return [Group(0, trajs)]
+
+
+def test_trainer_ratio_one_and_policy_gradient_unchanged_with_drafter(peaky, drafter):
+    """Rollouts decoded with speculation on, trained on unchanged weights: ratio 1 (1e-5).
+    A trainer that also trains the drafter takes exactly the policy step of one that does not
+    (same loss, bitwise-equal weights after the step), reports drafter metrics, and its drafter
+    moved."""
+    params = [SamplingParams(1.0, max_tokens=24, seed=s) for s in range(4)]
+    outs = asyncio.run(_generate(peaky, params, 3, drafter, prompts=[PROMPTS[1]] * 4))
+    groups = _groups(outs, [PROMPTS[1]] * 4, 1.0)
+    plain = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    with_head = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    head = copy.deepcopy(drafter)
+    with_head.attach_drafter(head, lr=1e-3, top_k=8)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    m_plain, m_head = plain.train_step(groups), with_head.train_step(groups)
+    assert abs(m_plain["ratio_mean"] - 1) < 1e-5 and abs(m_plain["ratio_max"] - 1) < 1e-5
+    assert m_head["loss"] == m_plain["loss"] and m_head["grad_norm"] == m_plain["grad_norm"]
+    for (name, a), b in zip(plain.model.state_dict().items(),
+                            with_head.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert "drafter_kl" not in m_plain and m_head["drafter_positions"] > 0
+    assert m_head["drafter_kl"] > 0 and 0 <= m_head["drafter_top1"] <= 1
+    assert any(not torch.equal(before[k], v) for k, v in head.state_dict().items())
+
+
+def test_drafter_loss_is_zero_without_positions(peaky, drafter):
+    hidden = torch.zeros(3, peaky.config.hidden_size)
+    loss, stats = drafter_loss(drafter, peaky, hidden, torch.tensor([1, 2, 3]),
+                               torch.tensor([-1, 0, 1]), torch.tensor([0]), 8)
+    assert float(loss) == 0.0 and stats == {}
+
+
+@pytest.mark.parametrize("kind", ["full", "delta"])
+def test_drafter_weights_sync_with_the_policy(peaky, drafter, kind):
+    """After each sync (full, then full or delta) the engine's drafter equals the trainer's,
+    tensor for tensor, and an engine without a drafter refuses drafter tensors."""
+    trainer = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    trainer.attach_drafter(copy.deepcopy(drafter), lr=1e-2)
+    params = [SamplingParams(1.0, max_tokens=16, seed=s) for s in range(4)]
+
+    async def main():
+        engine = LocalEngine(peaky, max_model_len=256, drafter=Drafter.for_model(peaky, seed=5),
+                             speculative_tokens=2)
+        sync = WeightSync(engine, kind)
+        try:
+            await sync.sync(trainer.state_dict_for_sync(), trainer.step)
+            kinds = []
+            for _ in range(2):
+                outs = await asyncio.gather(*(engine.generate(PROMPTS[1], p) for p in params))
+                trainer.train_step(_groups(outs, [PROMPTS[1]] * 4, 1.0))
+                kinds.append((await sync.sync(trainer.state_dict_for_sync(), trainer.step))["kind"])
+            return engine.drafter.state_dict(), kinds
+        finally:
+            await engine.close()
+
+    synced, kinds = asyncio.run(main())
+    assert kinds == [kind, kind]
+    mine = trainer.drafter.state_dict()
+    assert synced.keys() == mine.keys()
+    for name, value in mine.items():
+        assert torch.equal(synced[name], value), name
+
+    async def refused():
+        bare = LocalEngine(peaky, max_model_len=64)
+        try:
+            await bare.update_weights(trainer.state_dict_for_sync(), 9)
+        finally:
+            await bare.close()
+
+    with pytest.raises(ValueError, match="unknown keys.*" + PREFIX):
+        asyncio.run(refused())
+
+
+def test_speculative_tokens_needs_a_drafter(peaky):
+    with pytest.raises(ValueError, match="only with a drafter"):
+        LocalEngine(peaky, speculative_tokens=2)
