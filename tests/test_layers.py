@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 LAYERS: list[set[str]] = [
     {"types"},  # the records every layer shares
     {"config", "cpu_share"},  # config / runtime
-    {"models", "weights"},  # models, weight formats
+    {"models", "weights", "drafter"},  # models, weight formats, the MTP draft head
     {"engines", "datapool", "rewards"},
     {"gateway", "scheduler", "trainer"},
     {"agents", "cluster", "metrics"},
