@@ -79,7 +79,8 @@ def topk_kl(draft_logits: Tensor, policy_logits: Tensor, k: int) -> tuple[Tensor
 
 
 def drafter_loss(drafter: Drafter, model: nn.Module, hidden: Tensor, input_ids: Tensor,
-                 parent: Tensor, positions: Tensor, k: int) -> tuple[Tensor, dict[str, float]]:
+                 parent: Tensor, positions: Tensor, k: int, target: Tensor | None = None
+                 ) -> tuple[Tensor, dict[str, float]]:
     """The drafter's training loss on one forward's final hidden states (detached here).
 
     hidden: (N, H) the policy's final hidden states of a row of N tokens; input_ids (N,);
@@ -88,13 +89,15 @@ def drafter_loss(drafter: Drafter, model: nn.Module, hidden: Tensor, input_ids: 
     policy distribution is a target. Depth 1: (h[parent j], embed(x_j)) → p_j; depth 2:
     (g[parent j], embed(x_j)) → p_j, g = the head's depth-1 output at parent j. Returns (mean
     top-k KL over both depths, {"drafter_kl": depth-1 mean KL, "drafter_top1": depth-1 top-1
-    agreement, "drafter_positions": M}); a zero loss without positions."""
+    agreement, "drafter_positions": M}); a zero loss without positions. target: the policy's
+    logits at every row (N, V), when already at hand (else computed from `hidden`)."""
     hidden = hidden.detach().to(drafter.proj.weight.dtype)
     j = positions[parent[positions] >= 0]
     if j.numel() == 0:
         return hidden.new_zeros(()), {}
     with torch.no_grad():
-        target = F.linear(hidden[j], model.get_output_embeddings().weight)  # (M, V)
+        target = (F.linear(hidden[j], model.get_output_embeddings().weight) if target is None
+                  else target[j])  # (M, V)
     _, logits = drafter.draft(model, hidden[parent[j]], input_ids[j])
     kl, top1 = topk_kl(logits, target, k)
     loss, deep = kl.mean(), parent[parent[j]] >= 0
@@ -120,16 +123,17 @@ def warm_start(drafter: Drafter, model: nn.Module, sequences: list[list[int]], s
     with torch.no_grad():
         states = [final_hidden(model, torch.tensor([s], device=drafter.proj.weight.device))[0]
                   for s in sequences]
+        targets = [F.linear(h, model.get_output_embeddings().weight) for h in states]
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
     kls = []
     for _ in range(steps):
         total = 0.0
-        for seq, hidden in zip(sequences, states, strict=True):
+        for seq, hidden, target in zip(sequences, states, targets, strict=True):
             n = len(seq)
             ids = torch.tensor(seq, device=hidden.device)
             parent = torch.arange(n, device=hidden.device) - 1
             loss, stats = drafter_loss(drafter, model, hidden, ids, parent,
-                                       torch.arange(n, device=hidden.device), k)
+                                       torch.arange(n, device=hidden.device), k, target)
             (loss / len(sequences)).backward()
             total += stats.get("drafter_kl", 0.0) / len(sequences)
         optimizer.step()

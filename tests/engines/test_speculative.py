@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from forgerl.drafter import PREFIX, Drafter, drafter_loss, policy_samples, warm_start
 from forgerl.engines.local import LocalEngine
 from forgerl.engines.local.sampler import sampling_logprobs
-from forgerl.engines.local.speculative import SpeculativeDecoder
+from forgerl.engines.local.speculative import verify
 from forgerl.models import build_tiny_model
 from forgerl.trainer.trainer import Trainer
 from forgerl.trainer.weight_sync import WeightSync
@@ -55,39 +54,35 @@ async def _generate(model, params: list[SamplingParams], k: int, head=None, prom
         await engine.close()
 
 
-@dataclass
-class _Row:
-    """What `SpeculativeDecoder._accept` reads of a request."""
-
-    params: SamplingParams
-    generator: torch.Generator
-    completion_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def record(self, token: int, logprob: float, version: int, at: float) -> None:
-        self.completion_ids.append(token)
-
-
 def test_rejection_sampling_gives_the_policy_distribution():
-    """First emitted token over 40 000 seeded trials of one draft from q verified against p:
-    its frequencies are p's (chi-square, 4 degrees of freedom, under the 0.1 % critical value
-    18.47), not q's (a statistic in the thousands); the acceptance rate is Σ min(p, q)."""
-    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
-    q = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3])
-    spec = SpeculativeDecoder()
-    spec.weight_version, spec.stats = 0, {"accepted_tokens": 0}
-    gen = torch.Generator().manual_seed(0)
-    counts, trials = torch.zeros(5), 40_000
-    draws = torch.multinomial(q, trials, replacement=True, generator=gen).tolist()
-    for x in draws:
-        row = _Row(SamplingParams(1.0), gen)
-        spec._accept(row, [x], [p.log(), p.log()], [q.log()], 0.0)
-        counts[row.completion_ids[0]] += 1
-    chi2 = lambda dist: float(((counts - trials * dist) ** 2 / (trials * dist)).sum())  # noqa: E731
-    assert chi2(p) < 18.47
-    assert chi2(q) > 1000
-    assert spec.stats["accepted_tokens"] / trials == pytest.approx(float(torch.minimum(p, q).sum()),
-                                                                   abs=0.01)
+    """40 000 seeded rows of two drafts from q verified against p_0, p_1, p_2: the first
+    emitted token's frequencies are p_0's (chi-square, 4 degrees of freedom, under the 0.1 %
+    critical value 18.47), not q's (a statistic in the thousands), and so are the second's
+    (p_1, after an accepted first draft or a resampled one alike); acceptance of the first
+    draft is Σ min(p, q); greedy rows accept exactly the argmax."""
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5],
+                      [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3], [0.3, 0.3, 0.2, 0.1, 0.1]])
+    n = 40_000
+    torch.manual_seed(0)
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True) for j in range(2)], 1)
+    params = [SamplingParams(1.0)] * n
+    tokens, logprobs, accepted = verify(p.log().expand(n, 3, 5), q.log().expand(n, 2, 5),
+                                        drafts, params, [None] * n)
+
+    def chi2(counts, dist):
+        return float(((counts - counts.sum() * dist) ** 2 / (counts.sum() * dist)).sum())
+
+    first = torch.bincount(tokens[:, 0], minlength=5).float()
+    second = torch.bincount(tokens[accepted >= 1, 1], minlength=5).float()
+    assert chi2(first, p[0]) < 18.47 and chi2(first, q[0]) > 1000
+    assert chi2(second, p[1]) < 18.47
+    assert float((accepted >= 1).float().mean()) == pytest.approx(
+        float(torch.minimum(p[0], q[0]).sum()), abs=0.01)
+    assert torch.allclose(logprobs[:, 0], p[0].log()[tokens[:, 0]])
+    greedy, _, ok = verify(p.log()[None], q.log()[None], torch.tensor([[0, 1]]),
+                           [SamplingParams(0.0)], [None])
+    assert ok.tolist() == [1] and greedy[0, :2].tolist() == [0, 4]
 
 
 def test_greedy_speculative_equals_plain_greedy(peaky, drafter):

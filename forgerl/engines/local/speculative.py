@@ -33,6 +33,7 @@ import torch
 from forgerl.drafter import Drafter
 from forgerl.engines.local.kv_batch import _Batch, _Request
 from forgerl.engines.local.sampler import draw, sampling_logprobs
+from forgerl.types import SamplingParams
 
 
 class SpeculativeDecoder:
@@ -86,19 +87,25 @@ class SpeculativeDecoder:
         positions = batch.positions[:, None] + torch.arange(k + 1, device=ids.device)
         out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
                          cache=batch.cache, use_cache=True)
-        logp = [sampling_logprobs(out.logits[:, j], params, _contexts(rows, drafts[:j]))
-                for j in range(k + 1)]  # p_0..p_k, each (B, V)
-        verified = self._hidden
-        draft_ids = torch.stack(drafts, dim=1).tolist()  # (B, k)
-        now, emitted = time.perf_counter(), []
-        for i, req in enumerate(rows):
-            n = self._accept(req, draft_ids[i], [p[i] for p in logp], [q[i] for q in logq], now)
-            batch.mask[i, width + n:] = 0
+        logp = torch.stack([sampling_logprobs(out.logits[:, j], params,
+                                              _contexts(rows, drafts[:j]))
+                            for j in range(k + 1)], dim=1)  # p_0..p_k: (B, k + 1, V)
+        draft_ids = torch.stack(drafts, dim=1)  # (B, k)
+        tokens, logprobs, accepted = verify(logp, torch.stack(logq, dim=1), draft_ids, params,
+                                            gens)
+        verified, now, emitted = self._hidden, time.perf_counter(), []
+        for i, (req, toks, lps, ok) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(),
+                                                     accepted.tolist(), strict=True)):
+            n = 0
+            while n <= ok and req.finish_reason is None:  # stop ids, max_tokens mid-draft
+                req.record(toks[n], lps[n], self.weight_version, now)
+                n += 1
+            self.stats["accepted_tokens"] += min(ok, n)
+            batch.mask[i, width + n:] = 0  # the KV of rejected (or unused) drafts
             req.draft_hidden = verified[i, n - 1].clone()
             emitted.append(n)
         time.sleep(0)  # release the GIL: the event loop delivers these tokens now
-        n_t = torch.tensor(emitted, device=batch.positions.device)
-        batch.positions = batch.positions + n_t
+        batch.positions = batch.positions + torch.tensor(emitted, device=batch.positions.device)
         batch.next_ids = torch.tensor([r.completion_ids[-1] for r in rows],
                                       device=batch.next_ids.device)
         self.stats["spec_steps"] += 1
@@ -106,31 +113,35 @@ class SpeculativeDecoder:
         self.stats["spec_tokens"] += sum(emitted)
         return batch
 
-    def _accept(self, req: _Request, drafts: list[int], logp: list[torch.Tensor],
-                logq: list[torch.Tensor], now: float) -> int:
-        """Verify one row's drafts against p_0..p_k (each (V,)), record the emitted tokens;
-        returns how many it emitted (1..k + 1; fewer when a stop id or max_tokens ends it)."""
-        greedy, gen = req.params.temperature == 0, req.generator
-        for j, x in enumerate(drafts):
-            p, q = logp[j], logq[j]
-            if greedy:
-                ok = int(p.argmax()) == x
-            else:
-                u = float(torch.rand(1, generator=gen, device=p.device))
-                ok = u * float(q[x].exp()) < float(p[x].exp())
-            if not ok:
-                residual = (p.exp() - q.exp()).clamp(min=0)
-                pick = residual.log() if residual.sum() > 0 and not greedy else p
-                tok = int(draw(pick[None], [req.params], [gen])[0])
-                req.record(tok, float(p[tok]), self.weight_version, now)
-                return j + 1
-            self.stats["accepted_tokens"] += 1
-            req.record(x, float(p[x]), self.weight_version, now)
-            if req.finish_reason is not None:
-                return j + 1
-        tok = int(draw(logp[-1][None], [req.params], [gen])[0])
-        req.record(tok, float(logp[-1][tok]), self.weight_version, now)
-        return len(drafts) + 1
+
+def verify(logp: torch.Tensor, logq: torch.Tensor, drafts: torch.Tensor,
+           params: list[SamplingParams], generators: list[torch.Generator | None]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling (module docstring) for B rows of k drafts.
+
+    logp: (B, k + 1, V) the policy's sampling log-probabilities p_0..p_k; logq: (B, k, V) the
+    drafter's q_1..q_k the drafts were drawn from; drafts: (B, k) int64. Row i draws k uniforms
+    and then one token from its generator (None: torch's global one); greedy rows none.
+    Returns (tokens (B, k + 1), their log p (B, k + 1), accepted (B,)): row i emits tokens[i,
+    :accepted[i] + 1], its accepted drafts then the resampled (or bonus) token."""
+    b, k = drafts.shape
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=logp.device)
+    u = torch.stack([torch.rand(k, generator=g, device=logp.device) if p.temperature > 0
+                     else torch.zeros(k, device=logp.device) for p, g in zip(params, generators,
+                                                                             strict=True)])
+    p_x = logp[:, :k].gather(2, drafts[..., None]).squeeze(2).exp()  # (B, k)
+    q_x = logq.gather(2, drafts[..., None]).squeeze(2).exp()
+    ok = torch.where(greedy[:, None], logp[:, :k].argmax(-1) == drafts, u * q_x < p_x)
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # drafts before the first rejection: (B,)
+    rows = torch.arange(b, device=logp.device)
+    p_at = logp[rows, accepted]  # (B, V) where the last token is drawn
+    q_at = torch.cat([logq, torch.full_like(logq[:, :1], -torch.inf)], 1)[rows, accepted]
+    residual = (p_at.exp() - q_at.exp()).clamp(min=0)  # p itself after k accepted drafts
+    usable = (residual.sum(-1, keepdim=True) > 0) & ~greedy[:, None]
+    last = draw(torch.where(usable, residual.log(), p_at), params, generators)  # (B,)
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
+    tokens[rows, accepted] = last
+    return tokens, logp.gather(2, tokens[..., None]).squeeze(2), accepted
 
 
 def _contexts(rows: list[_Request], drafts: list[torch.Tensor]) -> list[tuple[list[int],
