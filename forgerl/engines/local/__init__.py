@@ -3,7 +3,7 @@
 Modules: `engine` (LocalEngine: public API, checks, worker thread), `batcher` (the decode step:
 continuous batching, prefill waves), `kv_batch` (running rows and their KV cache),
 `prefix_cache` (KV reuse), `sampler` (sampling and logprobs), `kernels` (packed linears, decode
-SDPA); the thread ↔ asyncio shell is forgerl/engines/worker.py, shared with the vLLM engine.
+SDPA), `speculative` (drafts from an MTP head verified in one forward, exact); the thread ↔ asyncio shell is forgerl/engines/worker.py, shared with the vLLM engine.
 
 Data flow: the gateway iterates `LocalEngine.stream(prompt_ids, params)` (or awaits `generate`,
 which is the same stream's last item); the request joins a queue; one background worker thread
@@ -13,7 +13,9 @@ reaches the consumer one event-loop wake-up after it is sampled. Each loop step
 
 1. applies a pending weight update (between decode steps) and re-prefills the running rows,
    so every later token is produced by the new weights over a KV cache built by them;
-2. decodes one token for every running row (one forward over the left-padded KV cache);
+2. decodes one token for every running row (one forward over the left-padded KV cache), or,
+   with a drafter and `speculative_tokens` k, drafts k tokens per row and verifies them in one
+   forward of k + 1 tokens (`speculative.py`: 1 to k + 1 tokens per row);
 3. admits newcomers (up to `max_batch_size` rows), prefills them as one left-padded batch and
    merges their KV cache into the running one (continuous batching);
 4. records token, logprob and weight_version per row and streams it; finished rows, and rows
