@@ -118,9 +118,8 @@ async def main(args: argparse.Namespace) -> None:
           "| step | online | frozen | reward | step s (drafter trained) | step s (not) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        if r["step"] % 5 == 0 or r["step"] == len(rows) - 1:
-            print(f"| {r['step']} | {r['online']:.3f} | {r['frozen']:.3f} | {r['reward']:.3f} "
-                  f"| {r['step_s']:.3f} | {r['plain_s']:.3f} |")
+        print(f"| {r['step']} | {r['online']:.3f} | {r['frozen']:.3f} | {r['reward']:.3f} "
+              f"| {r['step_s']:.3f} | {r['plain_s']:.3f} |")
     first, last = rows[:5], rows[-5:]
 
     def mean(xs, key):

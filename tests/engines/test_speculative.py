@@ -234,3 +234,36 @@ def test_drafter_weights_sync_with_the_policy(peaky, drafter, kind):
 def test_speculative_tokens_needs_a_drafter(peaky):
     with pytest.raises(ValueError, match="only with a drafter"):
         LocalEngine(peaky, speculative_tokens=2)
+
+
+def test_controller_runs_speculative_engine_with_online_drafter(tmp_path):
+    """[engine] speculative_tokens: the controller warm-starts a drafter, the engine drafts
+    with it (spec steps run), a step trains it (drafter metrics) and the sync hands it over."""
+    from forgerl.controller import start_services
+    from tests.test_controller import make_agent, tiny_config
+
+    config = tiny_config(tmp_path / "run", "--engine.speculative_tokens", "2",
+                         "--engine.drafter_warm_start_steps", "5")
+
+    async def main():
+        async with start_services(config, make_agent()) as s:
+            s.admit()
+            metrics = await s.train(await s.next_batch())
+            await s.sync_weights()
+            mine = s.trainer.drafter.state_dict()
+            theirs = s.engine.drafter.state_dict()
+            return metrics, dict(s.engine.stats), all(torch.equal(mine[k], theirs[k])
+                                                      for k in mine)
+
+    metrics, stats, equal = asyncio.run(main())
+    assert metrics["drafter_positions"] > 0 and metrics["drafter_kl"] == metrics["drafter_kl"]
+    assert stats["spec_steps"] > 0 and stats["draft_tokens"] > 0
+    assert equal
+
+
+def test_speculative_config_needs_one_local_trainer(tmp_path):
+    from forgerl.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError), match="speculative_tokens"):
+        load_config(None, ["--run_dir", str(tmp_path), "--model.path", "tiny",
+                           "--engine.speculative_tokens", "2", "--trainer.workers", "2"])
