@@ -3,7 +3,8 @@
 Modules: `engine` (LocalEngine: public API, checks, worker thread), `batcher` (the decode step:
 continuous batching, prefill waves), `kv_batch` (running rows and their KV cache),
 `prefix_cache` (KV reuse), `sampler` (sampling and logprobs), `kernels` (packed linears, decode
-SDPA), `speculative` (drafts from an MTP head verified in one forward, exact); the thread ↔ asyncio shell is forgerl/engines/worker.py, shared with the vLLM engine.
+SDPA), `speculative` (drafts from an MTP head verified in one forward, exact); the thread ↔
+asyncio shell is forgerl/engines/worker.py, shared with the vLLM engine.
 
 Data flow: the gateway iterates `LocalEngine.stream(prompt_ids, params)` (or awaits `generate`,
 which is the same stream's last item); the request joins a queue; one background worker thread
