@@ -7,7 +7,8 @@ CISPO loss divided by the global loss-token count, backward (gradient accumulati
 → gradient clipping → AdamW step. `step` counts optimizer steps and is the weight_version the
 engines get after weight sync. Each trained token's policy logprob uses the temperature its
 completion was sampled at (`TrainingSample.temperatures`), so ratios are 1 on unchanged weights
-whatever mix of temperatures a batch holds.
+whatever mix of temperatures a batch holds. With a drafter (`attach_drafter`), each row's
+final hidden states (detached) also train the speculative-decoding MTP head (forgerl/drafter.py).
 """
 
 from __future__ import annotations

@@ -267,3 +267,22 @@ def test_speculative_config_needs_one_local_trainer(tmp_path):
     with pytest.raises((ConfigError, ValueError), match="speculative_tokens"):
         load_config(None, ["--run_dir", str(tmp_path), "--model.path", "tiny",
                            "--engine.speculative_tokens", "2", "--trainer.workers", "2"])
+
+
+def test_stream_emits_every_accepted_token(peaky, drafter):
+    """With speculation on, the stream yields one TokenEvent per emitted token (several per
+    speculative step), equal to the final completion, ids and logprobs."""
+    async def main():
+        engine = LocalEngine(peaky, max_model_len=256, drafter=drafter, speculative_tokens=4)
+        try:
+            items = [item async for item in engine.stream(PROMPTS[1],
+                                                          SamplingParams(0.0, max_tokens=30))]
+            return items, dict(engine.stats)
+        finally:
+            await engine.close()
+
+    items, stats = asyncio.run(main())
+    *events, out = items
+    assert [e.token_id for e in events] == out.completion_ids and len(events) == 30
+    assert [e.logprob for e in events] == out.logprobs
+    assert stats["accepted_tokens"] > 0 and stats["spec_steps"] < 29
