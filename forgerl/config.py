@@ -42,7 +42,8 @@ class ModelConfig(_Section):
 
     path: str = "smollm2"
     """"smollm2" = the packaged SmolLM2-135M-Instruct (cached once as safetensors); "tiny" = a
-    random 2-layer Llama with a byte tokenizer (tests, benchmarks); else a local HF model folder."""
+    random 2-layer Llama with a byte tokenizer (tests, benchmarks); "tiny-moe" = a random 2-layer
+    Mixtral (8 experts, top-2) with that tokenizer; else a local HF model folder."""
     max_model_len: int = Field(2048, ge=64, le=1_048_576)
     """Context length in tokens (prompt + completion) that the engine and gateway enforce."""
 
