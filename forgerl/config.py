@@ -464,6 +464,11 @@ class TrainerConfig(_Section):
     entropy_drop_factor: float = Field(10.0, ge=1, allow_inf_nan=False)
     """A step whose `entropy_mean` is below (mean of the first 5 steps with loss tokens) / this
     counts as collapsed too (a 10x fall is the fast collapse entropy studies report)."""
+    routing_replay: bool = True
+    """MoE models: run each trained token through the experts the engine routed it to (R3,
+    docs/routing-replay.md), the gate weights recomputed by the trainer's router; a turn
+    without recorded routes runs with its own routing (counted as `unrouted_turns`). No effect
+    on a dense model."""
     truncated_turns: Literal["train", "mask"] = "train"
     """A turn that ended at max_tokens (finish "length"): "train" it like any
     other turn, or "mask" it (context only, counted as truncated_turns_masked). To penalise it

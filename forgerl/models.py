@@ -254,14 +254,14 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 def load_policy(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
     """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig): "tiny",
-    "smollm2" "tiny-moe" (`build_tiny_moe`) or a local HF folder. Raises ConfigError naming model.path for
-    anything else."""
+    "tiny-moe" (`build_tiny_moe`), "smollm2" or a local HF folder. Raises ConfigError naming
+    model.path for anything else."""
     if path == "tiny":
         return build_tiny_model(), build_byte_tokenizer(), None
     if path == "tiny-moe":
         return build_tiny_moe(), build_byte_tokenizer(), None
     if path != "smollm2" and not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny' or a local HF model "
-                          "folder (one with a config.json)")
+        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny', 'tiny-moe' or a local "
+                          "HF model folder (one with a config.json)")
     model, tokenizer = load_pretrained(path)
     return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None
