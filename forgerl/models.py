@@ -80,11 +80,12 @@ def build_tiny_model(vocab_size: int = 259, seed: int = 0) -> LlamaForCausalLM:
 
 
 def build_tiny_moe(vocab_size: int = 259, seed: int = 0, layers: int = 2, experts: int = 8,
-                   top_k: int = 2) -> MixtralForCausalLM:
+                   top_k: int = 2, router_std: float | None = None) -> MixtralForCausalLM:
     """A randomly initialised Mixtral (hidden 64, 4 heads, 2 KV heads, `layers` decoder layers,
     each a sparse MoE of `experts` experts of width 64 with top-`top_k` routing, softmax over
     the experts then renormalised over the chosen), full attention (no sliding window), fp32,
-    eval mode; the byte tokenizer's ids (`build_byte_tokenizer`)."""
+    eval mode; the byte tokenizer's ids (`build_byte_tokenizer`). router_std: the routers'
+    init std (default the config's 0.02); a small one gives near-tied router logits."""
     torch.manual_seed(seed)
     config = MixtralConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
@@ -95,6 +96,8 @@ def build_tiny_moe(vocab_size: int = 259, seed: int = 0, layers: int = 2, expert
     )
     model = MixtralForCausalLM(config).to(torch.float32)
     model.config._attn_implementation = "sdpa"
+    for router in router_modules(model) if router_std is not None else []:
+        torch.nn.init.normal_(router.weight, std=router_std)
     return model.eval()
 
 
