@@ -24,7 +24,6 @@ from forgerl.trainer.samples import TrainingSample, trajectory_to_samples_with_s
 from forgerl.trainer.trainer import Trainer
 from forgerl.trainer.tree_forward import forward_logprobs
 from forgerl.types import Routes, SamplingParams
-
 from tests.factories import completion, trajectory
 
 PROMPT = [1, 40, 41, 42, 43, 44, 9]
@@ -42,13 +41,13 @@ def rollouts():
         engine = LocalEngine(model, max_model_len=512, device="cpu")
         try:
             return await asyncio.gather(*[engine.generate(
-                PROMPT + [50 + i], SamplingParams(temperature=1.0, max_tokens=96, seed=i))
+                [*PROMPT, 50 + i], SamplingParams(temperature=1.0, max_tokens=96, seed=i))
                 for i in range(12)])
         finally:
             await engine.close()
 
     outs = asyncio.run(run())
-    seqs = [PROMPT + [50 + i] + o.completion_ids for i, o in enumerate(outs)]
+    seqs = [[*PROMPT, 50 + i, *o.completion_ids] for i, o in enumerate(outs)]
     return model, seqs, outs
 
 
@@ -91,8 +90,8 @@ def test_replay_removes_the_logprob_gap_of_flipped_routes(rollouts):
     model, seqs, outs = rollouts
     trainer_model = perturbed(model)
     recorded = [routes_tensor(o.routed_experts) for o in outs]
-    flips = sum(int((own_routes(trainer_model, s[:-1]).sort(-1).values
-                     != r.sort(-1).values).any(-1).sum()) for s, r in zip(seqs, recorded))
+    flips = sum(int((own_routes(trainer_model, s[:-1]).sort(-1).values != r.sort(-1).values)
+                    .any(-1).sum()) for s, r in zip(seqs, recorded, strict=True))
     assert flips >= 3  # the perturbation does flip routes (of 12 · 103 · 2 token-layers)
     behavior = torch.tensor([x for o in outs for x in o.logprobs])
     same = tree_logprobs(model, seqs, outs, replay=True)  # unperturbed: replay is a no-op
@@ -113,7 +112,7 @@ def _samples(seqs, outs) -> list[TrainingSample]:
         s, [0] * p + [1] * len(o.completion_ids), [0.0] * p + o.logprobs,
         [0.0] * p + [(-1.0) ** i * 0.5] * len(o.completion_ids),
         [-1] * p + o.weight_versions, temperatures=[1.0] * len(s), routes=o.routed_experts)
-        for i, (s, o) in enumerate(zip(seqs, outs))]
+        for i, (s, o) in enumerate(zip(seqs, outs, strict=True))]
 
 
 def _grads(trainer: Trainer, samples) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
