@@ -43,13 +43,13 @@ def sample(model: torch.nn.Module, n: int, tokens: int, dtype: torch.dtype) -> l
         engine = LocalEngine(model, max_model_len=1024, device="cpu", dtype=dtype)
         try:
             return await asyncio.gather(*[engine.generate(
-                PROMPT + [50 + i], SamplingParams(temperature=1.0, max_tokens=tokens, seed=i))
+                [*PROMPT, 50 + i], SamplingParams(temperature=1.0, max_tokens=tokens, seed=i))
                 for i in range(n)])
         finally:
             await engine.close()
 
     outs = asyncio.run(run())
-    return [PROMPT + [50 + i] + o.completion_ids for i, o in enumerate(outs)], outs
+    return [[*PROMPT, 50 + i, *o.completion_ids] for i, o in enumerate(outs)], outs
 
 
 def perturbed(model: torch.nn.Module, eps: float) -> torch.nn.Module:
@@ -64,15 +64,15 @@ def perturbed(model: torch.nn.Module, eps: float) -> torch.nn.Module:
 @torch.no_grad()
 def flipped(model: torch.nn.Module, seqs: list, recorded: list) -> int:
     """Token-layers where `model`'s own expert set differs from the recorded one."""
-    n = 0
+    n, got = 0, []
+    hooks = [r.register_forward_hook(lambda m, a, o: got.append(o[2]))
+             for r in router_modules(model)]
     for seq, rec in zip(seqs, recorded, strict=True):
-        got: list[torch.Tensor] = []
-        hooks = [r.register_forward_hook(lambda m, a, o: got.append(o[2]))
-                 for r in router_modules(model)]
+        got.clear()
         model(input_ids=torch.tensor([seq[:-1]]))
-        for hook in hooks:
-            hook.remove()
         n += int((torch.stack(got, 1).sort(-1).values != rec.sort(-1).values).any(-1).sum())
+    for hook in hooks:
+        hook.remove()
     return n
 
 
