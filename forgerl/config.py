@@ -124,6 +124,9 @@ class VllmEngineConfig(_Section):
     """How each request picks an instance when instances > 1 (as LocalEngineConfig.router)."""
     prefix_cache_tokens: int = Field(46_000, ge=0)
     """Prefix-cache tokens the router assumes each instance holds (its KV cache)."""
+    routed_experts: bool = False
+    """MoE models: return each token's routed experts (vLLM's enable_return_routed_experts) for
+    the trainer's routing replay (docs/routing-replay.md)."""
 
     @property
     def max_batch_size(self) -> int:
