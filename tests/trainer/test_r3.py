@@ -183,3 +183,26 @@ def test_shared_tree_nodes_take_the_first_record_and_dense_models_are_untouched(
     with pytest.raises(ValueError, match="do not fit"), replay_routes(
             build_tiny_moe(), torch.zeros(5, 3, 2, dtype=torch.long)):
         pass
+
+
+def test_the_controller_trains_the_tiny_moe_with_replayed_routes(tmp_path):
+    """Config → engine → gateway → pool → scheduler → trainer with model.path = "tiny-moe":
+    every turn arrives with its routes, the steps replay them, weights sync back."""
+    from forgerl.controller import start_services  # lazy: the whole app, only for this test
+    from tests.test_controller import make_agent, tiny_config
+
+    async def run():
+        config = tiny_config(tmp_path / "run", "--model.path", "tiny-moe")
+        async with start_services(config, make_agent()) as s:
+            for step in range(2):
+                s.admit()
+                metrics = await s.train(await s.next_batch())
+                await s.sync_weights()
+                assert metrics["num_loss_tokens"] > 0 and metrics["unrouted_turns"] == 0
+                assert metrics["replayed_tokens"] > 0
+                if step == 0:  # on-policy (lag 0), same routes: every ratio is 1
+                    assert metrics["token_off_policy_lag_max"] == 0
+                    assert abs(metrics["ratio_max"] - 1) < 1e-5
+            assert s.engine.weight_version == 2
+
+    asyncio.run(run())
