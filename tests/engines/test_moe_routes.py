@@ -85,3 +85,30 @@ def test_batched_equals_alone_and_dense_models_record_no_routes():
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
         assert a.routed_experts == b.routed_experts
     assert all(o.routed_experts is None for _, o in asyncio.run(main(build_tiny_model(), True)))
+
+
+def test_a_weight_update_mid_completion_re_records_every_route():
+    """After an update the row is re-prefilled under the new weights: its routes are then all
+    the new model's (the KV every later token attends over), none of the old ones."""
+    model, new_model = build_tiny_moe(), build_tiny_moe(seed=1)
+    prompt = [1, 50, 51, 52]
+
+    async def main():
+        engine = LocalEngine(model, max_model_len=1024, device="cpu")
+        try:
+            task = asyncio.create_task(engine.generate(
+                prompt, SamplingParams(temperature=1.0, max_tokens=200, seed=5)))
+            while engine._batch is None or len(engine._batch.rows[0].completion_ids) < 3:
+                await asyncio.sleep(0.001)
+            await engine.update_weights(new_model.state_dict(), 1)
+            return await task
+        finally:
+            await engine.close()
+
+    out = asyncio.run(main())
+    k = out.weight_versions.index(1)
+    assert 3 <= k < len(out.completion_ids)
+    fed = prompt + out.completion_ids[:-1]
+    routes = routes_tensor(out.routed_experts)
+    assert torch.equal(routes, reference_routes(new_model, fed))
+    assert not torch.equal(routes, reference_routes(model, fed))
