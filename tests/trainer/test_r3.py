@@ -206,3 +206,28 @@ def test_the_controller_trains_the_tiny_moe_with_replayed_routes(tmp_path):
             assert s.engine.weight_version == 2
 
     asyncio.run(run())
+
+
+def test_replaying_a_models_own_routes_is_exact_in_each_family_normalisation():
+    """Replaying the experts a model picks itself reproduces its forward (logits within 1e-6)
+    for Mixtral (renormalised over the top-k) and Qwen2-MoE without norm_topk_prob (softmax
+    weights as they are, beside its shared expert); other experts change the logits."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    qwen = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+        initializer_range=0.2)).eval()
+    for model in (build_tiny_moe(), qwen):
+        seq = [1, 5, 9, 33, 70, 4, 8, 200]
+        own = own_routes(model, seq)
+        with torch.no_grad():
+            plain = model(input_ids=torch.tensor([seq])).logits
+            with replay_routes(model, own) as n:
+                same = model(input_ids=torch.tensor([seq])).logits
+            with replay_routes(model, (own + 1) % own.max().add(1)):
+                other = model(input_ids=torch.tensor([seq])).logits
+        assert n == len(seq) and (same - plain).abs().max() <= 1e-6
+        assert (other - plain).abs().max() > 1e-4
