@@ -12,7 +12,9 @@ Per setting: routes that differ (token-layers whose expert set the trainer's own
 differently from the record), max |engine - trainer| logprob and mean / max |ratio - 1| over
 the completion tokens, without and with replay. Then the step time: forward + backward over the
 same packed batch (`Trainer.accumulate_gradients`), replay off and on alternately, median of
-`repeats` each. One intra-op thread (`torch.set_num_threads(1)`).
+`repeats` each; and the engine's cost of recording: the same rollouts generated with the router
+hooks removed and with them, alternately, median of `repeats`. One intra-op thread
+(`torch.set_num_threads(1)`).
 """
 
 from __future__ import annotations
@@ -117,6 +119,31 @@ def step_times(model, seqs, outs, repeats: int) -> tuple[float, float]:
     return statistics.median(times[False]), statistics.median(times[True])
 
 
+def engine_seconds(model: torch.nn.Module, n: int, tokens: int, repeats: int
+                   ) -> tuple[float, float]:
+    """Median wall seconds of n concurrent seeded completions on the local engine, without
+    route recording (its router hooks removed) and with it, alternately."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+
+    async def once(record: bool) -> float:
+        engine = LocalEngine(model, max_model_len=1024, device="cpu", prefix_cache_tokens=0)
+        if not record:
+            for router in router_modules(engine.model):
+                router._forward_hooks.clear()
+            engine.recorder = None
+        start = time.perf_counter()
+        await asyncio.gather(*[engine.generate([*PROMPT, 50 + i], SamplingParams(
+            temperature=1.0, max_tokens=tokens, seed=i)) for i in range(n)])
+        seconds = time.perf_counter() - start
+        await engine.close()
+        return seconds
+
+    for _ in range(repeats):
+        for record in (False, True):
+            times[record].append(asyncio.run(once(record)))
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rollouts", type=int, default=24)
@@ -146,6 +173,9 @@ def main() -> None:
     off, on = step_times(perturbed(model, 3e-3), seqs, outs, args.repeats)
     print(f"\nforward+backward of the batch: replay off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms"
           f" (x{on / off:.3f})")
+    off, on = engine_seconds(model, args.rollouts, args.tokens, args.repeats)
+    print(f"engine, {args.rollouts} x {args.tokens} tokens: recording off {off:.2f} s, on "
+          f"{on:.2f} s (x{on / off:.3f})")
 
 
 if __name__ == "__main__":
