@@ -291,7 +291,8 @@ class SQLitePool:
              _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
              c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
              int(c.token_exact), int(c.extends_previous), c.trace, int(c.train),
-             json.dumps(c.request), c.routed_experts and c.routed_experts.to_blob()),
+             json.dumps(c.request),
+             None if c.routed_experts is None else c.routed_experts.to_blob()),
         )
         return turn
 
