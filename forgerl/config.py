@@ -42,7 +42,8 @@ class ModelConfig(_Section):
 
     path: str = "smollm2"
     """"smollm2" = the packaged SmolLM2-135M-Instruct (cached once as safetensors); "tiny" = a
-    random 2-layer Llama with a byte tokenizer (tests, benchmarks); else a local HF model folder."""
+    random 2-layer Llama with a byte tokenizer (tests, benchmarks); "tiny-moe" = a random 2-layer
+    Mixtral (8 experts, top-2) with that tokenizer; else a local HF model folder."""
     max_model_len: int = Field(2048, ge=64, le=1_048_576)
     """Context length in tokens (prompt + completion) that the engine and gateway enforce."""
 
@@ -133,6 +134,9 @@ class VllmEngineConfig(_Section):
     """How each request picks an instance when instances > 1 (as LocalEngineConfig.router)."""
     prefix_cache_tokens: int = Field(46_000, ge=0)
     """Prefix-cache tokens the router assumes each instance holds (its KV cache)."""
+    routed_experts: bool = False
+    """MoE models: return each token's routed experts (vLLM's enable_return_routed_experts) for
+    the trainer's routing replay (docs/routing-replay.md)."""
 
     @property
     def max_batch_size(self) -> int:
@@ -473,6 +477,11 @@ class TrainerConfig(_Section):
     entropy_drop_factor: float = Field(10.0, ge=1, allow_inf_nan=False)
     """A step whose `entropy_mean` is below (mean of the first 5 steps with loss tokens) / this
     counts as collapsed too (a 10x fall is the fast collapse entropy studies report)."""
+    routing_replay: bool = True
+    """MoE models: run each trained token through the experts the engine routed it to (R3,
+    docs/routing-replay.md), the gate weights recomputed by the trainer's router; a turn
+    without recorded routes runs with its own routing (counted as `unrouted_turns`). No effect
+    on a dense model."""
     truncated_turns: Literal["train", "mask"] = "train"
     """A turn that ended at max_tokens (finish "length"): "train" it like any
     other turn, or "mask" it (context only, counted as truncated_turns_masked). To penalise it

@@ -22,6 +22,8 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -80,6 +82,40 @@ def build_tiny_model(vocab_size: int = 259, seed: int = 0,
         torch.nn.init.normal_(model.lm_head.weight, std=head_std)
     model.config._attn_implementation = "sdpa"
     return model.eval()
+
+
+def build_tiny_moe(vocab_size: int = 259, seed: int = 0, layers: int = 2, experts: int = 8,
+                   top_k: int = 2, router_std: float | None = None) -> MixtralForCausalLM:
+    """A randomly initialised Mixtral (hidden 64, 4 heads, 2 KV heads, `layers` decoder layers,
+    each a sparse MoE of `experts` experts of width 64 with top-`top_k` routing, softmax over
+    the experts then renormalised over the chosen), full attention (no sliding window), fp32,
+    eval mode; the byte tokenizer's ids (`build_byte_tokenizer`). router_std: the routers'
+    init std (default the config's 0.02); a small one gives near-tied router logits."""
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        sliding_window=None, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, router_jitter_noise=0.0, output_router_logits=False,
+    )
+    model = MixtralForCausalLM(config).to(torch.float32)
+    model.config._attn_implementation = "sdpa"
+    for router in router_modules(model) if router_std is not None else []:
+        torch.nn.init.normal_(router.weight, std=router_std)
+    return model.eval()
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router (gate) of every MoE layer of `model`, in layer order; [] for a dense model.
+
+    They are the modules transformers 5 records router logits from
+    (`_can_record_outputs["router_logits"]`: Mixtral's, Qwen2-MoE's, OLMoE's TopKRouter), whose
+    forward maps hidden states (N, H) to (router logits (N, E), expert weights (N, k), expert
+    ids (N, k) int64), N = batch · sequence tokens in row-major order."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    cls = getattr(recorder, "target_class", None)
+    return [m for m in model.modules() if isinstance(m, cls)] if cls is not None else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +262,14 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 def load_policy(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
     """(model, tokenizer, default system prompt) for `model.path` (see ModelConfig): "tiny",
-    "smollm2" or a local HF folder. Raises ConfigError naming model.path for anything else."""
+    "tiny-moe" (`build_tiny_moe`), "smollm2" or a local HF folder. Raises ConfigError naming
+    model.path for anything else."""
     if path == "tiny":
         return build_tiny_model(), build_byte_tokenizer(), None
+    if path == "tiny-moe":
+        return build_tiny_moe(), build_byte_tokenizer(), None
     if path != "smollm2" and not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny' or a local HF model "
-                          "folder (one with a config.json)")
+        raise ConfigError(f"model.path: {path!r} is not 'smollm2', 'tiny', 'tiny-moe' or a local "
+                          "HF model folder (one with a config.json)")
     model, tokenizer = load_pretrained(path)
     return model, tokenizer, SMOLLM2_SYSTEM if path == "smollm2" else None

@@ -79,6 +79,44 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Routes:
+    """The experts a MoE model's routers chose for each token fed through it (R3 routing replay,
+    "Stabilizing MoE RL by aligning training and inference routers", 2025).
+
+    data: uint8 bytes, row-major (tokens, layers, top_k): token i's top_k expert ids (< 256) in
+    each MoE layer, in the router's order. Token i is position i of prompt_ids + completion_ids.
+    Raises ValueError when len(data) is not a multiple of layers * top_k.
+    """
+
+    data: bytes
+    layers: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if self.layers < 1 or self.top_k < 1 or len(self.data) % (self.layers * self.top_k):
+            raise ValueError(f"routes of {len(self.data)} bytes are not (tokens, {self.layers}, "
+                             f"{self.top_k})")
+
+    def __len__(self) -> int:
+        """Tokens covered."""
+        return len(self.data) // (self.layers * self.top_k)
+
+    def cut(self, tokens: int) -> Routes:
+        """The routes of the first `tokens` tokens (all of them when there are fewer)."""
+        return Routes(self.data[: tokens * self.layers * self.top_k], self.layers, self.top_k)
+
+    def to_blob(self) -> bytes:
+        """`layers`, `top_k` (uint16 little-endian each), then `data`: the data pool's column."""
+        return self.layers.to_bytes(2, "little") + self.top_k.to_bytes(2, "little") + self.data
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> Routes:
+        """The inverse of `to_blob`."""
+        return cls(bytes(blob[4:]), int.from_bytes(blob[:2], "little"),
+                   int.from_bytes(blob[2:4], "little"))
+
+
+@dataclass(frozen=True)
 class GenerateOutput:
     """What a rollout engine returns for one request.
 
@@ -91,6 +129,12 @@ class GenerateOutput:
         server that returns text only); the three lists are then empty, and the gateway
         answers the text and records the turn as not token-exact, out of the loss (CASES.md
         C01). Raises ValueError for lists of unequal lengths, or ids with a `text`.
+    routed_experts: None for a dense model (or an engine that does not record them); for a MoE
+        model the `Routes` of every token the engine fed through it: the P prompt tokens, then
+        the completion tokens but the last (C - 1; the last sampled token is never fed, so it
+        has none), P + C - 1 in all. A prefix reused from the prefix cache comes with the
+        routes it was computed with; after a weight update mid-completion, those of the
+        re-prefill under the new weights.
     """
 
     completion_ids: list[int]
@@ -98,6 +142,7 @@ class GenerateOutput:
     weight_versions: list[int]
     finish_reason: FinishReason
     text: str | None = None
+    routed_experts: Routes | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.completion_ids) == len(self.logprobs) == len(self.weight_versions)):
@@ -129,6 +174,9 @@ class Completion:
         (`SamplingParams.transforms`) is kept out by the trainer whatever this says.
     request: JSON-able notes on the request as the gateway applied it (protocol, fields kept
         without effect, controls applied approximately, tools left out); never affects tokens.
+    routed_experts: a MoE engine's `GenerateOutput.routed_experts` cut to the recorded tokens
+        (at most P + C; the trainer replays them, `trainer.routing_replay`); None for a dense
+        model, an engine that does not record them, or a reply cut at a streamed stop string.
     """
 
     prompt_ids: list[int]
@@ -145,6 +193,7 @@ class Completion:
     trace: int = 0
     train: bool = True
     request: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Routes | None = None
 
     def __post_init__(self) -> None:
         self.check()

@@ -13,7 +13,8 @@ back the last commits; FULL fsyncs the WAL on every commit, so "committed before
 an fsync costs about a millisecond, so FULL is cheap here.
 
 Storage: token ids are little-endian int32 blobs, weight versions int64 blobs and logprobs float64
-blobs, so floats round-trip bit-exactly and a 4k-token turn costs 32 KiB, not ~80 KiB of JSON.
+blobs, so floats round-trip bit-exactly and a 4k-token turn costs 32 KiB, not ~80 KiB of JSON;
+a MoE turn's routed experts are one uint8 blob (`Routes.to_blob`, NULL for a dense model).
 
 Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajectory created) →
 "finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
@@ -42,6 +43,7 @@ from forgerl.types import (
     Completion,
     Event,
     Group,
+    Routes,
     SamplingParams,
     Trajectory,
     TrajectoryStatus,
@@ -88,6 +90,7 @@ CREATE TABLE IF NOT EXISTS completions (
     trace INTEGER NOT NULL DEFAULT 0,
     train INTEGER NOT NULL DEFAULT 1,
     request TEXT NOT NULL DEFAULT '{}',
+    routed_experts BLOB,
     PRIMARY KEY (trajectory_id, turn)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -104,6 +107,7 @@ _ADDED_COLUMNS = {
     "trace": "INTEGER NOT NULL DEFAULT 0",
     "train": "INTEGER NOT NULL DEFAULT 1",
     "request": "TEXT NOT NULL DEFAULT '{}'",
+    "routed_experts": "BLOB",  # `Routes.to_blob`; NULL for a dense model
 }
 """Columns of `completions` newer than the first schema: a pool file written before them gets
 them added (with their defaults) when it is opened, so an older run resumes."""
@@ -281,13 +285,14 @@ class SQLitePool:
         db.execute(
             "INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids, logprobs,"
             " weight_versions, weight_version, finish_reason, sampling, started_at, ended_at,"
-            " token_exact, extends_previous, trace, train, request)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " token_exact, extends_previous, trace, train, request, routed_experts)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
              _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
              c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
              int(c.token_exact), int(c.extends_previous), c.trace, int(c.train),
-             json.dumps(c.request)),
+             json.dumps(c.request),
+             None if c.routed_experts is None else c.routed_experts.to_blob()),
         )
         return turn
 
@@ -534,7 +539,8 @@ class SQLitePool:
         rows = self._read(
             "SELECT prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
             " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous,"
-            " trace, train, request FROM completions WHERE trajectory_id=? ORDER BY turn", (tid,))
+            " trace, train, request, routed_experts FROM completions WHERE trajectory_id=?"
+            " ORDER BY turn", (tid,))
         completions = [
             Completion(
                 prompt_ids=_unpack(r[0], "i"), completion_ids=_unpack(r[1], "i"),
@@ -543,6 +549,7 @@ class SQLitePool:
                 started_at=r[7], ended_at=r[8], token_exact=bool(r[9]),
                 extends_previous=bool(r[10]), trace=r[11], train=bool(r[12]),
                 request=json.loads(r[13]),
+                routed_experts=None if r[14] is None else Routes.from_blob(r[14]),
             )
             for r in rows
         ]

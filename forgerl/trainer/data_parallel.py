@@ -73,7 +73,7 @@ def build_trainer(config: Config, model: Any) -> Trainer:
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         activation_checkpointing=tc.activation_checkpointing,
         checkpoint_every_layers=tc.checkpoint_every_layers, autocast=tc.autocast,
-        traces=config.reward.traces)
+        traces=config.reward.traces, routing_replay=tc.routing_replay)
     trainer.sharding = tc.sharding
     return trainer
 

@@ -38,6 +38,9 @@ class TreeRow:
     token_idx: (K,) long, index t >= 1 of the predicted token in that sequence.
     temperature: (K,) float32, > 0, the temperature the target was sampled at: its policy
         logprob is log_softmax(logits[pred_pos] / temperature)[target_ids].
+    routes: None, or (N, layers, top_k) long, the recorded routed experts of each tree token
+        (those of the first sample through its node that has a record of it), -1 where none
+        (`routing_replay`).
 
     Predictions are sorted by (sample_idx, token_idx); several may share one pred_pos (samples
     through the same node), each listed with its own sample.
@@ -51,6 +54,7 @@ class TreeRow:
     sample_idx: torch.Tensor
     token_idx: torch.Tensor
     temperature: torch.Tensor
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -183,6 +187,7 @@ def build_tree_batch(
     needed: list[list[bool]] | None = None,
     merge: bool = True,
     temperatures: list[list[float]] | None = None,
+    routes: list[torch.Tensor | None] | None = None,
 ) -> TreeBatch:
     """Merge `sequences` into a prefix tree and pack it into rows of <= `max_row_tokens` tokens.
 
@@ -195,6 +200,9 @@ def build_tree_batch(
         temperatures: temperatures[s][t] > 0 is the sampling temperature of token t of
             sequence s (per token, since samples through one node may have been sampled at
             different temperatures); None = 1.0 everywhere. Carried to `TreeRow.temperature`.
+        routes: routes[s] is None or (T_s, layers, top_k) long, the recorded routed experts of
+            the first T_s <= len(sequences[s]) tokens of sequence s; a node takes those of the
+            first sequence (lowest s) through it that has them (`TreeRow.routes`).
 
     Returns:
         TreeBatch whose rows together list every needed (s, t) exactly once, in a row holding the
@@ -235,11 +243,29 @@ def build_tree_batch(
                 r, i = owner[path[t - 1]]
                 preds[r].append((s, t, i, seq[t], temp))
     rows = [_make_row(trie, nodes, p) for nodes, p in zip(node_rows, preds, strict=True)]
+    if routes is not None and any(r is not None for r in routes):
+        _route_rows(rows, node_rows, paths, routes)
     return TreeBatch(
         rows=rows,
         num_input_tokens=sum(len(s) for s in sequences),
         num_tree_tokens=sum(len(n) for n in node_rows),
     )
+
+
+def _route_rows(rows: list[TreeRow], node_rows: list[list[int]], paths: list[list[int]],
+                routes: list[torch.Tensor | None]) -> None:
+    """Set each row's `routes`: per node, the record of the first sequence through it."""
+    flat = torch.cat([r for r in routes if r is not None])  # (Σ T_s, layers, top_k)
+    source: dict[int, int] = {}  # node -> index into flat
+    offset = 0
+    for path, r in zip(paths, routes, strict=True):
+        if r is not None:
+            for t, node in enumerate(path[: len(r)]):
+                source.setdefault(node, offset + t)
+            offset += len(r)
+    for row, nodes in zip(rows, node_rows, strict=True):
+        at = torch.tensor([source.get(n, -1) for n in nodes], dtype=torch.long)
+        row.routes = torch.where((at >= 0)[:, None, None], flat[at.clamp(min=0)], -1)
 
 
 def _make_row(

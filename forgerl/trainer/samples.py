@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from forgerl.types import UNDELIVERED, Completion, Sample, Trajectory
+from forgerl.types import UNDELIVERED, Completion, Routes, Sample, Trajectory
 
 
 @dataclass
@@ -57,9 +57,12 @@ class TrainingSample(Sample):
 
     temperatures: length T, float; where loss_mask[t] == 1 the temperature (> 0) that token t
     was sampled at (its completion's `sampling.temperature`), else 1.0 (never used).
+    routes: None, or a MoE model's recorded routed experts of the sample's first len(routes)
+    tokens, each token's from the earliest of its turns that fed it (`routing_replay`).
     """
 
     temperatures: list[float] = field(default_factory=list)
+    routes: Routes | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,7 +80,9 @@ class PrefixStats:
     at temperature 0, kept out of the loss; `transformed_turns` token-exact turns sampled at
     T > 0 with a sampling transform (top_p, top_k, min_p, penalties), kept out of the loss;
     `truncated_turns` turns that ended at max_tokens (finish "length"), `truncated_masked` those
-    of them kept out of the loss (`mask_truncated`)."""
+    of them kept out of the loss (`mask_truncated`); `unrouted_turns` turns without recorded
+    routed experts (`Completion.routed_experts`: a dense model, or a reply cut at a streamed
+    stop string), which a MoE trainer runs with its own routing."""
 
     extensions: int = 0
     branches: int = 0
@@ -85,6 +90,7 @@ class PrefixStats:
     transformed_turns: int = 0
     truncated_turns: int = 0
     truncated_masked: int = 0
+    unrouted_turns: int = 0
 
 
 TraceMode = Literal["broadcast", "main"]
@@ -148,10 +154,23 @@ def _append_turn(sample: TrainingSample, turn: Completion, advantage: float,
     trained = (turn.train and turn.token_exact and not greedy and not transformed
                and not (truncated and mask_truncated))
     _append(sample, turn.completion_ids, turn if trained else None, advantage)
+    _add_routes(sample, turn.routed_experts)
+    stats.unrouted_turns += turn.routed_experts is None
     stats.greedy_turns += turn.token_exact and greedy
     stats.transformed_turns += turn.token_exact and transformed
     stats.truncated_turns += truncated
     stats.truncated_masked += truncated and mask_truncated
+
+
+def _add_routes(sample: TrainingSample, routes: Routes | None) -> None:
+    """Extend `sample.routes` with the part of a turn's `routes` beyond what it covers."""
+    have = sample.routes
+    if routes is None or (have is not None and (have.layers, have.top_k) != (
+            routes.layers, routes.top_k)) or len(routes) <= (len(have) if have else 0):
+        return
+    step = routes.layers * routes.top_k
+    data = (have.data if have else b"") + routes.data[len(have.data) if have else 0:]
+    sample.routes = Routes(data[: len(sample.input_ids) * step], routes.layers, routes.top_k)
 
 
 def drop_retry_orphans(traj: Trajectory) -> tuple[Trajectory, int]:

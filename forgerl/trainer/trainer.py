@@ -25,11 +25,12 @@ from torch import Tensor
 
 from forgerl.cpu_share import CpuShare
 from forgerl.drafter import PREFIX, Drafter, drafter_loss
-from forgerl.models import engine_dtype
+from forgerl.models import engine_dtype, router_modules
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import attn_implementation
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
 from forgerl.trainer.prefix_tree import TreeBatch, TreeRow, build_tree_batch
+from forgerl.trainer.routing_replay import replay_routes, routes_tensor
 from forgerl.trainer.samples import (
     TraceMode,
     TrainingSample,
@@ -95,6 +96,9 @@ class Trainer:
         traces: which traces of a trajectory are trained (`samples.trained_traces`):
             "broadcast" (each with a `train` turn, all with the trajectory's advantage) or
             "main" (the one with the most sampled tokens).
+        routing_replay: for a MoE model, run each token through the experts the engine
+            recorded for it (`routing_replay`, R3); tokens without a record, and every token of
+            a dense model, use the model's own routing.
         logprob_chunk_tokens: policy logprobs from the final hidden states in chunks of this
             many predictions, recomputed in the backward (`tree_forward.forward_logprobs`): no
             (tokens, vocab) logits are held. 0 = the model's own forward over all predictions;
@@ -142,6 +146,7 @@ class Trainer:
         checkpoint_every_layers: int = 2,
         autocast: str = "off",
         traces: TraceMode = "broadcast",
+        routing_replay: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         half = engine_dtype(autocast, self.device) if autocast != "off" else torch.float32
@@ -172,6 +177,7 @@ class Trainer:
         self.rewards = rewards or RewardWeights()
         self.mask_truncated = mask_truncated
         self.traces: TraceMode = traces
+        self.routing_replay = routing_replay and bool(router_modules(self.model))
         self.cpu_share: CpuShare | None = None  # set by the controller beside a local engine
         self.domain_of: Callable[[int], str] | None = None  # set by the controller: [[domains]]
         self.step = 0
@@ -216,7 +222,9 @@ class Trainer:
         with `domain_of`, domain_<name>_entropy; nonfinite_tokens (loss tokens dropped by the
         non-finite rule: a NaN/inf recorded logprob or advantage, `pack`, or policy logprob,
         `losses`) and nonfinite_rewards (group members dropped from baseline and loss for a
-        NaN/inf reward).
+        NaN/inf reward). With `routing_replay` on a MoE model: replayed_tokens (tree tokens
+        run through their recorded experts) and unrouted_turns (turns without a record, run
+        with the model's own routing).
         With no loss tokens at all no optimizer step is taken and `step` is unchanged. If the
         step raises, gradients are cleared, no optimizer step is taken and `step` is unchanged:
         so it is for NonFiniteStep, a NaN or infinite loss or gradient norm (e.g. rewards of
@@ -276,6 +284,7 @@ class Trainer:
         samples: list[TrainingSample] = []
         rewards: list[float] = []
         skipped = extensions = branches = greedy = transformed = orphans = truncated = masked = 0
+        unrouted = 0
         traces = untrained = nonfinite = 0
         parts: dict[str, float] = {}
         events: dict[str, float] = {}
@@ -312,6 +321,7 @@ class Trainer:
                 transformed += stats.transformed_turns
                 truncated += stats.truncated_turns
                 masked += stats.truncated_masked
+                unrouted += stats.unrouted_turns
         return self.pack(samples, {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "groups_skipped": float(skipped),
@@ -330,6 +340,7 @@ class Trainer:
                 ("reward_completion_time_mean", "completion_time"),
                 ("rollout_seconds_mean", "seconds"))},
             **{f"events_{kind}": v for kind, v in sorted(events.items())},
+            **({"unrouted_turns": float(unrouted)} if self.routing_replay else {}),
         })
 
     def pack(self, samples: list[TrainingSample], metrics: dict[str, float]) -> PreparedBatch:
@@ -351,6 +362,8 @@ class Trainer:
             needed=[[m == 1 for m in s.loss_mask] for s in samples],
             merge=self.merge_prefixes,
             temperatures=[s.temperatures for s in samples],
+            routes=[routes_tensor(s.routes) if s.routes and self.routing_replay else None
+                    for s in samples],
         )
         lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
         offsets = torch.cumsum(lengths, 0) - lengths
@@ -397,6 +410,7 @@ class Trainer:
         the row split (CASES.md C07). Returns loss and the ratio statistics aggregated over all
         loss tokens."""
         total_loss, ratio_sum, ratio_max, clipped, kept, nonfinite = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        replayed = 0
         if batch.num_loss_tokens == 0:
             return {"loss": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_frac": 0.0}
         drafted: dict[str, float] = {}
@@ -407,7 +421,10 @@ class Trainer:
                 self.cpu_share.enter("trainer")
             flat = batch.offsets[row.sample_idx] + row.token_idx  # (K,)
             # the backward too: activation checkpointing recomputes layers, with this attention
-            with attn_implementation(self.model, self.attn_implementation):
+            # and these routes
+            with attn_implementation(self.model, self.attn_implementation), replay_routes(
+                    self.model, row.routes) as n_replayed:
+                replayed += n_replayed
                 with self._autocast():
                     policy_logprobs, entropy = forward_logprobs_entropy(
                         self.model, row, self.logprob_chunk_tokens)
@@ -434,6 +451,7 @@ class Trainer:
             "ratio_max": ratio_max,
             "clip_frac": clipped / max(kept, 1.0),
             "nonfinite_tokens": batch.metrics.get("nonfinite_tokens", 0.0) + nonfinite,
+            **({"replayed_tokens": float(replayed)} if self.routing_replay else {}),
             **{k: v / drafted["drafter_positions"] if k in ("drafter_kl", "drafter_top1") else v
                for k, v in drafted.items() if drafted.get("drafter_positions")},
         }

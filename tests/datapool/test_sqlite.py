@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from forgerl.datapool.sqlite import SQLitePool
-from forgerl.types import Completion, SamplingParams
+from forgerl.types import Completion, Routes, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -279,4 +279,22 @@ def test_pool_written_before_traces_gets_the_new_columns(db_path):
     first, old_row = pool.get_trajectory(tid).completions
     assert first == make_completion(1)
     assert (old_row.trace, old_row.train, old_row.request) == (0, True, {})
+    assert old_row.routed_experts is None  # the routed_experts column was added too
+    pool.close()
+
+
+def test_routed_experts_round_trip_as_one_blob(db_path):
+    """A MoE turn's routes come back equal (a uint8 blob behind a 4-byte header); a dense
+    turn's are NULL."""
+    pool = SQLitePool(db_path)
+    pool.add_task(0, {})
+    tid = pool.create_trajectory(0, rollout_index=0, trajectory_id="moe")
+    moe = make_completion(1)
+    moe.routed_experts = Routes(bytes(range(7)) * 12, layers=3, top_k=2)  # 14 tokens
+    pool.add_completion(tid, moe)
+    pool.add_completion(tid, make_completion(2))
+    got, dense = pool.get_trajectory(tid).completions
+    assert got == moe and len(got.routed_experts) == 14 and dense.routed_experts is None
+    blob = pool._read("SELECT routed_experts FROM completions WHERE turn=0", ())[0][0]
+    assert len(blob) == 4 + 84
     pool.close()

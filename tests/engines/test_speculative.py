@@ -18,7 +18,7 @@ from forgerl.drafter import PREFIX, Drafter, drafter_loss, policy_samples, warm_
 from forgerl.engines.local import LocalEngine
 from forgerl.engines.local.sampler import sampling_logprobs
 from forgerl.engines.local.speculative import verify
-from forgerl.models import build_tiny_model
+from forgerl.models import build_tiny_model, build_tiny_moe
 from forgerl.trainer.trainer import Trainer
 from forgerl.trainer.weight_sync import WeightSync
 from forgerl.types import Group, SamplingParams
@@ -231,9 +231,12 @@ def test_drafter_weights_sync_with_the_policy(peaky, drafter, kind):
         asyncio.run(refused())
 
 
-def test_speculative_tokens_needs_a_drafter(peaky):
+def test_speculative_tokens_needs_a_drafter_and_a_dense_model(peaky):
     with pytest.raises(ValueError, match="only with a drafter"):
         LocalEngine(peaky, speculative_tokens=2)
+    moe = build_tiny_moe()
+    with pytest.raises(ValueError, match="MoE"):
+        LocalEngine(moe, drafter=Drafter.for_model(moe), speculative_tokens=2)
 
 
 def test_controller_runs_speculative_engine_with_online_drafter(tmp_path):

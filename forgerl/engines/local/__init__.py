@@ -3,8 +3,9 @@
 Modules: `engine` (LocalEngine: public API, checks, worker thread), `batcher` (the decode step:
 continuous batching, prefill waves), `kv_batch` (running rows and their KV cache),
 `prefix_cache` (KV reuse), `sampler` (sampling and logprobs), `kernels` (packed linears, decode
-SDPA), `speculative` (drafts from an MTP head verified in one forward, exact); the thread ↔
-asyncio shell is forgerl/engines/worker.py, shared with the vLLM engine.
+SDPA), `routes` (a MoE model's routed experts), `speculative` (drafts from an MTP head verified
+in one forward, exact); the thread ↔ asyncio shell is forgerl/engines/worker.py, shared with the
+vLLM engine.
 
 Data flow: the gateway iterates `LocalEngine.stream(prompt_ids, params)` (or awaits `generate`,
 which is the same stream's last item); the request joins a queue; one background worker thread
@@ -33,8 +34,8 @@ current weights.
 
 Padding is on the left (a prefill reusing cached KV lays out [pad, reused KV, pad, new tokens]);
 an explicit 2D attention mask and per-row position ids make a batched row compute the same
-logits as the row alone (up to float rounding). Only full-attention
-decoders (Llama family) are supported: sliding-window KV layers would be cut wrongly.
+logits as the row alone (up to float rounding). Only full-attention decoders (Llama family,
+Mixtral-style MoE: `routes` records their routed experts) are supported (no sliding window).
 
 Recorded logprobs are those of the distribution actually sampled (`sampler.py`, vLLM's order:
 penalties, temperature, min_p, top_k, top_p; greedy: T = 1), log_softmax(logits / T) when every

@@ -17,6 +17,7 @@ import torch
 from forgerl.cpu_share import CpuShare
 from forgerl.engines.local.kv_batch import _Batch, _fail, _KVCache, _Request
 from forgerl.engines.local.prefix_cache import KV, PrefixCache, common_prefix
+from forgerl.engines.local.routes import RouteRecorder, joined
 from forgerl.engines.local.sampler import sample_tokens
 from forgerl.engines.local.speculative import SpeculativeDecoder
 
@@ -33,6 +34,7 @@ class ContinuousBatcher(SpeculativeDecoder):
     weight_version: int
     cpu_share: CpuShare | None
     prefix_cache: PrefixCache
+    recorder: RouteRecorder | None
     stats: dict
     _waiting: deque[_Request]
     _batch: _Batch | None
@@ -88,6 +90,8 @@ class ContinuousBatcher(SpeculativeDecoder):
             return self.spec_decode(batch, k)
         ones = batch.mask.new_ones(len(batch.rows), 1)
         batch.mask = torch.cat([batch.mask, ones], dim=1)  # (B, L + 1)
+        if self.recorder:
+            self.recorder.start()
         out = self.model(
             input_ids=batch.next_ids.unsqueeze(1),
             attention_mask=batch.mask,
@@ -95,6 +99,8 @@ class ContinuousBatcher(SpeculativeDecoder):
             cache=batch.cache,
             use_cache=True,
         )
+        if self.recorder:
+            self.recorder.decoded(batch.rows)
         batch.positions = batch.positions + 1
         self.note_hidden(batch.rows)
         batch.next_ids = self._sample(batch.rows, out.logits[:, -1])
@@ -146,6 +152,9 @@ class ContinuousBatcher(SpeculativeDecoder):
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
         self.stats["prefix_hits"] += sum(n > 0 for n, _ in hits)
         self.stats["prefix_hit_tokens"] += reused
+        if self.recorder:
+            self.recorder.reused(rows, hits, self.prefix_cache)
+            self.recorder.start()
         if all(0 < n == len(s) - 1 for s, (n, _) in zip(seqs, hits, strict=True)):
             mask = torch.zeros(len(rows), past, dtype=torch.long, device=self.device)
             for i, (n, _) in enumerate(hits):
@@ -173,11 +182,14 @@ class ContinuousBatcher(SpeculativeDecoder):
             use_cache=True,
             logits_to_keep=1,
         )
+        if self.recorder:
+            self.recorder.prefilled(rows, [len(s) - n for s, (n, _) in zip(seqs, hits,
+                                                                         strict=True)], ids.shape)
         self.note_hidden(rows)
         batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
         if self.prefix_cache.max_tokens:
             for i, seq in enumerate(seqs):
-                self.prefix_cache.insert(seq, batch.row_kv(i))
+                self.prefix_cache.insert(seq, batch.row_kv(i), self._routes(rows[i]))
         return batch
 
     @staticmethod
@@ -207,6 +219,11 @@ class ContinuousBatcher(SpeculativeDecoder):
         time.sleep(0)
         return tokens
 
+    @staticmethod
+    def _routes(req: _Request) -> torch.Tensor | None:
+        """A MoE row's routes of every token it fed, for the prefix cache; None if dense."""
+        return joined(req.routes) if req.routes else None
+
     def _finish(self, batch: _Batch) -> _Batch | None:
         """Resolve finished (or cancelled) rows and drop them; None when no row is left.
 
@@ -217,7 +234,7 @@ class ContinuousBatcher(SpeculativeDecoder):
             if req.finish_reason is not None:
                 if self.prefix_cache.max_tokens:
                     seq = tuple(req.prompt_ids + req.completion_ids[:-1])
-                    self.prefix_cache.insert(seq, batch.row_kv(i))
+                    self.prefix_cache.insert(seq, batch.row_kv(i), self._routes(req))
                 req.resolve()
             elif not req.cancelled:
                 keep.append(i)

@@ -24,7 +24,9 @@ from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
 from forgerl.engines.local.prefix_cache import PrefixCache
+from forgerl.engines.local.routes import RouteRecorder
 from forgerl.engines.worker import ThreadWorker, WeightUpdate
+from forgerl.models import router_modules
 from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import WeightDelta, apply_delta
 
@@ -54,6 +56,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
     (steps run on half of the cores beside the trainer, `cpu_share`).
+    A MoE model's routed experts are recorded (`GenerateOutput.routed_experts`, `routes.py`).
     drafter, speculative_tokens: an MTP draft head (`forgerl.drafter.Drafter`, copied) and
     the drafts per speculative decode step (0: off; > 0 needs a drafter; speculative.py). The
     drafter's tensors are engine weights named `drafter.<name>`, updated by `update_weights`
@@ -104,6 +107,10 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         self._waiting: deque[_Request] = deque()
         self._batch = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.recorder = RouteRecorder(self.model) if router_modules(self.model) else None
+        if self.recorder and speculative_tokens:  # a draft step would record no routes
+            raise ValueError("speculative_tokens > 0 is not supported for a MoE model (its "
+                             "routed experts are recorded per decoded token)")
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,

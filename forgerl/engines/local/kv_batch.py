@@ -17,8 +17,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.local.prefix_cache import KV
+from forgerl.engines.local.routes import joined
 from forgerl.engines.worker import push
-from forgerl.types import FinishReason, GenerateOutput, SamplingParams
+from forgerl.types import FinishReason, GenerateOutput, Routes, SamplingParams
 
 
 @dataclass
@@ -28,6 +29,8 @@ class _Request:
     events: the caller's queue of TokenEvent, then GenerateOutput (or an exception); only `loop`
     touches it (the worker goes through `push`). cancelled: set on the caller's side when the
     consumer goes away; the worker drops the row at its next step (a bool store is atomic).
+    routes: None for a dense model, else chunks of the routed experts (tokens, layers, top_k)
+    uint8 of every token fed so far (`routes.RouteRecorder`).
     """
 
     prompt_ids: list[int]
@@ -40,6 +43,7 @@ class _Request:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     cancelled: bool = False
+    routes: list[torch.Tensor] | None = None
     draft_hidden: torch.Tensor | None = None  # (H,) last final hidden state (speculative.py)
 
     def record(self, token: int, logprob: float, version: int, sampled_at: float) -> None:
@@ -60,6 +64,8 @@ class _Request:
             list(self.logprobs),
             list(self.weight_versions),
             reason or self.finish_reason or "abort",
+            routed_experts=None if not self.routes else Routes(
+                joined(self.routes).numpy().tobytes(), *self.routes[0].shape[1:]),
         )
         self.push(out)
 

@@ -31,11 +31,13 @@ class PrefixCache:
     Each entry holds, per layer, keys and values (H, L, D) for its L = len(key) tokens, no
     padding. An entry whose key is a prefix of a newer one is dropped (the newer covers it).
     max_tokens == 0 disables the cache. Not thread-safe: only the engine's worker uses it.
+    `routes`: a MoE entry's routed experts (L, layers, top_k) uint8, kept and dropped with it.
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens, self.tokens = max_tokens, 0
         self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.routes: dict[tuple[int, ...], torch.Tensor] = {}
 
     def longest(self, ids: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None]:
         """(n, key): the entry sharing the longest prefix with `ids`, n capped at len(ids) - 1
@@ -57,8 +59,14 @@ class PrefixCache:
         self.entries.move_to_end(key)
         return n, [(k[:, :n], v[:, :n]) for k, v in self.entries[key]]
 
-    def insert(self, ids: tuple[int, ...], kv: KV) -> None:
-        """Store `kv` for `ids` (len(ids) == L); evict least recently used entries to fit."""
+    def routes_of(self, kv: KV, n: int) -> torch.Tensor:
+        """The routes of the first n tokens of the entry whose KV `lookup` returned as `kv`."""
+        key = next(k for k, e in self.entries.items() if e[0][0].data_ptr() == kv[0][0].data_ptr())
+        return self.routes[key][:n]
+
+    def insert(self, ids: tuple[int, ...], kv: KV, routes: torch.Tensor | None = None) -> None:
+        """Store `kv` (and a MoE row's `routes`) for `ids` (len(ids) == L); evict least
+        recently used entries to fit."""
         n = len(ids)
         if not 0 < n <= self.max_tokens:
             return
@@ -69,6 +77,8 @@ class PrefixCache:
             if ids[: len(key)] == key:
                 self._drop(key)
         self.entries[ids] = kv
+        if routes is not None:
+            self.routes[ids] = routes[:n]
         self.tokens += n
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self.entries)))
@@ -76,8 +86,10 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every entry (after a weight update the cached KV are stale)."""
         self.entries.clear()
+        self.routes.clear()
         self.tokens = 0
 
     def _drop(self, key: tuple[int, ...]) -> None:
         del self.entries[key]
+        self.routes.pop(key, None)
         self.tokens -= len(key)
