@@ -15,6 +15,7 @@ from collections import deque
 import torch
 
 from forgerl.cpu_share import CpuShare
+from forgerl.engines.kv_pool import KVPool, fetch, publish
 from forgerl.engines.local.kv_batch import _Batch, _fail, _KVCache, _Request
 from forgerl.engines.local.prefix_cache import KV, PrefixCache, common_prefix
 from forgerl.engines.local.sampler import sample_tokens
@@ -32,6 +33,7 @@ class ContinuousBatcher:
     weight_version: int
     cpu_share: CpuShare | None
     prefix_cache: PrefixCache
+    kv_pool: KVPool | None
     stats: dict
     _waiting: deque[_Request]
     _batch: _Batch | None
@@ -135,7 +137,7 @@ class ContinuousBatcher:
         no forward runs: the rows get their cached KV and that token as pending, and the next
         decode step computes its logits and samples (one forward per step instead of two)."""
         seqs = [tuple(r.prompt_ids + r.completion_ids) for r in rows]
-        hits = [self.prefix_cache.lookup(s) for s in seqs]
+        hits = [self._lookup(s) for s in seqs]
         past = max(n for n, _ in hits)
         reused = sum(n for n, _ in hits)
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
@@ -167,10 +169,28 @@ class ContinuousBatcher:
             logits_to_keep=1,
         )
         batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
-        if self.prefix_cache.max_tokens:
+        if self.prefix_cache.max_tokens or self.kv_pool is not None:
             for i, seq in enumerate(seqs):
-                self.prefix_cache.insert(seq, batch.row_kv(i))
+                self._keep(seq, batch.row_kv(i))
         return batch
+
+    def _lookup(self, seq: tuple[int, ...]) -> tuple[int, KV | None]:
+        """The prefix cache's longest hit, or the KV pool's prefix when it is longer."""
+        n, kv = self.prefix_cache.lookup(seq)
+        if self.kv_pool is not None:
+            m, pooled = fetch(self.kv_pool, self.weight_version, seq, n)
+            if pooled is not None:
+                self.stats["pool_hits"] += 1
+                self.stats["pool_hit_tokens"] += m - n
+                return m, pooled
+        return n, kv
+
+    def _keep(self, seq: tuple[int, ...], kv: KV) -> None:
+        """Insert a row's KV into the prefix cache and publish it to the KV pool."""
+        if self.prefix_cache.max_tokens:
+            self.prefix_cache.insert(seq, kv)
+        if self.kv_pool is not None:
+            publish(self.kv_pool, self.weight_version, seq, kv)
 
     @staticmethod
     def _stack_past(hits: list[tuple[int, KV | None]], past: int) -> KV:
@@ -207,9 +227,8 @@ class ContinuousBatcher:
         keep = []
         for i, req in enumerate(batch.rows):
             if req.finish_reason is not None:
-                if self.prefix_cache.max_tokens:
-                    seq = tuple(req.prompt_ids + req.completion_ids[:-1])
-                    self.prefix_cache.insert(seq, batch.row_kv(i))
+                if self.prefix_cache.max_tokens or self.kv_pool is not None:
+                    self._keep(tuple(req.prompt_ids + req.completion_ids[:-1]), batch.row_kv(i))
                 req.resolve()
             elif not req.cancelled:
                 keep.append(i)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from forgerl.cpu_share import CpuShare
 from forgerl.engines.base import TokenEvent
+from forgerl.engines.kv_pool import KVPool
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
@@ -52,7 +53,12 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     "decode_rows" (rows in them: decode_rows / decode_steps is the mean batch occupancy, and
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
-    (steps run on half of the cores beside the trainer, `cpu_share`).
+    (steps run on half of the cores beside the trainer, `cpu_share`), "pool_hits" and
+    "pool_hit_tokens" (prefills that fetched a longer prefix from `kv_pool`, and the tokens
+    fetched beyond the local hit; both also count in prefix_hits / prefix_hit_tokens).
+    kv_pool: a `forgerl.engines.kv_pool.KVPool` shared with other instances (None: off); the
+    engine publishes its KV there and fetches prefixes its own cache lacks; a weight update
+    advances it to the new version (every older block is dropped).
     """
 
     _closed_message = "LocalEngine is closed"
@@ -67,6 +73,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         dtype: torch.dtype | None = None,
         packed_weights: bool = False,
         cpu_share: CpuShare | None = None,
+        kv_pool: KVPool | None = None,
     ) -> None:
         if max_model_len < 2 or max_batch_size < 1 or prefix_cache_tokens < 0:
             raise ValueError(
@@ -88,10 +95,11 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         self._waiting: deque[_Request] = deque()
         self._batch = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.kv_pool = kv_pool
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-                      "cpu_shared_steps": 0}
+                      "cpu_shared_steps": 0, "pool_hits": 0, "pool_hit_tokens": 0}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------
@@ -157,6 +165,14 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         """
         self._check_state_dict(state_dict)
         await self._submit_update(state_dict, version)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's KV: 2 · layers · kv_heads · head_dim · the dtype's size."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        size = self.weight_dtype.itemsize
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -260,6 +276,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
             return
         self.weight_version = update.version
         self.prefix_cache.clear()
+        if self.kv_pool is not None:
+            self.kv_pool.advance(update.version)
         if self._batch is not None:  # KV caches were built by the old weights: rebuild them
             self._waiting.extendleft(reversed(self._batch.rows))
             self._batch = None

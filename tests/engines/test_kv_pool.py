@@ -1,0 +1,207 @@
+"""The global prefix-KV pool (issue 49 part 3) and the router's third option, fetching from it.
+
+Pinned here:
+- Exactness through real LocalEngines: instance B fetching instance A's KV from the pool gives
+  the ids and logprobs of an engine without a pool within 1e-6 (greedy and sampled), and
+  prefills only the tokens the pool lacks.
+- A weight update invalidates the pool: no block of the old version is ever fetched, and the
+  new version's logprobs are those of the new weights.
+- The byte bound: LRU, a chain's root outlives its leaves.
+- The cross-process backend: a second OS process publishes with a real engine, this one
+  fetches through the pool process and matches an engine without a pool.
+- cost_aware picks the instance that fetches when the transfer is cheaper than the prefill,
+  and the one with the queue when it is not (hand-computed costs); DFS order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from forgerl.engines.blocks import BLOCK, block_hashes
+from forgerl.engines.kv_pool import KVPool, SharedKVPool
+from forgerl.engines.local import LocalEngine
+from forgerl.gateway.routing import InstanceLoad, RouterState, cost_aware, dfs_order
+from forgerl.types import GenerateOutput, SamplingParams
+from tests.engines.test_local import perturbed
+
+PROMPT = [(7 * i + 3) % 250 + 3 for i in range(75)]  # 4 full blocks + 11 tokens
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+SAMPLED = SamplingParams(temperature=0.9, max_tokens=10, seed=3)
+
+
+async def _gen(engine: LocalEngine, prompt: list[int], params: SamplingParams) -> GenerateOutput:
+    return await engine.generate(prompt, params)
+
+
+def _close(a: GenerateOutput, b: GenerateOutput) -> None:
+    assert a.completion_ids == b.completion_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-6
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_fetched_kv_matches_recomputed(tiny_model, params):
+    async def main():
+        pool = KVPool(1 << 24)
+        a, b = (LocalEngine(tiny_model, max_model_len=256, kv_pool=pool) for _ in range(2))
+        alone = LocalEngine(tiny_model, max_model_len=256)
+        first = await _gen(a, PROMPT, params)
+        turn2 = PROMPT + first.completion_ids + [9, 8, 7, 6, 5]
+        fetched, ref = await _gen(b, turn2, params), await _gen(alone, turn2, params)
+        stats = dict(b.stats)
+        for e in (a, b, alone):
+            await e.close()
+        return first, fetched, ref, stats, pool
+
+    first, fetched, ref, stats, pool = asyncio.run(main())
+    _close(fetched, ref)
+    # A published prompt + completion but its last token: 75 + 9 = 84 tokens = 5 blocks
+    assert (stats["pool_hits"], stats["pool_hit_tokens"]) == (1, 5 * BLOCK)
+    assert stats["prefill_tokens"] == len(PROMPT) + len(first.completion_ids) + 5 - 5 * BLOCK
+    assert pool.stats["fetch_bytes"] == 5 * b_bytes(tiny_model) and pool.seconds_per_byte() > 0
+
+
+def b_bytes(model) -> int:
+    """One block's bytes: 2 layers · (K, V) · 2 kv heads · BLOCK · head_dim 16 · fp32."""
+    c = model.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * BLOCK * 16 * 4
+
+
+def test_weight_update_invalidates_the_pool(tiny_model):
+    new_model = perturbed(tiny_model, seed=1)
+
+    async def main():
+        pool = KVPool(1 << 24)
+        a, b = (LocalEngine(tiny_model, max_model_len=256, kv_pool=pool) for _ in range(2))
+        fresh = LocalEngine(new_model, max_model_len=256)
+        await _gen(a, PROMPT, GREEDY)  # version 0 blocks
+        assert pool.stats["blocks"] == 5 and pool.version == 0  # prompt + completion: 84
+        await b.update_weights(new_model.state_dict(), 1)
+        assert pool.stats["blocks"] == 0 and pool.version == 1
+        await _gen(a, PROMPT[:70], GREEDY)  # a still serves version 0: no fetch, no publish
+        assert a.stats["pool_hits"] == 0 and pool.stats["blocks"] == 0
+        out_b, ref = await _gen(b, PROMPT, GREEDY), await _gen(fresh, PROMPT, GREEDY)
+        assert b.stats["pool_hits"] == 0 and pool.stats["blocks"] == 5  # its own, version 1
+        await a.update_weights(new_model.state_dict(), 1)
+        out_a = await _gen(a, PROMPT, GREEDY)  # now fetches b's version-1 KV
+        stats = dict(a.stats)
+        for e in (a, b, fresh):
+            await e.close()
+        return out_b, out_a, ref, stats
+
+    out_b, out_a, ref, stats = asyncio.run(main())
+    _close(out_b, ref)
+    _close(out_a, ref)
+    assert stats["pool_hits"] == 1 and stats["pool_hit_tokens"] == 4 * BLOCK
+
+
+def _block(value: float) -> torch.Tensor:
+    return torch.full((2, 2, 2, BLOCK, 4), float(value))  # 2 layers · K,V · 2 heads · BLOCK · 4: 2 KiB
+
+
+def test_lru_byte_bound():
+    size = _block(0).numel() * 4
+    pool = KVPool(3 * size)
+    chain = block_hashes(list(range(5 * BLOCK)))
+    pool.put(0, chain, [_block(k) for k in range(5)])
+    assert pool.stats["bytes"] == 3 * size and pool.stats["evicted_blocks"] == 2
+    assert [float(b[0, 0, 0, 0, 0]) for b in pool.get(0, chain)] == [0.0, 1.0, 2.0]  # the root
+    other = block_hashes(list(range(100, 100 + 2 * BLOCK)))
+    pool.put(0, other, [_block(10), _block(11)])  # the least recently used go: chain[2], [1]
+    assert len(pool.get(0, chain)) == 1 and len(pool.get(0, other)) == 2
+    assert pool.held(1, other) == [False, False] and pool.get(1, other) == []
+    pool.put(0, [12345], [torch.zeros(size)])  # 4 · size bytes, over the bound: not kept
+    assert pool.held(0, [12345]) == [False] and pool.stats["bytes"] == 3 * size
+    pool.put(2, other[:1], [_block(20)])  # a newer version drops every older block
+    assert pool.stats["blocks"] == 1 and pool.get(0, chain) == [] and pool.version == 2
+    pool.put(1, chain[:1], [_block(30)])  # an older one is ignored
+    assert pool.held(2, chain[:1]) == [False]
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, sys, torch
+    from forgerl.engines.kv_pool import SharedKVPool
+    from forgerl.engines.local import LocalEngine
+    from forgerl.models import build_tiny_model
+    from forgerl.types import SamplingParams
+    torch.set_num_threads(1)
+    async def main():
+        pool = SharedKVPool(sys.argv[1])
+        engine = LocalEngine(build_tiny_model(), max_model_len=256, kv_pool=pool)
+        out = await engine.generate(eval(sys.argv[2]), SamplingParams(0.0, max_tokens=10))
+        await engine.close()
+        pool.close()
+        print(out.completion_ids)
+    asyncio.run(main())
+""")
+
+
+def test_shared_pool_across_processes(tiny_model, tmp_path):
+    path = tmp_path / "pool.sock"
+    pool = SharedKVPool.start(path, 1 << 24)
+    try:
+        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        child = subprocess.run([sys.executable, "-c", CHILD, str(path), repr(PROMPT)], env=env,
+                               capture_output=True, text=True, timeout=120, check=True)
+        first = eval(child.stdout.strip().splitlines()[-1])
+        assert pool.pool_stats["blocks"] == 5  # 84 tokens published by the other process
+
+        async def main():
+            b = LocalEngine(tiny_model, max_model_len=256, kv_pool=pool)
+            alone = LocalEngine(tiny_model, max_model_len=256)
+            turn2 = PROMPT + first + [9, 8, 7]
+            outs = await _gen(b, turn2, GREEDY), await _gen(alone, turn2, GREEDY)
+            stats = dict(b.stats)
+            await b.close()
+            await alone.close()
+            return (*outs, stats)
+
+        fetched, ref, stats = asyncio.run(main())
+        _close(fetched, ref)
+        assert (stats["pool_hits"], stats["pool_hit_tokens"]) == (1, 5 * BLOCK)
+        assert pool.stats["fetch_bytes"] == 5 * b_bytes(tiny_model)
+        assert 0 < pool.seconds_per_byte() < 1e-6
+    finally:
+        pool.close()
+    assert pool.process is not None and pool.process.returncode is not None
+
+
+def _load(in_flight: int, cached: int, pooled: int, fetch_s: float) -> InstanceLoad:
+    return InstanceLoad(True, in_flight, cached, prefill_tok_s=1000.0, step_s=0.01, row_s=0.001,
+                        expected_tokens=10, overlap_tokens=10.0 * in_flight, load_bound=16,
+                        pooled_tokens=pooled, fetch_s_per_token=fetch_s)
+
+
+@pytest.mark.parametrize(("fetch_s", "pick"), [(1e-5, 1), (1e-3, 0)])
+def test_cost_aware_fetches_when_cheaper(fetch_s, pick):
+    # A 500-token prompt. Instance 0 holds 400 tokens, 2 requests in flight: prefill 100 tokens
+    # = 0.1 s · 3 = 0.3 s; decode 10 · 0.01 + 0.001 · (10 + 2 · 20) = 0.15 s; 0.45 s. Instance 1
+    # holds nothing, idle, the pool holds 480: recompute 0.5 s; fetch 480 · fetch_s + 0.02 s
+    # (1e-5: 0.0248 s, 1e-3: 0.5 s, so min 0.5 s); decode 0.1 + 0.001 · 10 = 0.11 s.
+    loads = [_load(2, 400, 480, fetch_s), _load(0, 0, 480, fetch_s)]
+    assert cost_aware(loads, 500, 0) == pick
+    without_pool = [_load(2, 400, 0, fetch_s), _load(0, 0, 0, fetch_s)]
+    assert cost_aware(without_pool, 500, 0) == 0
+
+
+def test_router_state_records_the_pool():
+    s = RouterState(2, cost_aware, cache_tokens=1024, pool_blocks=64, fetch_s_per_token=1e-5)
+    prompt = list(range(100, 100 + 6 * BLOCK))
+    f = s.dispatch(0, prompt, block_hashes(prompt), 0, 8, now=0.0)
+    loads = s.loads(prompt + [1, 2], block_hashes(prompt + [1, 2]), 8)
+    assert [x.pooled_tokens for x in loads] == [6 * BLOCK] * 2
+    assert [x.cached_tokens for x in loads] == [6 * BLOCK, 0]
+    for _ in range(3):  # load instance 0 so that fetching on 1 wins
+        s.dispatch(0, [5] * 40, block_hashes([5] * 40), 0, 8, now=0.0)
+    i, reused = s.choose(prompt + [1, 2], block_hashes(prompt + [1, 2]), 8)
+    assert (i, reused) == (1, 6 * BLOCK)
+    s.dispatch(i, prompt + [1, 2], block_hashes(prompt + [1, 2]), reused, 8, now=0.0)
+    assert s.stats()["instance1_pool_fetch_tokens"] == 6 * BLOCK
+    s.land(f, [1] * 8, now=1.0)
+    assert dfs_order([[3, 1], [2, 9], [3, 0, 5], [2, 9]]) == [1, 3, 2, 0]
