@@ -24,6 +24,8 @@ import textwrap
 import pytest
 import torch
 
+from forgerl.config import ConfigError, load_config
+from forgerl.controller.startup import _kv_pool
 from forgerl.engines.blocks import BLOCK, block_hashes
 from forgerl.engines.kv_pool import KVPool, SharedKVPool
 from forgerl.engines.local import LocalEngine
@@ -102,7 +104,8 @@ def test_weight_update_invalidates_the_pool(tiny_model):
 
 
 def _block(value: float) -> torch.Tensor:
-    return torch.full((2, 2, 2, BLOCK, 4), float(value))  # 2 layers · K,V · 2 heads · BLOCK · 4: 2 KiB
+    # 2 layers · (K, V) · 2 heads · BLOCK · 4, fp32: 2 KiB
+    return torch.full((2, 2, 2, BLOCK, 4), float(value))
 
 
 def test_lru_byte_bound():
@@ -193,15 +196,34 @@ def test_cost_aware_fetches_when_cheaper(fetch_s, pick):
 def test_router_state_records_the_pool():
     s = RouterState(2, cost_aware, cache_tokens=1024, pool_blocks=64, fetch_s_per_token=1e-5)
     prompt = list(range(100, 100 + 6 * BLOCK))
+    turn2 = [*prompt, 1, 2]
     f = s.dispatch(0, prompt, block_hashes(prompt), 0, 8, now=0.0)
-    loads = s.loads(prompt + [1, 2], block_hashes(prompt + [1, 2]), 8)
+    loads = s.loads(turn2, block_hashes(turn2), 8)
     assert [x.pooled_tokens for x in loads] == [6 * BLOCK] * 2
     assert [x.cached_tokens for x in loads] == [6 * BLOCK, 0]
     for _ in range(3):  # load instance 0 so that fetching on 1 wins
         s.dispatch(0, [5] * 40, block_hashes([5] * 40), 0, 8, now=0.0)
-    i, reused = s.choose(prompt + [1, 2], block_hashes(prompt + [1, 2]), 8)
+    i, reused = s.choose(turn2, block_hashes(turn2), 8)
     assert (i, reused) == (1, 6 * BLOCK)
-    s.dispatch(i, prompt + [1, 2], block_hashes(prompt + [1, 2]), reused, 8, now=0.0)
+    s.dispatch(i, turn2, block_hashes(turn2), reused, 8, now=0.0)
     assert s.stats()["instance1_pool_fetch_tokens"] == 6 * BLOCK
-    s.land(f, [1] * 8, now=1.0)
+    s.land(f, [1] * 17, now=1.0)  # prompt + 16 completion tokens: one more block pooled
+    done = [*prompt, *[1] * 17]
+    assert s.loads(done, block_hashes(done), 8)[1].pooled_tokens == 7 * BLOCK
     assert dfs_order([[3, 1], [2, 9], [3, 0, 5], [2, 9]]) == [1, 3, 2, 0]
+
+
+def test_config_and_startup_pool():
+    config = load_config(None, ["--engine.kv_pool", "process", "--engine.kv_pool_bytes", "4096"])
+    assert (config.engine.kv_pool, config.engine.kv_pool_bytes) == ("process", 4096)
+    assert load_config(None).engine.kv_pool == "off"
+    with pytest.raises(ConfigError, match=r"engine.kv_pool"):
+        load_config(None, ["--engine.kv_pool", "disk"])
+    with pytest.raises(ConfigError, match=r"engine.kv_pool: the pool is wired for local"):
+        load_config(None, ["--engine.kv_pool", "shared", "--cluster.backend", "ray"])
+    assert _kv_pool("off", 1) is None and _kv_pool("process", 4096).max_bytes == 4096
+    shared = _kv_pool("shared", 4096)
+    try:
+        assert shared.held(0, [1]) == [False] and shared.process.poll() is None
+    finally:
+        shared.close()
