@@ -10,7 +10,7 @@ a 256-token system prompt, multi-turn, skewed) at N = 2-64 with the measured cos
 round_robin, affinity, cost_aware and cost_aware + pool (the in-process pool's measured cost;
 POOL_TOKENS of pool). Part 3 runs real LocalEngines (N = 2, 4, 8, one process, one torch thread)
 behind a real `Router`, same four policies, on a scaled-down traffic (2 groups per instance,
-64-token system prompt, 4 turns, every fifth task heavy); hit = the engines' reused prompt tokens
+64-token system prompt, 3 turns, every fifth task heavy: 6); hit = the engines' reused prompt tokens
 (local prefix cache + pool fetches) / prompt tokens; achievable = tokens of each request's
 longest common prefix with any earlier prompt or finished prompt + completion (one unbounded
 cache); pool = tokens fetched from the pool / prompt tokens; MB = bytes fetched.
@@ -140,7 +140,7 @@ def real_run(n: int, policy: str) -> dict:
         router = Router(engines, policy.removesuffix("+pool"), CACHE_TOKENS // 4, MAX_BATCH,
                         kv_pool=pool)
         counted = Counted(router)
-        run = await drive(counted, tasks, 4, (12, 48), 250)  # type: ignore[arg-type]
+        run = await drive(counted, tasks, 3, (12, 48), 250)  # type: ignore[arg-type]
         st = router.stats
         await router.close()
         lat = run["lat"]

@@ -105,9 +105,14 @@ def measure_costs() -> Costs:
 
 @dataclass
 class Session:
+    """One agent session; its own random stream (seeded) draws its completions and tool
+    results, so every policy runs the same workload."""
+
     prompt: list[int]
     turns_left: int
     heavy: bool
+    seed: int = 0
+    rng: random.Random = field(default_factory=random.Random)
 
 
 @dataclass
@@ -134,7 +139,8 @@ def make_traffic(n_groups: int, rate: float, seed: int) -> list[tuple[float, lis
         heavy = rng.random() < 0.2
         task = system + [rng.randrange(3, 1 << 30) for _ in range(rng.randint(64, 192))]
         turns = 8 if heavy else rng.randint(4, 6)
-        out.append((t, [Session(list(task), turns, heavy) for _ in range(G)]))
+        out.append((t, [Session(list(task), turns, heavy, rng.randrange(1 << 30))
+                        for _ in range(G)]))
     return out
 
 
@@ -150,7 +156,7 @@ class Sim:
 
     def __init__(self, n: int, policy: str, costs: Costs, seed: int, pool_tokens: int = 0,
                  fetch_s_per_token: float = 0.0) -> None:
-        self.n, self.costs, self.rng = n, costs, random.Random(seed + 1)
+        self.n, self.costs = n, costs
         self.router = RouterState(n, POLICIES[policy], CACHE_TOKENS, MAX_BATCH,
                                   pool_blocks=pool_tokens // BLOCK,
                                   fetch_s_per_token=fetch_s_per_token)
@@ -174,7 +180,8 @@ class Sim:
     def run(self, traffic) -> dict[str, float]:
         for t, sessions in traffic:
             for s in sessions:  # a copy: sessions grow as they run
-                self.push(t, "arrive", Session(list(s.prompt), s.turns_left, s.heavy))
+                self.push(t, "arrive", Session(list(s.prompt), s.turns_left, s.heavy, s.seed,
+                                               random.Random(s.seed)))
         now = 0.0
         while self.events:
             now, _, kind, item = heapq.heappop(self.events)
@@ -195,7 +202,7 @@ class Sim:
 
     def arrive(self, s: Session, now: float) -> None:
         hashes = block_hashes(s.prompt)
-        req = Request(s, list(s.prompt), hashes, completion_len(self.rng, s.heavy), now)
+        req = Request(s, list(s.prompt), hashes, completion_len(s.rng, s.heavy), now)
         self.achievable += min(self.oracle.matched(hashes)[0], len(s.prompt) - 1)
         self.oracle.add(0, hashes)
         self.route(req, now)
@@ -233,7 +240,7 @@ class Sim:
     def step_end(self, i: int, now: float) -> None:
         keep = []
         for req in self.running[i]:
-            req.completion.append(self.rng.randrange(3, 1 << 30))
+            req.completion.append(req.session.rng.randrange(3, 1 << 30))
             self.router.token(req.flight, now)
             if len(req.completion) < req.target:
                 keep.append(req)
@@ -260,9 +267,9 @@ class Sim:
         s = req.session
         s.turns_left -= 1
         if s.turns_left > 0:
-            tool = [self.rng.randrange(3, 1 << 30) for _ in range(self.rng.randint(16, 48))]
+            tool = [s.rng.randrange(3, 1 << 30) for _ in range(s.rng.randint(16, 48))]
             s.prompt = req.prompt + req.completion + tool
-            self.push(now + self.rng.expovariate(1 / (30 * self.costs.step(1))), "arrive", s)
+            self.push(now + s.rng.expovariate(1 / (30 * self.costs.step(1))), "arrive", s)
 
 
 def simulate(costs: Costs, instances: list[int], groups_per_instance: int) -> list[dict]:

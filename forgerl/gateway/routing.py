@@ -199,8 +199,9 @@ class RouterState:
     measured instances, else PRIOR_PREFILL_TOK_S and a = PRIOR_STEP_S, b = a / load_bound.
     Expected completion L = EWMA of finished completion lengths (the request's max_tokens before
     one), capped by its max_tokens; owed tokens per flight = max(min(max_tokens, L) - produced, 0).
-    With a global KV pool (pool_blocks > 0, its capacity in blocks), `pool` records the prefixes
-    sent and finished on any instance (every instance publishes its KV there) and
+    With a global KV pool (pool_blocks > 0, its capacity in blocks), `pool` records the prompts
+    prefilled (at their first token) and the sequences finished on any instance (every instance
+    publishes its KV there after a prefill and when a row finishes), and
     fetch_s_per_token (the pool's measured cost, set by the caller) prices fetching them.
     """
 
@@ -274,15 +275,13 @@ class RouterState:
 
     def dispatch(self, i: int, prompt_ids: list[int], hashes: Sequence[int], cached: int,
                  max_tokens: int, now: float) -> Flight:
-        """Record a request sent to instance i (it, and the pool, will hold the prompt's
-        prefixes); `cached`: the reused prompt tokens `choose` estimated."""
+        """Record a request sent to instance i (it will hold the prompt's prefixes; the pool
+        from its first token on); `cached`: the reused prompt tokens `choose` estimated."""
         self.turn += 1
         flight = Flight(i, prompt_ids, max_tokens, len(prompt_ids) - cached, now)
         self.flights[i].append(flight)
         local = min(self.index.matched(hashes)[i], len(prompt_ids) - 1)
         self.index.add(i, hashes)
-        if self.pool is not None:
-            self.pool.add(0, hashes)
         c = self.counters
         c[f"instance{i}_requests"] += 1
         c[f"instance{i}_prompt_tokens"] += len(prompt_ids)
@@ -296,6 +295,8 @@ class RouterState:
         i = flight.instance
         if flight.first_at is None:
             flight.first_at = now
+            if self.pool is not None:  # its prefill published the prompt's blocks
+                self.pool.add(0, block_hashes(flight.prompt_ids))
             if flight.uncached >= BLOCK and now > flight.sent_at:
                 self._sample(self.prefill_tok_s, i, flight.uncached / (now - flight.sent_at))
             flight.produced, count = 1, count - 1

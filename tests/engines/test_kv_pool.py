@@ -198,6 +198,8 @@ def test_router_state_records_the_pool():
     prompt = list(range(100, 100 + 6 * BLOCK))
     turn2 = [*prompt, 1, 2]
     f = s.dispatch(0, prompt, block_hashes(prompt), 0, 8, now=0.0)
+    assert s.loads(turn2, block_hashes(turn2), 8)[1].pooled_tokens == 0  # not yet prefilled
+    s.token(f, now=0.1)  # its first token: the prefill published the prompt
     loads = s.loads(turn2, block_hashes(turn2), 8)
     assert [x.pooled_tokens for x in loads] == [6 * BLOCK] * 2
     assert [x.cached_tokens for x in loads] == [6 * BLOCK, 0]
