@@ -10,7 +10,8 @@ a 256-token system prompt, multi-turn, skewed) at N = 2-64 with the measured cos
 round_robin, affinity, cost_aware and cost_aware + pool (the in-process pool's measured cost;
 POOL_TOKENS of pool). Part 3 runs real LocalEngines (N = 2, 4, 8, one process, one torch thread)
 behind a real `Router`, same four policies, on a scaled-down traffic (2 groups per instance,
-64-token system prompt, 3 turns, every fifth task heavy: 6); hit = the engines' reused prompt tokens
+64-token system prompt, 3 turns, every fifth task heavy: 6) with prefix caches scaled down
+alike (CACHE_TOKENS / 4 per engine); hit = the engines' reused prompt tokens
 (local prefix cache + pool fetches) / prompt tokens; achievable = tokens of each request's
 longest common prefix with any earlier prompt or finished prompt + completion (one unbounded
 cache); pool = tokens fetched from the pool / prompt tokens; MB = bytes fetched.

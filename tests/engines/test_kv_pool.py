@@ -29,6 +29,7 @@ from forgerl.controller.startup import _kv_pool
 from forgerl.engines.blocks import BLOCK, block_hashes
 from forgerl.engines.kv_pool import KVPool, SharedKVPool
 from forgerl.engines.local import LocalEngine
+from forgerl.gateway.router import Router
 from forgerl.gateway.routing import InstanceLoad, RouterState, cost_aware, dfs_order
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.engines.test_local import perturbed
@@ -229,3 +230,27 @@ def test_config_and_startup_pool():
         assert shared.held(0, [1]) == [False] and shared.process.poll() is None
     finally:
         shared.close()
+
+
+def test_router_releases_waiters_in_dfs_order(tiny_model):
+    """One instance, load bound 1: requests waiting for its slot go in prefix-trie order, not
+    in arrival order: [5] * 40 before [5] * 30 + [7] * 10 before [9] * 40, which came first."""
+    order: list[int] = []
+
+    async def main():
+        engine = LocalEngine(tiny_model, max_model_len=256)
+        router = Router([engine], "cost_aware", load_bound=1)
+
+        async def one(prompt: list[int], tag: int) -> None:
+            await router.generate(prompt, SamplingParams(0.0, max_tokens=4))
+            order.append(tag)
+
+        first = asyncio.create_task(one([1] * 40, 0))
+        await asyncio.sleep(0)  # it holds the slot
+        waiting = [asyncio.create_task(one(p, t)) for p, t in
+                   (([9] * 40, 3), ([5] * 30 + [7] * 10, 2), ([5] * 40, 1))]
+        await asyncio.gather(first, *waiting)
+        await router.close()
+
+    asyncio.run(main())
+    assert order == [0, 1, 2, 3]  # arrival order was 0, 3, 2, 1
