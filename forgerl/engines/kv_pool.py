@@ -200,9 +200,10 @@ class SharedKVPool(KVPool):
         """Close the connection; stop the pool process when this client started it."""
         with contextlib.suppress(OSError):
             self._conn.close()
-        if self.process is not None:
+        if self.process is not None:  # started here: stop it and remove its socket
             self.process.terminate()
             self.process.wait(10)
+            Path(self.path).unlink(missing_ok=True)
 
 
 def serve(path: str, max_bytes: int) -> None:
