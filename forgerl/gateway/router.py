@@ -16,7 +16,9 @@ token rates, load bound) and asks a policy, a pure function of those loads, for 
   load bound: the prefill of the prompt tokens the instance does not hold plus the decode time
   the request adds there, both with the delay they impose on the requests already running (a
   continuous-batching engine's step costs t(B) = a + b·B seconds for B rows, so a request
-  queues behind nobody but slows every row it shares steps with).
+  queues behind nobody but slows every row it shares steps with). With a global KV pool
+  (`kv_pool`), an instance's prefill may instead fetch the pooled prefix at the pool's measured
+  transfer cost, whichever is cheaper.
 
 What each instance holds is the router's own estimate, a `PrefixIndex` (a trie of chained
 `BLOCK`-token block hashes, LRU-bounded per instance like the engines' prefix caches): a request's

@@ -7,7 +7,8 @@ it is estimated to hold, measured token rates, load bound) from its `RouterState
 policy (`POLICIES`), a pure function of those loads, for an index: `round_robin`, `affinity`,
 `cost_aware` (router.py's docstring says what each does). What each instance holds is the
 router's own estimate, a `PrefixIndex` (a trie of chained `BLOCK`-token block hashes,
-`block_hashes`, LRU-bounded per instance); a request's prompt is recorded when it is sent
+`block_hashes` of forgerl/engines/blocks.py, LRU-bounded per instance; one more for a global KV
+pool); a request's prompt is recorded when it is sent
 (`Flight`), its prompt + completion when it finishes. `RouterState` keeps this bookkeeping and
 the measured costs on a clock the caller passes, so benchmarks/router.py runs the same code in a
 simulation.
