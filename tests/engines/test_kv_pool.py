@@ -10,7 +10,11 @@ Pinned here:
 - The cross-process backend: a second OS process publishes with a real engine, this one
   fetches through the pool process and matches an engine without a pool.
 - cost_aware picks the instance that fetches when the transfer is cheaper than the prefill,
-  and the one with the queue when it is not (hand-computed costs); DFS order.
+  and the one with the queue when it is not (hand-computed costs); RouterState's record of
+  the pool; DFS order, pure and through a real Router whose waiters it releases.
+- A Router over two pooled engines: the second instance fetches the first's KV (exact), and
+  a weight update through the router empties the pool and its record.
+- [engine] kv_pool config and the controller's pool construction (a real pool process).
 """
 
 from __future__ import annotations
@@ -254,3 +258,32 @@ def test_router_releases_waiters_in_dfs_order(tiny_model):
 
     asyncio.run(main())
     assert order == [0, 1, 2, 3]  # arrival order was 0, 3, 2, 1
+
+
+def test_router_over_pooled_engines(tiny_model):
+    """Round robin sends turn 2 to the other instance, which fetches turn 1's KV; a weight
+    update through the router empties the pool and the router's record of it."""
+    new_model = perturbed(tiny_model, seed=2)
+
+    async def main():
+        pool = KVPool(1 << 24)
+        engines = [LocalEngine(tiny_model, max_model_len=256, kv_pool=pool) for _ in range(2)]
+        router = Router(engines, "round_robin", kv_pool=pool)
+        alone = LocalEngine(tiny_model, max_model_len=256)
+        assert router.state.pool is not None and router.state.fetch_s_per_token > 0
+        first = await router.generate(PROMPT, GREEDY)
+        turn2 = PROMPT + first.completion_ids + [4, 4, 4]
+        out, ref = await router.generate(turn2, GREEDY), await alone.generate(turn2, GREEDY)
+        stats = router.stats
+        before = router.state.pool.matched(block_hashes(turn2))[0]
+        await router.update_weights(new_model.state_dict(), 1)
+        after = router.state.pool.matched(block_hashes(turn2))[0], pool.stats["blocks"]
+        await router.close()
+        await alone.close()
+        return out, ref, stats, before, after
+
+    out, ref, stats, before, after = asyncio.run(main())
+    _close(out, ref)
+    assert stats["instance0_requests"] == stats["instance1_requests"] == 1
+    assert (stats["pool_hits"], stats["pool_hit_tokens"]) == (1, 5 * BLOCK)
+    assert before == 5 * BLOCK and after == (0, 0)
