@@ -287,3 +287,27 @@ def test_router_over_pooled_engines(tiny_model):
     assert stats["instance0_requests"] == stats["instance1_requests"] == 1
     assert (stats["pool_hits"], stats["pool_hit_tokens"]) == (1, 5 * BLOCK)
     assert before == 5 * BLOCK and after == (0, 0)
+
+
+def test_controller_runs_instances_over_a_shared_pool(tmp_path):
+    """`[engine] instances = 2, kv_pool = "shared"`: a controller step's rollouts publish to
+    the pool process; the weight sync advances it to the new version (no block left)."""
+    from forgerl.controller import start_services  # lazy: as test_router's controller test
+    from tests.test_controller import make_agent, tiny_config
+
+    config = tiny_config(tmp_path / "run", "--engine.instances", "2", "--engine.kv_pool",
+                         "shared", "--tasks.eval_size", "0")
+
+    async def main():
+        async with start_services(config, make_agent()) as s:
+            s.admit()
+            await s.train(await s.next_batch())
+            pool = s.engine.kv_pool
+            published = pool.pool_stats["blocks"]
+            await s.sync_weights()
+            return type(pool).__name__, published, pool.pool_stats, s.engine.stats
+
+    name, published, after, stats = asyncio.run(main())
+    assert name == "SharedKVPool" and published > 0
+    assert (after["blocks"], after["bytes"]) == (0, 0)  # version 1: every block dropped
+    assert stats["instance0_requests"] > 0 and stats["instance1_requests"] > 0
