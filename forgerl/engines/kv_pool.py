@@ -197,10 +197,10 @@ class SharedKVPool(KVPool):
         return self._call("stats")
 
     def close(self) -> None:
-        """Close the connection; stop the pool process when this client started it."""
+        """Close the connection; stop the pool process when this client started it (idempotent)."""
         with contextlib.suppress(OSError):
             self._conn.close()
-        if self.process is not None:  # started here: stop it and remove its socket
+        if self.process is not None and self.process.poll() is None:  # started here: stop it
             self.process.terminate()
             self.process.wait(10)
             Path(self.path).unlink(missing_ok=True)

@@ -42,7 +42,7 @@ import torch
 
 from forgerl.engines.base import RolloutEngine, TokenEvent
 from forgerl.engines.blocks import BLOCK
-from forgerl.engines.kv_pool import KVPool
+from forgerl.engines.kv_pool import KVPool, SharedKVPool
 from forgerl.gateway.routing import (
     POLICIES,
     Flight,
@@ -240,8 +240,10 @@ class Router:
         ) from failed[0][1]
 
     async def close(self) -> None:
-        """Close every instance; idempotent."""
+        """Close every instance, then a SharedKVPool (`SharedKVPool.close`); idempotent."""
         await asyncio.gather(*(e.close() for e in self.instances))
+        if isinstance(self.kv_pool, SharedKVPool):
+            self.kv_pool.close()
 
     def _land(self, flight: Flight, completion_ids: list[int] | None) -> None:
         self.state.land(flight, completion_ids, time.perf_counter())

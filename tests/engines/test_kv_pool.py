@@ -305,9 +305,11 @@ def test_controller_runs_instances_over_a_shared_pool(tmp_path):
             pool = s.engine.kv_pool
             published = pool.pool_stats["blocks"]
             await s.sync_weights()
-            return type(pool).__name__, published, pool.pool_stats, s.engine.stats
+            return pool, published, pool.pool_stats, s.engine.stats
 
-    name, published, after, stats = asyncio.run(main())
+    pool, published, after, stats = asyncio.run(main())
+    assert pool.process.returncode is not None  # the router's close stopped the pool process
+    name = type(pool).__name__
     assert name == "SharedKVPool" and published > 0
     assert (after["blocks"], after["bytes"]) == (0, 0)  # version 1: every block dropped
     assert stats["instance0_requests"] > 0 and stats["instance1_requests"] > 0
