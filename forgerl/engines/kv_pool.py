@@ -122,8 +122,9 @@ class KVPool:
             self.stats["fetch_seconds"] += seconds
 
     def seconds_per_byte(self) -> float:
-        """Measured fetch cost: seconds per byte over the fetches so far, else a one-time probe
-        (a PROBE_BYTES block through put and get, under a hash no prefix has)."""
+        """Measured fetch cost: seconds per byte over the fetches so far (once they moved
+        PROBE_BYTES), else a one-time probe: a copy of PROBE_BYTES in this process, their round
+        trip through the socket for a SharedKVPool."""
         if self.stats["fetch_bytes"] >= PROBE_BYTES:
             return self.stats["fetch_seconds"] / self.stats["fetch_bytes"]
         if self._probe is None:
@@ -208,7 +209,8 @@ class SharedKVPool(KVPool):
 
 def serve(path: str, max_bytes: int) -> None:
     """Serve a KVPool of raw-bytes blocks at unix socket `path` until killed, a thread per
-    client; messages are (method, *args) tuples, answers the method's result."""
+    client; messages are pickled (method, *args) tuples, answers the method's result. Anyone who
+    can open the socket is trusted: put it in a private folder (SharedKVPool.start's caller)."""
     pool, listener = KVPool(max_bytes), Listener(path, family="AF_UNIX")
 
     def client(conn: Connection) -> None:
