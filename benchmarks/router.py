@@ -55,6 +55,7 @@ from forgerl.gateway.routing import (
     PrefixIndex,
     RouterState,
     block_hashes,
+    dfs_order,
 )
 from forgerl.models import build_tiny_model
 from forgerl.types import SamplingParams
@@ -104,9 +105,14 @@ def measure_costs() -> Costs:
 
 @dataclass
 class Session:
+    """One agent session; its own random stream (seeded) draws its completions and tool
+    results, so every policy runs the same workload."""
+
     prompt: list[int]
     turns_left: int
     heavy: bool
+    seed: int = 0
+    rng: random.Random = field(default_factory=random.Random)
 
 
 @dataclass
@@ -119,6 +125,7 @@ class Request:
     flight: Flight | None = None
     completion: list[int] = field(default_factory=list)
     hit: int = 0
+    fetched: int = 0
     completion_at: float = 0.0
 
 
@@ -132,7 +139,8 @@ def make_traffic(n_groups: int, rate: float, seed: int) -> list[tuple[float, lis
         heavy = rng.random() < 0.2
         task = system + [rng.randrange(3, 1 << 30) for _ in range(rng.randint(64, 192))]
         turns = 8 if heavy else rng.randint(4, 6)
-        out.append((t, [Session(list(task), turns, heavy) for _ in range(G)]))
+        out.append((t, [Session(list(task), turns, heavy, rng.randrange(1 << 30))
+                        for _ in range(G)]))
     return out
 
 
@@ -141,11 +149,19 @@ def completion_len(rng: random.Random, heavy: bool) -> int:
 
 
 class Sim:
-    """N simulated engines behind RouterState(policy); see the module docstring."""
+    """N simulated engines behind RouterState(policy); see the module docstring. pool_tokens >
+    0 adds a global KV pool of that many tokens (LRU blocks, benchmarks/kv_pool.py): every
+    engine publishes to it what it prefills and finishes, and a prefill whose own cache holds
+    less fetches the rest of the pooled prefix at fetch_s_per_token."""
 
-    def __init__(self, n: int, policy: str, costs: Costs, seed: int) -> None:
-        self.n, self.costs, self.rng = n, costs, random.Random(seed + 1)
-        self.router = RouterState(n, POLICIES[policy], CACHE_TOKENS, MAX_BATCH)
+    def __init__(self, n: int, policy: str, costs: Costs, seed: int, pool_tokens: int = 0,
+                 fetch_s_per_token: float = 0.0) -> None:
+        self.n, self.costs = n, costs
+        self.router = RouterState(n, POLICIES[policy], CACHE_TOKENS, MAX_BATCH,
+                                  pool_blocks=pool_tokens // BLOCK,
+                                  fetch_s_per_token=fetch_s_per_token)
+        self.pool = PrefixIndex(1, pool_tokens // BLOCK) if pool_tokens else None
+        self.fetch_s_per_token = fetch_s_per_token
         self.cache = [PrefixIndex(1, CACHE_TOKENS // BLOCK) for _ in range(n)]
         self.oracle = PrefixIndex(1, 1 << 62)
         self.running: list[list[Request]] = [[] for _ in range(n)]
@@ -164,7 +180,8 @@ class Sim:
     def run(self, traffic) -> dict[str, float]:
         for t, sessions in traffic:
             for s in sessions:  # a copy: sessions grow as they run
-                self.push(t, "arrive", Session(list(s.prompt), s.turns_left, s.heavy))
+                self.push(t, "arrive", Session(list(s.prompt), s.turns_left, s.heavy, s.seed,
+                                               random.Random(s.seed)))
         now = 0.0
         while self.events:
             now, _, kind, item = heapq.heappop(self.events)
@@ -177,13 +194,15 @@ class Sim:
         hit = sum(r.hit for r in self.done)
         start = min(t for t, _ in traffic)
         return {"hit": hit / prompt, "achievable": self.achievable / prompt,
+                "pool_hit": sum(r.fetched for r in self.done) / prompt,
+                "fetched_tokens": sum(r.fetched for r in self.done),
                 "p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99)],
                 "tok_s": sum(len(r.completion) for r in self.done) / (now - start),
                 "requests": len(self.done)}
 
     def arrive(self, s: Session, now: float) -> None:
         hashes = block_hashes(s.prompt)
-        req = Request(s, list(s.prompt), hashes, completion_len(self.rng, s.heavy), now)
+        req = Request(s, list(s.prompt), hashes, completion_len(s.rng, s.heavy), now)
         self.achievable += min(self.oracle.matched(hashes)[0], len(s.prompt) - 1)
         self.oracle.add(0, hashes)
         self.route(req, now)
@@ -203,6 +222,12 @@ class Sim:
         while queue and len(rows) < MAX_BATCH:
             req = queue.popleft()
             req.hit = min(self.cache[i].matched(req.hashes)[0], len(req.prompt) - 1)
+            if self.pool is not None:  # fetch a longer pooled prefix; publish the prompt
+                pooled = min(self.pool.matched(req.hashes)[0], len(req.prompt) - 1)
+                if pooled > req.hit:
+                    req.fetched, req.hit = pooled - req.hit, pooled
+                    cost += req.fetched * self.fetch_s_per_token
+                self.pool.add(0, req.hashes)
             cost += (len(req.prompt) - req.hit) / self.costs.prefill_tok_s
             self.cache[i].add(0, req.hashes)
             rows.append(req)
@@ -215,16 +240,19 @@ class Sim:
     def step_end(self, i: int, now: float) -> None:
         keep = []
         for req in self.running[i]:
-            req.completion.append(self.rng.randrange(3, 1 << 30))
+            req.completion.append(req.session.rng.randrange(3, 1 << 30))
             self.router.token(req.flight, now)
             if len(req.completion) < req.target:
                 keep.append(req)
                 continue
             self.finish(i, req, now)
         self.running[i] = keep
-        while self.parked and self.router.choose(
-                self.parked[0].prompt, self.parked[0].hashes, 512)[0] is not None:
-            self.route(self.parked.popleft(), now)
+        if self.parked:  # released in the DFS order of their prompts, as Router._wake does
+            parked = deque(self.parked[k] for k in dfs_order([r.prompt for r in self.parked]))
+            self.parked = deque()
+            while parked and not self.parked:  # route parks one again when no slot is left
+                self.route(parked.popleft(), now)
+            self.parked.extend(parked)
         self.start_step(i, now)
 
     def finish(self, i: int, req: Request, now: float) -> None:
@@ -233,13 +261,15 @@ class Sim:
         seq_hashes = block_hashes(req.prompt + req.completion[:-1])
         self.cache[i].add(0, seq_hashes)
         self.oracle.add(0, seq_hashes)
+        if self.pool is not None:
+            self.pool.add(0, seq_hashes)
         self.router.land(req.flight, req.completion, now)
         s = req.session
         s.turns_left -= 1
         if s.turns_left > 0:
-            tool = [self.rng.randrange(3, 1 << 30) for _ in range(self.rng.randint(16, 48))]
+            tool = [s.rng.randrange(3, 1 << 30) for _ in range(s.rng.randint(16, 48))]
             s.prompt = req.prompt + req.completion + tool
-            self.push(now + self.rng.expovariate(1 / (30 * self.costs.step(1))), "arrive", s)
+            self.push(now + s.rng.expovariate(1 / (30 * self.costs.step(1))), "arrive", s)
 
 
 def simulate(costs: Costs, instances: list[int], groups_per_instance: int) -> list[dict]:

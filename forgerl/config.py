@@ -80,6 +80,15 @@ class LocalEngineConfig(_Section):
     cost_aware = least uncached prefill + marginal decode slowdown (measured t(B) = a + b·B)
     within a load bound of max_batch_size;
     affinity = where its prompt prefix was sent; round_robin = in turn."""
+    kv_pool: Literal["off", "process", "shared"] = "off"
+    """A global prefix-KV pool the instances share (forgerl/engines/kv_pool.py): each publishes
+    its KV blocks there and fetches a prefix its own prefix cache lacks; cost_aware weighs the
+    fetch at the pool's measured transfer cost. "process" = host memory of this process;
+    "shared" = a pool process behind a unix socket (engines in other processes can join);
+    "off" = none (docs/kv-pool.md)."""
+    kv_pool_bytes: int = Field(256 * 2**20, ge=1)
+    """The pool's bound in bytes (LRU); a token's KV is 2 · layers · kv_heads · head_dim · 4
+    bytes in fp32 (SmolLM2-135M: 46 KB)."""
 
 
 class RemoteEngineConfig(_Section):
@@ -640,6 +649,10 @@ class Config(_Section):
                 and self.cluster.backend == "local"):
             raise ValueError("engine.instances > 1 with engine.type = \"vllm\" needs "
                              "cluster.backend = \"ray\" (one vLLM per process)")
+        if (self.engine.type == "local" and self.engine.kv_pool != "off"
+                and self.cluster.backend == "ray"):
+            raise ValueError("engine.kv_pool: the pool is wired for local engines in this "
+                             "process only (cluster.backend = \"local\")")
         if self.warmstart.steps and (self.warmstart.demos is None or self.trainer.workers > 1
                                      or self.warmstart.steps > self.max_steps):
             raise ValueError("warmstart.steps needs warmstart.demos, trainer.workers = 1 and "

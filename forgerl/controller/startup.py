@@ -14,11 +14,13 @@ in `_build`, not at module level: `cli.main` sets up glibc's malloc arenas first
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import logging
 import os
 import re
+import tempfile
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
@@ -268,17 +270,20 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
             trainer.cpu_share = CpuShare(cores)
         if ec.speculative_tokens:  # a draft head, warmed up on the policy, trained online
             await asyncio.to_thread(_attach_drafter, trainer, ec)
+        kv_pool = _kv_pool(ec.kv_pool, ec.kv_pool_bytes)
         engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
                                max_batch_size=ec.max_batch_size, device=str(trainer.device),
                                prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
                                packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share,
-                               drafter=trainer.drafter, speculative_tokens=ec.speculative_tokens)
+                               drafter=trainer.drafter, speculative_tokens=ec.speculative_tokens,
+                               kv_pool=kv_pool)
                    for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]
     else:
         from forgerl.gateway.router import Router  # lazy: torch, as the engines
-        engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size)
+        engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size,
+                        kv_pool=getattr(engines[0], "kv_pool", None))
     if cluster is not None or ec.type != "local":
         # actors, servers and vLLM start from the config's weights: send the trainer's
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
@@ -296,6 +301,21 @@ def _attach_drafter(trainer: Any, ec: Any) -> None:
         samples = policy_samples(trainer.model, 16, 64)
         warm_start(drafter, trainer.model, samples, ec.drafter_warm_start_steps, k=ec.drafter_top_k)
     trainer.attach_drafter(drafter, ec.drafter_lr, ec.drafter_top_k)
+
+
+def _kv_pool(kind: str, max_bytes: int) -> Any:
+    """The local engines' KV pool for `[engine] kv_pool` (None for "off"); a "shared" pool's
+    process stops when this one exits."""
+    from forgerl.engines.kv_pool import KVPool, SharedKVPool  # lazy: torch
+
+    if kind == "process":
+        return KVPool(max_bytes)
+    if kind == "shared":
+        pool = SharedKVPool.start(Path(tempfile.mkdtemp(prefix="forgerl-kv-")) / "pool.sock",
+                                  max_bytes)
+        atexit.register(pool.close)
+        return pool
+    return None
 
 
 def eos_ids(model: Any) -> list[int]:

@@ -16,7 +16,9 @@ token rates, load bound) and asks a policy, a pure function of those loads, for 
   load bound: the prefill of the prompt tokens the instance does not hold plus the decode time
   the request adds there, both with the delay they impose on the requests already running (a
   continuous-batching engine's step costs t(B) = a + b·B seconds for B rows, so a request
-  queues behind nobody but slows every row it shares steps with).
+  queues behind nobody but slows every row it shares steps with). With a global KV pool
+  (`kv_pool`), an instance's prefill may instead fetch the pooled prefix at the pool's measured
+  transfer cost, whichever is cheaper.
 
 What each instance holds is the router's own estimate, a `PrefixIndex` (a trie of chained
 `BLOCK`-token block hashes, LRU-bounded per instance like the engines' prefix caches): a request's
@@ -39,7 +41,15 @@ from typing import Any
 import torch
 
 from forgerl.engines.base import RolloutEngine, TokenEvent
-from forgerl.gateway.routing import POLICIES, Flight, RouterState, block_hashes
+from forgerl.engines.blocks import BLOCK
+from forgerl.engines.kv_pool import KVPool, SharedKVPool
+from forgerl.gateway.routing import (
+    POLICIES,
+    Flight,
+    RouterState,
+    block_hashes,
+    dfs_order,
+)
 from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import DeltaEngine, DeltaMismatch, WeightDelta
 
@@ -73,19 +83,31 @@ class Router:
     version, e.g. a restarted actor) makes the whole delta refused, the others held back as
     above, and WeightSync's full sync that follows brings every instance to the new version.
     stats: the instances' own stats summed by key, plus RouterState.stats.
+    kv_pool: the global KV pool the instances share (engines/kv_pool.py; they need a
+    `kv_bytes_per_token`), or None: cost_aware then weighs fetching a pooled prefix at the pool's
+    measured seconds per byte against recomputing it. Requests waiting for a slot are released
+    in the DFS order of their prompts (`dfs_order`), so prefix-sharing requests go out together.
     """
 
     def __init__(self, instances: Sequence[RolloutEngine], router: str = "cost_aware",
-                 cache_tokens: int = 32768, load_bound: int | None = None) -> None:
+                 cache_tokens: int = 32768, load_bound: int | None = None,
+                 kv_pool: KVPool | None = None) -> None:
         if not instances or router not in POLICIES:
             raise ValueError(f"need >= 1 instance (got {len(instances)}) and router in "
                              f"{sorted(POLICIES)} (got {router!r})")
         self.instances = list(instances)
         bound = load_bound or getattr(self.instances[0], "max_batch_size", 16)
-        self.state = RouterState(len(instances), POLICIES[router], cache_tokens, bound)
+        self.kv_pool, self._token_bytes, pool_blocks = kv_pool, 0, 0
+        if kv_pool is not None:  # the instances' KV bytes per token price the pool's blocks
+            self._token_bytes = self.instances[0].kv_bytes_per_token  # type: ignore[attr-defined]
+            pool_blocks = max(kv_pool.max_bytes // (BLOCK * self._token_bytes), 1)
+        self.state = RouterState(len(instances), POLICIES[router], cache_tokens, bound,
+                                 pool_blocks=pool_blocks)
+        if kv_pool is not None:
+            self._price_fetch()
         self.max_model_len = min(e.max_model_len for e in self.instances)
         self.weight_version = self.instances[0].weight_version
-        self._freed = asyncio.Event()
+        self._waiters: list[tuple[list[int], asyncio.Event]] = []
 
     @property
     def weight_version(self) -> int:
@@ -137,8 +159,9 @@ class Router:
             if i is None:
                 if not any(s.routable(j) for j in range(s.n)):
                     raise RuntimeError("no healthy engine instance")
-                self._freed.clear()
-                await self._freed.wait()
+                freed = asyncio.Event()
+                self._waiters.append((prompt_ids, freed))
+                await freed.wait()
                 continue
             now = time.perf_counter()
             flight = s.dispatch(i, prompt_ids, hashes, cached, params.max_tokens, now)
@@ -203,7 +226,9 @@ class Router:
                 continue
             s.versions[i], s.healthy[i] = version, True
             s.index.forget(i)  # its cache was cleared with the old weights
-        self._freed.set()  # which instances are routable may have changed
+            if s.pool is not None:  # and it advanced the pool to the new version
+                s.pool.forget(0)
+        self._wake()  # which instances are routable may have changed
         if not failed:
             s.version = version
             return
@@ -215,9 +240,26 @@ class Router:
         ) from failed[0][1]
 
     async def close(self) -> None:
-        """Close every instance; idempotent."""
+        """Close every instance, then a SharedKVPool (`SharedKVPool.close`); idempotent."""
         await asyncio.gather(*(e.close() for e in self.instances))
+        if isinstance(self.kv_pool, SharedKVPool):
+            self.kv_pool.close()
 
     def _land(self, flight: Flight, completion_ids: list[int] | None) -> None:
         self.state.land(flight, completion_ids, time.perf_counter())
-        self._freed.set()
+        if self.kv_pool is not None:
+            self._price_fetch()
+        self._wake()
+
+    def _price_fetch(self) -> None:
+        """The pool's measured fetch cost per token, for the cost model."""
+        assert self.kv_pool is not None
+        self.state.fetch_s_per_token = self.kv_pool.seconds_per_byte() * self._token_bytes
+
+    def _wake(self) -> None:
+        """Wake the requests waiting for a slot in the DFS order of their prompts, so that a
+        group's siblings and the turns sharing a prefix are routed one after another, each
+        where (or while the pool holds what) the previous one just computed."""
+        waiters, self._waiters = self._waiters, []
+        for k in dfs_order([prompt for prompt, _ in waiters]):
+            waiters[k][1].set()  # asyncio resumes the waiters in this order

@@ -7,7 +7,8 @@ it is estimated to hold, measured token rates, load bound) from its `RouterState
 policy (`POLICIES`), a pure function of those loads, for an index: `round_robin`, `affinity`,
 `cost_aware` (router.py's docstring says what each does). What each instance holds is the
 router's own estimate, a `PrefixIndex` (a trie of chained `BLOCK`-token block hashes,
-`block_hashes`, LRU-bounded per instance); a request's prompt is recorded when it is sent
+`block_hashes` of forgerl/engines/blocks.py, LRU-bounded per instance; one more for a global KV
+pool); a request's prompt is recorded when it is sent
 (`Flight`), its prompt + completion when it finishes. `RouterState` keeps this bookkeeping and
 the measured costs on a clock the caller passes, so benchmarks/router.py runs the same code in a
 simulation.
@@ -19,22 +20,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-BLOCK = 16  # tokens per PrefixIndex block
+from forgerl.engines.blocks import BLOCK, block_hashes
+
 AFFINITY_MIN_MATCH = 0.5  # affinity follows a cached prefix covering at least this prompt share
 PRIOR_PREFILL_TOK_S, PRIOR_STEP_S = 2000.0, 0.01  # until measured: tokens/s, s per decode step
 EWMA = 0.2  # weight of a new rate sample
 FIT_DECAY = 0.05  # weight of a new sample in the step-time line's least-squares sums
-
-
-def block_hashes(ids: Sequence[int]) -> list[int]:
-    """Chained hashes of the full BLOCK-token blocks of `ids`: h_k = hash((h_{k-1}, block_k)), so
-    h_k names the whole prefix ids[: (k + 1) · BLOCK] (a node of a block trie). A partial last
-    block is left out."""
-    out, h = [], 0
-    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-        h = hash((h, tuple(ids[start : start + BLOCK])))
-        out.append(h)
-    return out
 
 
 class PrefixIndex:
@@ -99,6 +90,8 @@ class InstanceLoad:
     length expected of this request (tokens). overlap_tokens: Σ over the requests in flight of
     min(tokens still owed, expected_tokens), the rows this request will share its steps with,
     summed over those steps. load_bound: most requests in flight that cost_aware allows it.
+    pooled_tokens: prompt tokens the global KV pool is estimated to hold (0 without a pool);
+    fetch_s_per_token: the measured seconds to fetch one token's KV from it.
     """
 
     healthy: bool
@@ -110,6 +103,8 @@ class InstanceLoad:
     expected_tokens: float
     overlap_tokens: float
     load_bound: int
+    pooled_tokens: int = 0
+    fetch_s_per_token: float = 0.0
 
 
 Policy = Callable[[Sequence[InstanceLoad], int, int], int | None]
@@ -147,9 +142,17 @@ def estimated_seconds(load: InstanceLoad, prompt_len: int) -> float:
 
     L = expected_tokens. The decode terms differ between instances only by row_s · overlap (the
     marginal slowdown of sharing steps, counted once for it and once for the others), so a
-    cached prefix is worth a proportionally larger imbalance when steps are nearly flat in B."""
+    cached prefix is worth a proportionally larger imbalance when steps are nearly flat in B.
+    With a KV pool holding more of the prompt than the instance (pooled_tokens), p is the
+    cheaper of recomputing the difference and fetching it:
+    (pooled - cached) · fetch_s_per_token + (prompt_len - pooled) / prefill_tok_s."""
     uncached = max(prompt_len - load.cached_tokens, 0)
-    prefill = uncached / load.prefill_tok_s * (1 + load.in_flight)
+    prefill = uncached / load.prefill_tok_s
+    if load.pooled_tokens > load.cached_tokens:  # the third option: fetch the pooled prefix
+        fetched = (load.pooled_tokens - load.cached_tokens) * load.fetch_s_per_token
+        rest = max(prompt_len - load.pooled_tokens, 0) / load.prefill_tok_s
+        prefill = min(prefill, fetched + rest)
+    prefill *= 1 + load.in_flight
     big_l = load.expected_tokens
     return prefill + big_l * load.step_s + load.row_s * (big_l + 2 * load.overlap_tokens)
 
@@ -159,6 +162,12 @@ def cost_aware(loads: Sequence[InstanceLoad], prompt_len: int, turn: int) -> int
     index); None when none qualifies (the router then waits for a free slot)."""
     ok = [i for i, x in enumerate(loads) if x.healthy and x.in_flight < x.load_bound]
     return min(ok, key=lambda i: (estimated_seconds(loads[i], prompt_len), i), default=None)
+
+
+def dfs_order(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of `prompts` in the depth-first order of their prefix trie (lexicographic order
+    of the token ids; ties keep their order): prompts sharing a prefix become consecutive."""
+    return sorted(range(len(prompts)), key=lambda k: tuple(prompts[k]))
 
 
 POLICIES: dict[str, Policy] = {p.__name__: p for p in (round_robin, affinity, cost_aware)}
@@ -191,12 +200,18 @@ class RouterState:
     measured instances, else PRIOR_PREFILL_TOK_S and a = PRIOR_STEP_S, b = a / load_bound.
     Expected completion L = EWMA of finished completion lengths (the request's max_tokens before
     one), capped by its max_tokens; owed tokens per flight = max(min(max_tokens, L) - produced, 0).
+    With a global KV pool (pool_blocks > 0, its capacity in blocks), `pool` records the prompts
+    prefilled (at their first token) and the sequences finished on any instance (every instance
+    publishes its KV there after a prefill and when a row finishes), and
+    fetch_s_per_token (the pool's measured cost, set by the caller) prices fetching them.
     """
 
     n: int
     policy: Policy
     cache_tokens: int = 32768
     load_bound: int = 16
+    pool_blocks: int = 0
+    fetch_s_per_token: float = 0.0
     version: int = 0
     mean_completion: float | None = None
     turn: int = 0
@@ -205,12 +220,14 @@ class RouterState:
     def __post_init__(self) -> None:
         n = self.n
         self.index = PrefixIndex(n, self.cache_tokens // BLOCK)
+        self.pool = PrefixIndex(1, self.pool_blocks) if self.pool_blocks else None
         self.flights: list[list[Flight]] = [[] for _ in range(n)]
         self.healthy, self.versions = [True] * n, [0] * n
         self.prefill_tok_s: list[float | None] = [None] * n
         self.fits: list[list[float] | None] = [None] * n  # EW sums w, Σx, Σy, Σxx, Σxy
         for i in range(self.n):
-            for key in ("requests", "prompt_tokens", "cache_hit_tokens", "queue_peak"):
+            for key in ("requests", "prompt_tokens", "cache_hit_tokens", "pool_fetch_tokens",
+                        "queue_peak"):
                 self.counters[f"instance{i}_{key}"] = 0
 
     def routable(self, i: int) -> bool:
@@ -221,6 +238,7 @@ class RouterState:
               max_tokens: int | None = None) -> list[InstanceLoad]:
         """Every instance's InstanceLoad for this prompt (max_tokens caps its expected length)."""
         cached = self.index.matched(hashes)
+        pooled = min(self.pool.matched(hashes)[0], len(prompt_ids) - 1) if self.pool else 0
         big_l = min(self.mean_completion or max_tokens or 256, max_tokens or 1 << 30)
         out = []
         for i in range(self.n):
@@ -229,7 +247,7 @@ class RouterState:
             out.append(InstanceLoad(
                 self.routable(i), len(self.flights[i]), min(cached[i], len(prompt_ids) - 1),
                 self._rate(self.prefill_tok_s, i, PRIOR_PREFILL_TOK_S), a, b, big_l, overlap,
-                self.load_bound))
+                self.load_bound, pooled, self.fetch_s_per_token))
         return out
 
     def step_line(self, i: int) -> tuple[float, float]:
@@ -248,22 +266,28 @@ class RouterState:
 
     def choose(self, prompt_ids: Sequence[int], hashes: Sequence[int],
                max_tokens: int | None = None) -> tuple[int | None, int]:
-        """(instance the policy picks or None, its estimated cached prompt tokens)."""
+        """(instance the policy picks or None, its estimated reused prompt tokens: cached there,
+        or pooled when the pool holds more, since an engine fetches a longer pooled prefix)."""
         loads = self.loads(prompt_ids, hashes, max_tokens)
         i = self.policy(loads, len(prompt_ids), self.turn)
-        return i, (loads[i].cached_tokens if i is not None else 0)
+        if i is None:
+            return None, 0
+        return i, max(loads[i].cached_tokens, loads[i].pooled_tokens)
 
     def dispatch(self, i: int, prompt_ids: list[int], hashes: Sequence[int], cached: int,
                  max_tokens: int, now: float) -> Flight:
-        """Record a request sent to instance i (it will hold the prompt's prefixes)."""
+        """Record a request sent to instance i (it will hold the prompt's prefixes; the pool
+        from its first token on); `cached`: the reused prompt tokens `choose` estimated."""
         self.turn += 1
         flight = Flight(i, prompt_ids, max_tokens, len(prompt_ids) - cached, now)
         self.flights[i].append(flight)
+        local = min(self.index.matched(hashes)[i], len(prompt_ids) - 1)
         self.index.add(i, hashes)
         c = self.counters
         c[f"instance{i}_requests"] += 1
         c[f"instance{i}_prompt_tokens"] += len(prompt_ids)
         c[f"instance{i}_cache_hit_tokens"] += cached
+        c[f"instance{i}_pool_fetch_tokens"] += max(cached - local, 0)
         c[f"instance{i}_queue_peak"] = max(c[f"instance{i}_queue_peak"], len(self.flights[i]))
         return flight
 
@@ -272,6 +296,8 @@ class RouterState:
         i = flight.instance
         if flight.first_at is None:
             flight.first_at = now
+            if self.pool is not None:  # its prefill published the prompt's blocks
+                self.pool.add(0, block_hashes(flight.prompt_ids))
             if flight.uncached >= BLOCK and now > flight.sent_at:
                 self._sample(self.prefill_tok_s, i, flight.uncached / (now - flight.sent_at))
             flight.produced, count = 1, count - 1
@@ -286,7 +312,10 @@ class RouterState:
         if completion_ids is None:
             return
         if self.versions[i] == self.version:  # KV built by weights the record still describes
-            self.index.add(i, block_hashes(flight.prompt_ids + completion_ids[:-1]))
+            hashes = block_hashes(flight.prompt_ids + completion_ids[:-1])
+            self.index.add(i, hashes)
+            if self.pool is not None:
+                self.pool.add(0, hashes)
         c = len(completion_ids)
         self.mean_completion = c if self.mean_completion is None else (
             (1 - EWMA) * self.mean_completion + EWMA * c)
@@ -295,8 +324,9 @@ class RouterState:
             self._fit(i, flight.batch_sum / steps, (now - flight.first_at) / steps)
 
     def stats(self) -> dict[str, int | float]:
-        """Flat counters per instance: requests, prompt_tokens, cache_hit_tokens (estimated),
-        queue_depth (in flight now), queue_peak, healthy (0/1), prefill_tok_s, and the step line
+        """Flat counters per instance: requests, prompt_tokens, cache_hit_tokens (estimated, pool
+        fetches included), pool_fetch_tokens (estimated), queue_depth (in flight now),
+        queue_peak, healthy (0/1), prefill_tok_s, and the step line
         step_s, row_s (seconds; 0 until measured)."""
         out = dict(self.counters)
         for i in range(self.n):

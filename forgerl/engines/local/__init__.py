@@ -30,7 +30,9 @@ position ids continuing from the reused length (agent prompts share a long syste
 turn k + 1 extends turn k's prompt + completion). Newcomers that share a prefix with each other
 (a group of G rollouts) are prefilled in waves: the first computes the shared part, the others
 reuse it. A weight update clears the cache, so every KV the engine attends over was built by the
-current weights.
+current weights. With a `kv_pool` (forgerl/engines/kv_pool.py, shared by instances), the same
+KV is also published there in BLOCK-token blocks, and a prefill whose cache hit is shorter than
+the pooled prefix fetches that instead (`ContinuousBatcher._lookup`).
 
 Padding is on the left (a prefill reusing cached KV lays out [pad, reused KV, pad, new tokens]);
 an explicit 2D attention mask and per-row position ids make a batched row compute the same

@@ -15,6 +15,7 @@ from collections import deque
 import torch
 
 from forgerl.cpu_share import CpuShare
+from forgerl.engines.kv_pool import KVPool, fetch, publish
 from forgerl.engines.local.kv_batch import _Batch, _fail, _KVCache, _Request
 from forgerl.engines.local.prefix_cache import KV, PrefixCache, common_prefix
 from forgerl.engines.local.routes import RouteRecorder, joined
@@ -35,6 +36,7 @@ class ContinuousBatcher(SpeculativeDecoder):
     cpu_share: CpuShare | None
     prefix_cache: PrefixCache
     recorder: RouteRecorder | None
+    kv_pool: KVPool | None
     stats: dict
     _waiting: deque[_Request]
     _batch: _Batch | None
@@ -146,7 +148,7 @@ class ContinuousBatcher(SpeculativeDecoder):
         no forward runs: the rows get their cached KV and that token as pending, and the next
         decode step computes its logits and samples (one forward per step instead of two)."""
         seqs = [tuple(r.prompt_ids + r.completion_ids) for r in rows]
-        hits = [self.prefix_cache.lookup(s) for s in seqs]
+        hits = [self._lookup(s) for s in seqs]
         past = max(n for n, _ in hits)
         reused = sum(n for n, _ in hits)
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
@@ -187,10 +189,29 @@ class ContinuousBatcher(SpeculativeDecoder):
                                                                          strict=True)], ids.shape)
         self.note_hidden(rows)
         batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
-        if self.prefix_cache.max_tokens:
+        if self.prefix_cache.max_tokens or self.kv_pool is not None:
             for i, seq in enumerate(seqs):
-                self.prefix_cache.insert(seq, batch.row_kv(i), self._routes(rows[i]))
+                self._keep(seq, batch.row_kv(i), self._routes(rows[i]))
         return batch
+
+    def _lookup(self, seq: tuple[int, ...]) -> tuple[int, KV | None]:
+        """The prefix cache's longest hit, or the KV pool's prefix when it is longer."""
+        n, kv = self.prefix_cache.lookup(seq)
+        if self.kv_pool is not None:
+            m, pooled = fetch(self.kv_pool, self.weight_version, seq, n)
+            if pooled is not None:
+                self.stats["pool_hits"] += 1
+                self.stats["pool_hit_tokens"] += m - n
+                return m, pooled
+        return n, kv
+
+    def _keep(self, seq: tuple[int, ...], kv: KV, routes: torch.Tensor | None) -> None:
+        """Insert a row's KV (and a MoE row's routes) into the prefix cache and publish the KV
+        to the KV pool."""
+        if self.prefix_cache.max_tokens:
+            self.prefix_cache.insert(seq, kv, routes)
+        if self.kv_pool is not None:
+            publish(self.kv_pool, self.weight_version, seq, kv)
 
     @staticmethod
     def _stack_past(hits: list[tuple[int, KV | None]], past: int) -> KV:
@@ -232,9 +253,9 @@ class ContinuousBatcher(SpeculativeDecoder):
         keep = []
         for i, req in enumerate(batch.rows):
             if req.finish_reason is not None:
-                if self.prefix_cache.max_tokens:
-                    seq = tuple(req.prompt_ids + req.completion_ids[:-1])
-                    self.prefix_cache.insert(seq, batch.row_kv(i), self._routes(req))
+                if self.prefix_cache.max_tokens or self.kv_pool is not None:
+                    self._keep(tuple(req.prompt_ids + req.completion_ids[:-1]), batch.row_kv(i),
+                               self._routes(req))
                 req.resolve()
             elif not req.cancelled:
                 keep.append(i)

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from forgerl.cpu_share import CpuShare
 from forgerl.drafter import PREFIX, Drafter
 from forgerl.engines.base import TokenEvent
+from forgerl.engines.kv_pool import KVPool
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
@@ -55,13 +56,18 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     "decode_rows" (rows in them: decode_rows / decode_steps is the mean batch occupancy, and
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
-    (steps run on half of the cores beside the trainer, `cpu_share`).
+    (steps run on half of the cores beside the trainer, `cpu_share`), "pool_hits" and
+    "pool_hit_tokens" (prefills that fetched a longer prefix from `kv_pool`, and the tokens
+    fetched beyond the local hit; both also count in prefix_hits / prefix_hit_tokens).
     A MoE model's routed experts are recorded (`GenerateOutput.routed_experts`, `routes.py`).
     drafter, speculative_tokens: an MTP draft head (`forgerl.drafter.Drafter`, copied) and
     the drafts per speculative decode step (0: off; > 0 needs a drafter; speculative.py). The
     drafter's tensors are engine weights named `drafter.<name>`, updated by `update_weights`
     and `apply_delta` like the policy's; stats then count "spec_steps", "draft_tokens",
     "accepted_tokens" and "spec_tokens".
+    kv_pool: a `forgerl.engines.kv_pool.KVPool` shared with other instances (None: off); the
+    engine publishes its KV there and fetches prefixes its own cache lacks; a weight update
+    advances it to the new version (every older block is dropped).
     """
 
     _closed_message = "LocalEngine is closed"
@@ -78,6 +84,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         cpu_share: CpuShare | None = None,
         drafter: Drafter | None = None,
         speculative_tokens: int = 0,
+        kv_pool: KVPool | None = None,
     ) -> None:
         if speculative_tokens < 0 or (speculative_tokens and drafter is None):
             raise ValueError(f"speculative_tokens ({speculative_tokens}) must be >= 0, and > 0 "
@@ -111,11 +118,16 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         if self.recorder and speculative_tokens:  # a draft step would record no routes
             raise ValueError("speculative_tokens > 0 is not supported for a MoE model (its "
                              "routed experts are recorded per decoded token)")
+        if self.recorder and kv_pool is not None:  # the pool holds KV, not routes
+            raise ValueError("kv_pool is not supported for a MoE model (the pool holds no "
+                             "routed experts)")
+        self.kv_pool = kv_pool
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
                       "cpu_shared_steps": 0, "spec_steps": 0, "draft_tokens": 0,
-                      "accepted_tokens": 0, "spec_tokens": 0}
+                      "accepted_tokens": 0, "spec_tokens": 0, "pool_hits": 0,
+                      "pool_hit_tokens": 0}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------
@@ -181,6 +193,14 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         """
         self._check_state_dict(state_dict)
         await self._submit_update(state_dict, version)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's KV: 2 · layers · kv_heads · head_dim · the dtype's size."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        size = self.weight_dtype.itemsize
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -284,6 +304,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
             return
         self.weight_version = update.version
         self.prefix_cache.clear()
+        if self.kv_pool is not None:
+            self.kv_pool.advance(update.version)
         if self._batch is not None:  # KV caches were built by the old weights: rebuild them
             self._waiting.extendleft(reversed(self._batch.rows))
             self._batch = None
