@@ -13,6 +13,7 @@ import asyncio
 import copy
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -22,10 +23,19 @@ from forgerl.engines.base import TokenEvent
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
-from forgerl.engines.local.prefix_cache import PrefixCache
+from forgerl.engines.local.prefix_cache import KV, PrefixCache
 from forgerl.engines.worker import ThreadWorker, WeightUpdate
 from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import WeightDelta, apply_delta
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """KV for token ids offered by `LocalEngine.insert_prefix`, built under weights `version`."""
+
+    ids: tuple[int, ...]
+    kv: KV
+    version: int
 
 
 class LocalEngine(ContinuousBatcher, ThreadWorker):
@@ -52,7 +62,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     "decode_rows" (rows in them: decode_rows / decode_steps is the mean batch occupancy, and
     decode_rows / decode_seconds the engine's decode rate in tokens/s), "decode_seconds" and
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
-    (steps run on half of the cores beside the trainer, `cpu_share`).
+    (steps run on half of the cores beside the trainer, `cpu_share`), "handoffs_stale" (KV
+    offered by `insert_prefix` under an older weight version, dropped).
     """
 
     _closed_message = "LocalEngine is closed"
@@ -91,7 +102,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         self.stats = {"prefill_tokens": 0, "prefix_hits": 0, "prefix_hit_tokens": 0,
                       "max_batch_size": max_batch_size, "queued_peak": 0, "decode_steps": 0,
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-                      "cpu_shared_steps": 0}
+                      "cpu_shared_steps": 0, "handoffs_stale": 0}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------
@@ -169,6 +180,16 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         unless the engine holds exactly the weights of `delta.base_version`."""
         await self._submit_update(delta, version)
 
+    def insert_prefix(self, prefix_ids: list[int], kv: KV, version: int) -> None:
+        """Offer KV built elsewhere (a prefill process: forgerl/engines/disaggregated.py) for
+        `prefix_ids` to the prefix cache; thread-safe, returns at once. kv: per layer (keys,
+        values), each (kv_heads, len(prefix_ids), head_dim) in the engine's dtype. The worker
+        thread inserts it only if `version` is still its weight_version when it takes it (else it
+        counts stats["handoffs_stale"]), and before any request submitted after this call, so a
+        request whose prompt extends `prefix_ids` by one token joins the next decode step with
+        no prefill forward (batcher.py `_prefill_wave`)."""
+        self._inbox.put(_Prefix(tuple(prefix_ids), kv, version))
+
     # ---- validation ---------------------------------------------------------------------------
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -215,7 +236,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         for item in self._leftovers():
             if isinstance(item, _Request):
                 item.resolve("abort")
-            else:
+            elif isinstance(item, WeightUpdate):
                 item.settle(RuntimeError(self._closed_message), error=True)
 
     def _busy(self) -> bool:
@@ -238,10 +259,16 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
             rows, self._batch = (self._batch.rows if self._batch else []), None
             _fail(rows, exc)
 
-    def _take(self, item: _Request | WeightUpdate) -> None:
-        """Move a new request to the waiting queue, or apply a weight update (worker thread)."""
+    def _take(self, item: _Request | WeightUpdate | _Prefix) -> None:
+        """Move a new request to the waiting queue, insert offered KV built under the current
+        weights, or apply a weight update (worker thread)."""
         if isinstance(item, _Request):
             self._waiting.append(item)
+        elif isinstance(item, _Prefix):
+            stale = item.version != self.weight_version
+            self.stats["handoffs_stale"] += stale
+            if not stale:
+                self.prefix_cache.insert(item.ids, item.kv)
         else:
             self._apply_update(item)
 
