@@ -69,6 +69,11 @@ class LocalEngineConfig(_Section):
     cost_aware = least uncached prefill + marginal decode slowdown (measured t(B) = a + b·B)
     within a load bound of max_batch_size;
     affinity = where its prompt prefix was sent; round_robin = in turn."""
+    disaggregated: bool = False
+    """Prefill in one process and decode in another, the prompt's KV handed over in shared
+    memory (forgerl/engines/disaggregated.py, docs/disaggregation.md); each instance is such a
+    pair, with one torch thread per process. Needs prefix_cache_tokens >= model.max_model_len
+    (the decode process's cache receives the hand-offs)."""
 
 
 class RemoteEngineConfig(_Section):
@@ -123,6 +128,10 @@ class VllmEngineConfig(_Section):
     """How each request picks an instance when instances > 1 (as LocalEngineConfig.router)."""
     prefix_cache_tokens: int = Field(46_000, ge=0)
     """Prefix-cache tokens the router assumes each instance holds (its KV cache)."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """vLLM's KV-transfer settings (its KVTransferConfig fields, e.g. {kv_connector =
+    "NixlConnector", kv_role = "kv_both"}) for prefill/decode disaggregation on GPUs, handed
+    to vLLM's engine arguments as given (`--kv-transfer-config` for a server); None: off."""
 
     @property
     def max_batch_size(self) -> int:
@@ -625,6 +634,16 @@ class Config(_Section):
                                      or self.warmstart.steps > self.max_steps):
             raise ValueError("warmstart.steps needs warmstart.demos, trainer.workers = 1 and "
                              "max_steps >= it (max_steps counts warm-start and RL steps)")
+        if self.engine.type == "local" and self.engine.disaggregated and (
+                self.cluster.backend == "ray"):
+            raise ValueError("engine.disaggregated runs its own processes: it needs "
+                             "cluster.backend = \"local\"")
+        if (self.engine.type == "local" and self.engine.disaggregated
+                and self.engine.prefix_cache_tokens < self.model.max_model_len):
+            raise ValueError(f"engine.disaggregated needs engine.prefix_cache_tokens "
+                             f"({self.engine.prefix_cache_tokens}) >= model.max_model_len "
+                             f"({self.model.max_model_len}): the decode process caches the "
+                             "prompt's KV")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

@@ -77,7 +77,7 @@ class DisaggregatedEngine:
         if prefix_cache_tokens < max_model_len or threads < 1:
             raise ValueError(f"prefix_cache_tokens ({prefix_cache_tokens}) must be >= "
                              f"max_model_len ({max_model_len}) and threads ({threads}) >= 1")
-        self.max_model_len, self.weight_version = max_model_len, 0
+        self.max_model_len, self._version = max_model_len, 0
         self.vocab_size = model.get_input_embeddings().num_embeddings
         dtype = dtype or torch.float32
         self.weight_dtype, self.device = dtype, torch.device("cpu")
@@ -117,6 +117,18 @@ class DisaggregatedEngine:
         self._reader.start()
 
     # ---- RolloutEngine API (event-loop side) --------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version new requests are stamped with; setting it (a run resumed at step k)
+        tells both workers, as assigning LocalEngine.weight_version does."""
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        for conn in (self._prefill, self._decode):
+            self._send(conn, ("version", version))
+        self._version = version
 
     def load(self) -> dict[str, int]:
         """{"running": requests in flight, "waiting": 0} (a gauge for the router)."""
@@ -197,7 +209,7 @@ class DisaggregatedEngine:
         results = await asyncio.gather(*futures, return_exceptions=True)
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise errors[0]
-        self.weight_version = version
+        self._version = version
 
     def _send(self, conn: Connection, msg: tuple, quiet: bool = False) -> None:
         try:
@@ -250,8 +262,9 @@ class DisaggregatedEngine:
             self._kill()
         for loop, events in list(self._live.values()):
             push(loop, events, item)
+        error = RuntimeError(self._dead or self._closed_message)
         for loop, future in list(self._acks.values()):
-            loop.call_soon_threadsafe(_settle, future, RuntimeError(self._dead or self._closed_message))
+            loop.call_soon_threadsafe(_settle, future, error)
         self._acks.clear()
 
     def _join(self) -> None:
@@ -320,6 +333,8 @@ def _prefill_main(model: torch.nn.Module, conn: Connection, handoff: Connection,
                 continue
             now = time.perf_counter()
             handoff.send(("request", rid, prompt, sampling, kv, version, now - start, now))
+        elif msg[0] == "version":
+            version = msg[1]
         else:
             version = _apply(msg, params, version, cache, conn)
 
@@ -378,6 +393,8 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
                 cancelled.add(rid)
         elif kind == "error":
             conn.send(("event", rid, msg[2]))
+        elif kind == "version":
+            engine.weight_version = rid
         elif kind == "request":
             if rid in cancelled:
                 cancelled.discard(rid)
@@ -390,7 +407,8 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
                 stats["handoff_bytes"] += kv.nbytes
                 stats["prefill_process_seconds"] += seconds
                 engine.insert_prefix(prompt[:-1], unpack_kv(kv), version)
-            tasks[rid] = asyncio.create_task(_relay(engine, rid, prompt, sampling, conn, tasks))
+            tasks[rid] = asyncio.create_task(_relay(engine, rid, prompt, sampling, conn, tasks,
+                                                             stats))
             conn.send(("stats", stats | engine.stats))
         else:  # a weight update: in order, before later messages
             await _decode_update(engine, msg, conn)
@@ -412,10 +430,13 @@ async def _decode_update(engine: LocalEngine, msg: tuple, conn: Connection) -> N
 
 
 async def _relay(engine: LocalEngine, rid: int, prompt: list[int], params: SamplingParams,
-                 conn: Connection, tasks: dict) -> None:
-    """Stream one request in the decode engine; send each item (or its error) to the caller."""
+                 conn: Connection, tasks: dict, stats: dict) -> None:
+    """Stream one request in the decode engine; send each item (or its error) to the caller,
+    the stats before the closing GenerateOutput."""
     try:
         async for item in engine.stream(prompt, params):
+            if isinstance(item, GenerateOutput):
+                conn.send(("stats", stats | engine.stats))
             conn.send(("event", rid, item))
     except asyncio.CancelledError:
         pass
