@@ -399,9 +399,9 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
             if rid in cancelled:
                 cancelled.discard(rid)
                 continue
-            _, _, prompt, sampling, kv, version, seconds, sent_at = msg
+            _, _, prompt, sampling, kv, version, seconds, sent_at, received_at = msg
             if kv is not None:
-                stats["handoff_seconds"] += time.perf_counter() - sent_at
+                stats["handoff_seconds"] += received_at - sent_at
                 stats["handoffs"] += 1
                 stats["handoff_tokens"] += len(prompt) - 1
                 stats["handoff_bytes"] += kv.nbytes
@@ -450,6 +450,8 @@ def _pump(conn: Connection, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queu
     """Thread: move messages from `conn` to the event loop's inbox; ("close",) at EOF."""
     while True:
         msg = _recv_or_close(conn)
+        if msg[0] == "request":  # the hand-off's arrival: unpickled, its KV mapped
+            msg = (*msg, time.perf_counter())
         loop.call_soon_threadsafe(inbox.put_nowait, msg)
         if msg[0] == "close":
             return
