@@ -1,10 +1,11 @@
 """Prefill/decode disaggregation: decode inter-token latency while long prompts keep arriving.
 
-Run: `.venv/bin/python benchmarks/disaggregation.py [--seconds 20] [--streams 4]
+Run: `.venv/bin/python benchmarks/disaggregation.py [--seconds 10] [--rounds 2] [--streams 4]
 [--prompt 256] [--every 0.5]`.
 
 SmolLM2-135M fp32 (the packaged model; `--tiny` for the random 2-layer test model). All
-settings in this one run, back to back, on the same traffic: `--streams` running greedy decode
+settings in this one run, `--rounds` rounds of `--seconds` each, interleaved (the machine's
+load drifts), on the same traffic: `--streams` running greedy decode
 streams (8-token prompts, 64 tokens each, restarted when done), and a new long prompt
 (`--prompt` distinct random ids, 2 completion tokens) `--every` seconds after the previous one
 finished (one in flight at a time, so the prefill queue stays bounded). Measured in the caller's
@@ -65,57 +66,69 @@ async def long_prompts(engine, length: int, every: float, stop: float, vocab: in
     return sent
 
 
-async def measure(engine, args: argparse.Namespace, vocab: int) -> dict:
-    """Warm up, then run the streams and the long prompts for args.seconds."""
+async def measure(engine, args: argparse.Namespace, vocab: int, row: dict) -> None:
+    """Warm up, then run the streams and the long prompts for args.seconds; add the token gaps,
+    tokens, seconds and prompts sent to `row`."""
     await engine.generate([1, 5, 6, 7], SamplingParams(0.0, max_tokens=4))
     start = time.perf_counter()
     stop = start + args.seconds
-    gaps: list[float] = []
-    streams = [stream_forever(engine, [1, *range(10 + 8 * i, 17 + 8 * i)], stop, gaps)
+    streams = [stream_forever(engine, [1, *range(10 + 8 * i, 17 + 8 * i)], stop, row["gaps"])
                for i in range(args.streams)]
     *tokens, sent = await asyncio.gather(*streams, long_prompts(engine, args.prompt, args.every,
-                                                                stop, vocab, seed=0))
-    seconds = time.perf_counter() - start
-    q = statistics.quantiles(gaps, n=100)
-    return {"p50_ms": 1e3 * q[49], "p99_ms": 1e3 * q[98], "max_ms": 1e3 * max(gaps),
-            "tok_s": sum(tokens) / seconds, "prompts": sent}
+                                                                stop, vocab, seed=len(row["gaps"])))
+    row["tokens"] += sum(tokens)
+    row["seconds"] += time.perf_counter() - start
+    row["prompts"] += sent
+
+
+def summary(row: dict) -> dict:
+    """ITL quantiles (ms), decode tokens/s and prompts of one setting's pooled rounds."""
+    q = statistics.quantiles(row["gaps"], n=100)
+    return {"p50": 1e3 * q[49], "p90": 1e3 * q[89], "p99": 1e3 * q[98],
+            "max": 1e3 * max(row["gaps"]), "tok_s": row["tokens"] / row["seconds"],
+            "prompts": row["prompts"]}
 
 
 async def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
     model = build_tiny_model() if args.tiny else load_pretrained("smollm2")[0]
     vocab = model.get_input_embeddings().num_embeddings
     max_len = args.prompt + 128
-    rows = {}
-    for threads in (2, 1):  # the mixed engine's worker: both threads, then one
-        torch.set_num_threads(threads)
-        mixed = LocalEngine(model, max_model_len=max_len, max_batch_size=16)
-        rows[f"mixed (1 process, {threads} thread{'s' * (threads > 1)})"] = await measure(
-            mixed, args, vocab)
-        await mixed.close()
+    names = ["mixed (1 process, 2 threads)", "mixed (1 process, 1 thread)",
+             "disaggregated (2 processes, 1 thread each)"]
+    rows = {n: {"gaps": [], "tokens": 0, "seconds": 0.0, "prompts": 0} for n in names}
     torch.set_num_threads(1)
     start = time.perf_counter()
     disagg = DisaggregatedEngine(model, max_model_len=max_len, max_batch_size=16,
                                  prefix_cache_tokens=32768, threads=1)
     started = time.perf_counter() - start
-    rows["disaggregated (2 processes, 1 thread each)"] = await measure(disagg, args, vocab)
+    for _ in range(args.rounds):  # interleaved, so a change in the machine's load hits all
+        for threads, name in ((2, names[0]), (1, names[1])):  # the mixed worker's threads
+            torch.set_num_threads(threads)
+            mixed = LocalEngine(model, max_model_len=max_len, max_batch_size=16)
+            await measure(mixed, args, vocab, rows[name])
+            await mixed.close()
+        torch.set_num_threads(1)
+        await measure(disagg, args, vocab, rows[names[2]])
     stats = dict(disagg.stats)
     await disagg.close()
     print(f"model: {'tiny' if args.tiny else 'SmolLM2-135M'} fp32; {args.streams} streams, a "
-          f"{args.prompt}-token prompt {args.every} s after the last, {args.seconds} s per setting")
-    print(f"{'setting':44} {'ITL p50 ms':>10} {'p99 ms':>8} {'max ms':>8} {'tok/s':>7} "
+          f"{args.prompt}-token prompt {args.every} s after the last; {args.rounds} rounds of "
+          f"{args.seconds} s per setting, interleaved")
+    print(f"{'setting':44} {'ITL p50 ms':>10} {'p90':>7} {'p99':>7} {'max':>7} {'tok/s':>6} "
           f"{'prompts':>7}")
-    for name, r in rows.items():
-        print(f"{name:44} {r['p50_ms']:10.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f} "
-              f"{r['tok_s']:7.1f} {r['prompts']:7d}")
-    *mixed_rows, d = rows.values()
-    for threads, m in zip((2, 1), mixed_rows, strict=True):
-        print(f"ratio disaggregated / mixed at {threads} thread(s): p50 "
-              f"{d['p50_ms'] / m['p50_ms']:.2f}, p99 {d['p99_ms'] / m['p99_ms']:.2f}, "
-              f"tok/s {d['tok_s'] / m['tok_s']:.2f}")
+    table = {name: summary(row) for name, row in rows.items()}
+    for name, r in table.items():
+        print(f"{name:44} {r['p50']:10.1f} {r['p90']:7.1f} {r['p99']:7.1f} {r['max']:7.1f} "
+              f"{r['tok_s']:6.1f} {r['prompts']:7d}")
+    d = table[names[2]]
+    for name in names[:2]:
+        m = table[name]
+        print(f"disaggregated / {name}: p50 {d['p50'] / m['p50']:.2f}, p90 "
+              f"{d['p90'] / m['p90']:.2f}, p99 {d['p99'] / m['p99']:.2f}, tok/s "
+              f"{d['tok_s'] / m['tok_s']:.2f}")
     tokens = max(stats["handoff_tokens"], 1)
     print(f"hand-off: {stats['handoffs']} prompts, {stats['handoff_tokens']} tokens, "
-          f"{1e6 * stats['handoff_seconds'] / tokens:.2f} us/token, "
+          f"{1e6 * stats['handoff_seconds'] / tokens:.1f} us/token, "
           f"{stats['handoff_bytes'] / tokens / 1024:.1f} KiB/token, "
           f"{1e3 * stats['handoff_seconds'] / max(stats['handoffs'], 1):.2f} ms/prompt; prefill "
           f"process {1e6 * stats['prefill_process_seconds'] / tokens:.1f} us/token; stale "
@@ -125,7 +138,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--every", type=float, default=0.5)

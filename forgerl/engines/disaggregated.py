@@ -52,6 +52,8 @@ from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import WeightDelta, apply_delta, pack, unpack
 
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then fails the constructor
+HANDOFF_STATS = {"handoffs": 0, "handoff_tokens": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
+                 "prefill_process_seconds": 0.0}  # the decode process's counters
 
 
 class DisaggregatedEngine:
@@ -63,8 +65,8 @@ class DisaggregatedEngine:
     keeps a prefix cache of the same bound). threads: torch intra-op threads of each process.
     stats: the decode engine's stats (as LocalEngine's), plus "handoffs" (requests that came
     with KV), "handoff_tokens", "handoff_bytes", "handoff_seconds" (from the prefill process's
-    send to the KV's arrival in the decode process: pickling, the pipe, mapping the shared
-    memory) and "prefill_process_seconds" (the prefill forwards).
+    send to the KV's arrival in the decode process: into shared memory, the pipe, mapping it,
+    copying it out) and "prefill_process_seconds" (the prefill forwards).
     Raises ValueError for bad settings, RuntimeError when a worker does not start.
     """
 
@@ -87,8 +89,7 @@ class DisaggregatedEngine:
         self._live: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
-        self.stats: dict[str, Any] = {"handoffs": 0, "handoff_tokens": 0, "handoff_bytes": 0,
-                                      "handoff_seconds": 0.0, "prefill_process_seconds": 0.0}
+        self.stats: dict[str, Any] = dict(HANDOFF_STATS)
         ctx = mp.get_context("spawn")
         self._prefill, prefill_end = ctx.Pipe()
         self._decode, decode_end = ctx.Pipe()
@@ -332,6 +333,7 @@ def _prefill_main(model: torch.nn.Module, conn: Connection, handoff: Connection,
                 handoff.send(("error", rid, exc))
                 continue
             now = time.perf_counter()
+            kv = kv.clone() if kv is not None else None  # the cache's copy keeps no shm fd
             handoff.send(("request", rid, prompt, sampling, kv, version, now - start, now))
         elif msg[0] == "version":
             version = msg[1]
@@ -381,8 +383,7 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
         threading.Thread(target=_pump, args=(source, loop, inbox), daemon=True).start()
     tasks: dict[int, asyncio.Task] = {}
     cancelled: set[int] = set()
-    stats = {"handoffs": 0, "handoff_tokens": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
-             "prefill_process_seconds": 0.0}
+    stats = dict(HANDOFF_STATS)
     conn.send(("ready",))
     while (msg := await inbox.get())[0] != "close":
         kind, rid = msg[0], msg[1]
@@ -399,9 +400,9 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
             if rid in cancelled:
                 cancelled.discard(rid)
                 continue
-            _, _, prompt, sampling, kv, version, seconds, sent_at, received_at = msg
+            _, _, prompt, sampling, kv, version, seconds, sent_at, *received_at = msg
             if kv is not None:
-                stats["handoff_seconds"] += received_at - sent_at
+                stats["handoff_seconds"] += received_at[0] - sent_at
                 stats["handoffs"] += 1
                 stats["handoff_tokens"] += len(prompt) - 1
                 stats["handoff_bytes"] += kv.nbytes
@@ -450,8 +451,10 @@ def _pump(conn: Connection, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queu
     """Thread: move messages from `conn` to the event loop's inbox; ("close",) at EOF."""
     while True:
         msg = _recv_or_close(conn)
-        if msg[0] == "request":  # the hand-off's arrival: unpickled, its KV mapped
-            msg = (*msg, time.perf_counter())
+        if msg[0] == "request" and msg[4] is not None:  # a hand-off arrived: its KV is
+            # copied out of shared memory, which closes that segment's file descriptor (each
+            # shared tensor holds one while it lives)
+            msg = (*msg[:4], msg[4].clone(), *msg[5:], time.perf_counter())
         loop.call_soon_threadsafe(inbox.put_nowait, msg)
         if msg[0] == "close":
             return
