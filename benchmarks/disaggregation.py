@@ -1,12 +1,13 @@
 """Prefill/decode disaggregation: decode inter-token latency while long prompts keep arriving.
 
-Run: `.venv/bin/python benchmarks/disaggregation.py [--seconds 10] [--rounds 2] [--streams 4]
+Run: `.venv/bin/python benchmarks/disaggregation.py [--seconds 15] [--rounds 2] [--streams 4]
 [--prompt 256] [--every 0.5]`.
 
 SmolLM2-135M fp32 (the packaged model; `--tiny` for the random 2-layer test model). All
 settings in this one run, `--rounds` rounds of `--seconds` each, interleaved (the machine's
 load drifts), on the same traffic: `--streams` running greedy decode
-streams (8-token prompts, 64 tokens each, restarted when done), and a new long prompt
+streams (8-token prompts, 64 tokens each, restarted when done), and, once every stream has its
+first token, a new long prompt
 (`--prompt` distinct random ids, 2 completion tokens) `--every` seconds after the previous one
 finished (one in flight at a time, so the prefill queue stays bounded). Measured in the caller's
 process: the gaps between consecutive tokens of the running streams (inter-token latency, p50 /
@@ -40,8 +41,10 @@ STREAM = SamplingParams(0.0, max_tokens=64)
 LONG = SamplingParams(0.0, max_tokens=2)
 
 
-async def stream_forever(engine, prompt: list[int], stop: float, gaps: list[float]) -> int:
-    """Decode `prompt` again and again until `stop` (perf_counter); append token gaps; tokens."""
+async def stream_forever(engine, prompt: list[int], stop: float, gaps: list[float],
+                         started: asyncio.Event) -> int:
+    """Decode `prompt` again and again until `stop` (perf_counter); append token gaps; set
+    `started` at the first token; tokens."""
     tokens = 0
     while time.perf_counter() < stop:
         last = None
@@ -50,6 +53,7 @@ async def stream_forever(engine, prompt: list[int], stop: float, gaps: list[floa
             if last is not None:
                 gaps.append(now - last)
             last, tokens = now, tokens + 1
+            started.set()
     return tokens
 
 
@@ -72,10 +76,13 @@ async def measure(engine, args: argparse.Namespace, vocab: int, row: dict) -> No
     await engine.generate([1, 5, 6, 7], SamplingParams(0.0, max_tokens=4))
     start = time.perf_counter()
     stop = start + args.seconds
-    streams = [stream_forever(engine, [1, *range(10 + 8 * i, 17 + 8 * i)], stop, row["gaps"])
+    started = [asyncio.Event() for _ in range(args.streams)]
+    streams = [asyncio.create_task(stream_forever(engine, [1, *range(10 + 8 * i, 17 + 8 * i)],
+                                                  stop, row["gaps"], started[i]))
                for i in range(args.streams)]
-    *tokens, sent = await asyncio.gather(*streams, long_prompts(engine, args.prompt, args.every,
-                                                                stop, vocab, seed=len(row["gaps"])))
+    await asyncio.gather(*(event.wait() for event in started))  # then the long prompts start
+    sent = await long_prompts(engine, args.prompt, args.every, stop, vocab, len(row["gaps"]))
+    tokens = await asyncio.gather(*streams)
     row["tokens"] += sum(tokens)
     row["seconds"] += time.perf_counter() - start
     row["prompts"] += sent
@@ -138,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=256)
