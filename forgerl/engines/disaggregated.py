@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -88,7 +90,7 @@ class DisaggregatedEngine:
         self._closed, self._dead = False, None
         self._live: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._ids = itertools.count()
+        self._ids, self._send_lock = itertools.count(), threading.Lock()
         self.stats: dict[str, Any] = dict(HANDOFF_STATS)
         ctx = mp.get_context("spawn")
         self._prefill, prefill_end = ctx.Pipe()
@@ -214,7 +216,8 @@ class DisaggregatedEngine:
 
     def _send(self, conn: Connection, msg: tuple, quiet: bool = False) -> None:
         try:
-            conn.send(msg)
+            with self._send_lock:  # callers on several threads must not interleave messages
+                conn.send(msg)
         except (OSError, ValueError):  # the worker is gone: the reader fails its requests
             if not quiet:
                 raise RuntimeError(self._dead or "DisaggregatedEngine: a worker is gone") from None
@@ -322,8 +325,10 @@ def _prefill_main(model: torch.nn.Module, conn: Connection, handoff: Connection,
     if model.config._attn_implementation == "sdpa":
         model.config._attn_implementation = ENGINE_SDPA
     params, version, cache = model.state_dict(), 0, PrefixCache(cache_tokens)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()  # drained at once: a caller never blocks
+    threading.Thread(target=_pump, args=(conn, inbox.put), daemon=True).start()
     conn.send(("ready",))
-    while (msg := _recv_or_close(conn))[0] != "close":
+    while (msg := inbox.get())[0] != "close":
         if msg[0] == "request":
             _, rid, prompt, sampling = msg
             start = time.perf_counter()
@@ -334,7 +339,7 @@ def _prefill_main(model: torch.nn.Module, conn: Connection, handoff: Connection,
                 continue
             now = time.perf_counter()
             kv = kv.clone() if kv is not None else None  # the cache's copy keeps no shm fd
-            handoff.send(("request", rid, prompt, sampling, kv, version, now - start, now))
+            handoff.send(("handoff", rid, prompt, sampling, kv, version, now - start, now))
         elif msg[0] == "version":
             version = msg[1]
         else:
@@ -380,7 +385,8 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
     weight updates from the caller; events back to the caller."""
     loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
     for source in (conn, handoff):
-        threading.Thread(target=_pump, args=(source, loop, inbox), daemon=True).start()
+        put = functools.partial(loop.call_soon_threadsafe, inbox.put_nowait)
+        threading.Thread(target=_pump, args=(source, put), daemon=True).start()
     tasks: dict[int, asyncio.Task] = {}
     cancelled: set[int] = set()
     stats = dict(HANDOFF_STATS)
@@ -396,7 +402,7 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
             conn.send(("event", rid, msg[2]))
         elif kind == "version":
             engine.weight_version = rid
-        elif kind == "request":
+        elif kind == "handoff":
             if rid in cancelled:
                 cancelled.discard(rid)
                 continue
@@ -447,14 +453,14 @@ async def _relay(engine: LocalEngine, rid: int, prompt: list[int], params: Sampl
         tasks.pop(rid, None)
 
 
-def _pump(conn: Connection, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> None:
-    """Thread: move messages from `conn` to the event loop's inbox; ("close",) at EOF."""
-    while True:
-        msg = _recv_or_close(conn)
-        if msg[0] == "request" and msg[4] is not None:  # a hand-off arrived: its KV is
-            # copied out of shared memory, which closes that segment's file descriptor (each
-            # shared tensor holds one while it lives)
-            msg = (*msg[:4], msg[4].clone(), *msg[5:], time.perf_counter())
-        loop.call_soon_threadsafe(inbox.put_nowait, msg)
-        if msg[0] == "close":
-            return
+def _pump(conn: Connection, put: Callable[[tuple], object]) -> None:
+    """Thread: hand each message from `conn` to `put`, then ("close",) at EOF or on any error
+    (the process then ends, and the caller's reader reports it)."""
+    try:
+        while (msg := _recv_or_close(conn))[0] != "close":
+            if msg[0] == "handoff" and msg[4] is not None:  # its KV is copied out of shared
+                # memory, which closes that segment's file descriptor (held while it lives)
+                msg = (*msg[:4], msg[4].clone(), *msg[5:], time.perf_counter())
+            put(msg)
+    finally:
+        put(("close",))
