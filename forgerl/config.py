@@ -89,6 +89,11 @@ class LocalEngineConfig(_Section):
     kv_pool_bytes: int = Field(256 * 2**20, ge=1)
     """The pool's bound in bytes (LRU); a token's KV is 2 · layers · kv_heads · head_dim · 4
     bytes in fp32 (SmolLM2-135M: 46 KB)."""
+    disaggregated: bool = False
+    """Prefill in one process and decode in another, the prompt's KV handed over in shared
+    memory (forgerl/engines/disaggregated.py, docs/disaggregation.md); each instance is such a
+    pair, with one torch thread per process. Needs prefix_cache_tokens >= model.max_model_len
+    (the decode process's cache receives the hand-offs)."""
 
 
 class RemoteEngineConfig(_Section):
@@ -146,6 +151,10 @@ class VllmEngineConfig(_Section):
     routed_experts: bool = False
     """MoE models: return each token's routed experts (vLLM's enable_return_routed_experts) for
     the trainer's routing replay (docs/routing-replay.md)."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """vLLM's KV-transfer settings (its KVTransferConfig fields, e.g. {kv_connector =
+    "NixlConnector", kv_role = "kv_both"}) for prefill/decode disaggregation on GPUs, handed
+    to vLLM's engine arguments as given (`--kv-transfer-config` for a server); None: off."""
 
     @property
     def max_batch_size(self) -> int:
@@ -661,6 +670,18 @@ class Config(_Section):
                 and (self.cluster.backend == "ray" or self.trainer.workers > 1)):
             raise ValueError("engine.speculative_tokens > 0 needs cluster.backend = \"local\" "
                              "and trainer.workers = 1 (the drafter trains beside one trainer)")
+        if self.engine.type == "local" and self.engine.disaggregated and (
+                self.cluster.backend == "ray" or self.engine.speculative_tokens
+                or self.engine.kv_pool != "off"):
+            raise ValueError("engine.disaggregated runs its own processes: it needs "
+                             "cluster.backend = \"local\", speculative_tokens = 0 and "
+                             "kv_pool = \"off\"")
+        if (self.engine.type == "local" and self.engine.disaggregated
+                and self.engine.prefix_cache_tokens < self.model.max_model_len):
+            raise ValueError(f"engine.disaggregated needs engine.prefix_cache_tokens "
+                             f"({self.engine.prefix_cache_tokens}) >= model.max_model_len "
+                             f"({self.model.max_model_len}): the decode process caches the "
+                             "prompt's KV")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

