@@ -29,7 +29,7 @@ import torch
 
 from forgerl.drafter import PREFIX, Drafter, policy_samples, warm_start
 from forgerl.engines.local import LocalEngine
-from forgerl.models import build_tiny_model
+from forgerl.models import build_tiny_model, load_policy
 from forgerl.trainer.trainer import Trainer
 from forgerl.types import Group, SamplingParams
 from tests.factories import completion, trajectory
@@ -49,6 +49,60 @@ async def decode_rate(model, drafter, k: int, batch: int, tokens: int = 64) -> t
                                       for i, p in enumerate(params)))
         rate = sum(len(o.completion_ids) for o in outs) / (time.perf_counter() - start)
         return rate, engine.stats["accepted_tokens"] / max(engine.stats["draft_tokens"], 1)
+    finally:
+        await engine.close()
+
+
+TOPICS = ["the sea", "a robot", "winter", "a small town", "bread", "the moon", "a library",
+          "bicycles"]
+
+
+async def smollm2(args: argparse.Namespace) -> None:
+    """(c) SmolLM2-135M-Instruct: warm start on its own samples, then decode tokens/s off vs
+    on for k = 1..args.k at batch 1, 4, 16 (decode steps only: prefill is the same either way)."""
+    model, tokenizer, system = load_policy("smollm2")
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "system", "content": system},
+         {"role": "user", "content": f"Write a short story about {t}."}],
+        add_generation_prompt=True, tokenize=False)) for t in TOPICS]
+    start = time.perf_counter()
+    engine = LocalEngine(model, max_model_len=512, max_batch_size=16)
+    try:
+        outs = await asyncio.gather(*(engine.generate(prompts[i % 8], SamplingParams(
+            1.0, max_tokens=args.warm_tokens, seed=100 + i)) for i in range(16)))
+    finally:
+        await engine.close()
+    samples = [prompts[i % 8][-8:] + o.completion_ids for i, o in enumerate(outs)]
+    sampled = time.perf_counter() - start
+    drafter = Drafter.for_model(model)
+    kls = warm_start(drafter, model, samples, steps=args.warm_steps, lr=3e-3, batch=4)
+    print(f"warm start: 16 samples of {args.warm_tokens} tokens in {sampled:.0f} s, "
+          f"{args.warm_steps} steps of 4 samples, top-16 KL {kls[0]:.2f} -> {kls[-1]:.2f} in "
+          f"{time.perf_counter() - start - sampled:.0f} s")
+    ks = list(range(1, args.k + 1))
+    print("\n(c) SmolLM2-135M decode tokens/s (sampled, T = 1), off vs on back to back\n"
+          "| batch | off | " + " | ".join(f"k={k} (on/off, acceptance)" for k in ks) + " |")
+    print("|---|---|" + "---|" * len(ks))
+    for batch in (1, 4, 16):
+        tokens = 32 if batch < 16 else 16
+        off = await decode_only(model, None, 0, batch, prompts, tokens)
+        cells = []
+        for k in ks:
+            rate, acc = await decode_only(model, drafter, k, batch, prompts, tokens)
+            cells.append(f"{rate:.1f} ({rate / off[0]:.2f}, {acc:.2f})")
+        print(f"| {batch} | {off[0]:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+async def decode_only(model, drafter, k, batch, prompts, tokens) -> tuple[float, float]:
+    """(decode tokens/s: tokens after each row's first / decode seconds, acceptance)."""
+    engine = LocalEngine(model, max_model_len=512, max_batch_size=16, drafter=drafter,
+                         speculative_tokens=k, prefix_cache_tokens=0, packed_weights=True)
+    try:
+        outs = await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], SamplingParams(
+            1.0, max_tokens=tokens, seed=i)) for i in range(batch)))
+        decoded = sum(len(o.completion_ids) - 1 for o in outs)
+        s = engine.stats
+        return decoded / s["decode_seconds"], s["accepted_tokens"] / max(s["draft_tokens"], 1)
     finally:
         await engine.close()
 
@@ -98,6 +152,8 @@ async def rl_run(policy, drafter, steps: int, k: int) -> list[dict]:
 
 async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.model == "smollm2":
+        return await smollm2(args)
     policy = build_tiny_model(head_std=0.25)
     drafter = Drafter.for_model(policy)
     start = time.perf_counter()
@@ -137,4 +193,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--warm_steps", type=int, default=40)
+    parser.add_argument("--warm_tokens", type=int, default=64)
     asyncio.run(main(parser.parse_args()))
