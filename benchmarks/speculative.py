@@ -1,12 +1,12 @@
 """Speculative decoding with an online-trained MTP drafter: throughput, acceptance over RL steps.
 
-Run: `.venv/bin/python benchmarks/speculative.py [--steps 50] [--k 3]` (one thread, ~2 min).
+Run: `.venv/bin/python benchmarks/speculative.py [--steps 50] [--k 3]` (one thread, ~2 min);
+`--model smollm2 [--k 3] [--warm_steps 30]` for (c) alone (~4 min).
 
-Model: the tiny random Llama with an untied LM head (`build_tiny_model(head_std=0.25)`), whose
-next-token distributions are sharp enough for a drafter to learn (the plain tiny model's are
-almost flat, so any drafter "accepts" them); SmolLM2-135M does not fit: on the shared 2-core
-box it decodes ~9 tokens/s, its drafter's warm start alone takes minutes, and 50 RL steps
-would take far beyond the ~3 minute budget.
+Model for (a), (b): the tiny random Llama with an untied LM head (`build_tiny_model(
+head_std=0.25)`), whose next-token distributions are sharp enough for a drafter to learn (the
+plain tiny model's are almost flat, so any drafter "accepts" them); 50 RL steps of SmolLM2-135M
+would take far beyond the ~3 minute budget on the shared 2-core box.
 
 (a) decode tokens/s, speculation off vs on (k drafts), at batch 1, 4 and 16 (sampled, T = 1,
     64 tokens per row), with the acceptance rate, after the drafter's warm start.
@@ -16,6 +16,10 @@ would take far beyond the ~3 minute budget.
     and of the same drafter frozen after the warm start (a second engine, same policy weights,
     same seeds), and the step time of a trainer that trains the drafter vs one that does not
     (same batches; their policies stay bitwise equal, tests/engines/test_speculative.py).
+(c) SmolLM2-135M-Instruct, fp32, packed weights: a drafter warm-started on 16 of its own
+    64-token samples of 8 story prompts, then decode tokens/s off vs on for k = 1..--k at
+    batch 1, 4, 16 (each pair back to back), the acceptance, ms per decode step and the
+    acceptance per draft at which speculation would break even at that step cost.
 """
 
 from __future__ import annotations
@@ -79,22 +83,34 @@ async def smollm2(args: argparse.Namespace) -> None:
     print(f"warm start: 16 samples of {args.warm_tokens} tokens in {sampled:.0f} s, "
           f"{args.warm_steps} steps of 4 samples, top-16 KL {kls[0]:.2f} -> {kls[-1]:.2f} in "
           f"{time.perf_counter() - start - sampled:.0f} s")
-    ks = list(range(1, args.k + 1))
-    print("\n(c) SmolLM2-135M decode tokens/s (sampled, T = 1), off vs on back to back\n"
-          "| batch | off | " + " | ".join(f"k={k} (on/off, acceptance)" for k in ks) + " |")
-    print("|---|---|" + "---|" * len(ks))
+    print("\n(c) SmolLM2-135M decode (sampled, T = 1, packed weights), off and on back to back\n"
+          "| batch | k | off tok/s | on tok/s | on/off | acceptance | ms/step off | ms/step on "
+          "| break-even acceptance |\n|---|---|---|---|---|---|---|---|---|")
     for batch in (1, 4, 16):
         tokens = 32 if batch < 16 else 16
-        off = await decode_only(model, None, 0, batch, prompts, tokens)
-        cells = []
-        for k in ks:
-            rate, acc = await decode_only(model, drafter, k, batch, prompts, tokens)
-            cells.append(f"{rate:.1f} ({rate / off[0]:.2f}, {acc:.2f})")
-        print(f"| {batch} | {off[0]:.1f} | " + " | ".join(cells) + " |", flush=True)
+        for k in range(1, args.k + 1):
+            off = await decode_only(model, None, 0, batch, prompts, tokens)
+            on = await decode_only(model, drafter, k, batch, prompts, tokens)
+            print(f"| {batch} | {k} | {off[0]:.1f} | {on[0]:.1f} | {on[0] / off[0]:.2f} | "
+                  f"{on[1]:.2f} | {off[2]:.0f} | {on[2]:.0f} | {break_even(on[2] / off[2], k)} |",
+                  flush=True)
 
 
-async def decode_only(model, drafter, k, batch, prompts, tokens) -> tuple[float, float]:
-    """(decode tokens/s: tokens after each row's first / decode seconds, acceptance)."""
+def break_even(cost: float, k: int) -> str:
+    """The acceptance per draft at which a speculative step of `cost` plain steps emits as
+    many tokens as it costs: (1 - a^(k+1)) / (1 - a) = cost (bisection); "none" above k + 1."""
+    if cost >= k + 1:
+        return "none"
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < cost else (lo, mid)
+    return f"{lo:.2f}"
+
+
+async def decode_only(model, drafter, k, batch, prompts, tokens) -> tuple[float, float, float]:
+    """(decode tokens/s: tokens after each row's first / decode seconds, acceptance, ms per
+    decode step)."""
     engine = LocalEngine(model, max_model_len=512, max_batch_size=16, drafter=drafter,
                          speculative_tokens=k, prefix_cache_tokens=0, packed_weights=True)
     try:
@@ -102,7 +118,8 @@ async def decode_only(model, drafter, k, batch, prompts, tokens) -> tuple[float,
             1.0, max_tokens=tokens, seed=i)) for i in range(batch)))
         decoded = sum(len(o.completion_ids) - 1 for o in outs)
         s = engine.stats
-        return decoded / s["decode_seconds"], s["accepted_tokens"] / max(s["draft_tokens"], 1)
+        return (decoded / s["decode_seconds"], s["accepted_tokens"] / max(s["draft_tokens"], 1),
+                1000 * s["decode_seconds"] / s["decode_steps"])
     finally:
         await engine.close()
 

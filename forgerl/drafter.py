@@ -59,11 +59,14 @@ class Drafter(nn.Module):
     def draft(self, model: nn.Module, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(next hidden (B, H), logits (B, V)) from hidden (B, H) and the tokens (B,) that
         follow; the policy's embedding and LM head weights are read detached (never trained
-        through the drafter)."""
+        through the drafter); without autograd the LM head runs its own forward (an engine's
+        oneDNN-packed one, `kernels.pack_linears`)."""
         embeds = F.embedding(tokens, model.get_input_embeddings().weight.detach())
         out = self(hidden.to(embeds.dtype), embeds)
         head = model.get_output_embeddings()  # without gradients: its own (maybe packed) forward
-        return out, head(out) if not torch.is_grad_enabled() else F.linear(out, head.weight.detach())
+        if torch.is_grad_enabled():
+            return out, F.linear(out, head.weight.detach())
+        return out, head(out)
 
 
 def topk_kl(draft_logits: Tensor, policy_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
