@@ -352,9 +352,9 @@ def test_group_with_prefix_reuse_and_weight_update_mid_completion(peaky, drafter
 
 def test_cancelling_one_row_mid_draft(peaky, drafter):
     """Three greedy rows decode speculatively; the consumer of one leaves after 5 tokens (its
-    row is dropped mid-draft, its slot freed). The other two still equal plain greedy decoding,
-    token for token, and the engine serves a new request afterwards, exactly too (the batch
-    rows that moved when the cancelled one left kept their KV)."""
+    row leaves the batch at the next step, in the middle of its drafts). The other two still
+    equal plain greedy decoding, token for token (the rows that moved in the batch kept their
+    KV), and the engine serves a new request afterwards, exactly too."""
     params = [SamplingParams(0.0, max_tokens=n) for n in (40, 40, 40)]
     plain = asyncio.run(_generate(peaky, params, 0, prompts=PROMPTS[:3]))
 
@@ -363,20 +363,22 @@ def test_cancelling_one_row_mid_draft(peaky, drafter):
                              speculative_tokens=4)
         try:
             async def cancelled():
-                seen = []
-                async for item in engine.stream(PROMPTS[1], params[1]):
+                seen, stream = [], engine.stream(PROMPTS[1], params[1])
+                async for item in stream:
                     seen.append(item)
                     if len(seen) == 5:
-                        break  # closes the stream: the row is cancelled
-                return seen
+                        await stream.aclose()  # the consumer leaves: the row is cancelled
+                        return seen, engine.stats["decode_rows"], engine.stats["decode_steps"]
             outs = await asyncio.gather(engine.generate(PROMPTS[0], params[0]), cancelled(),
                                         engine.generate(PROMPTS[2], params[2]))
+            after = engine.stats["decode_rows"], engine.stats["decode_steps"]
             later = await engine.generate(PROMPTS[1], params[1])
-            return outs, later, dict(engine.stats)
+            return outs, later, dict(engine.stats), after
         finally:
             await engine.close()
 
-    (first, seen, third), later, stats = asyncio.run(main())
+    (first, (seen, rows, steps), third), later, stats, after = asyncio.run(main())
+    assert after[0] - rows <= 2 * (after[1] - steps) + 3  # it left at the next step
     assert first.completion_ids == plain[0].completion_ids
     assert third.completion_ids == plain[2].completion_ids
     assert [e.token_id for e in seen] == plain[1].completion_ids[:5]
