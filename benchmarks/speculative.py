@@ -1,12 +1,12 @@
 """Speculative decoding with an online-trained MTP drafter: throughput, acceptance over RL steps.
 
-Run: `.venv/bin/python benchmarks/speculative.py [--steps 50] [--k 3]` (one thread, ~2 min).
+Run: `.venv/bin/python benchmarks/speculative.py [--steps 50] [--k 3]` (one thread, ~2 min);
+`--model smollm2 [--k 3] [--warm_steps 30]` for (c) alone (~4 min).
 
-Model: the tiny random Llama with an untied LM head (`build_tiny_model(head_std=0.25)`), whose
-next-token distributions are sharp enough for a drafter to learn (the plain tiny model's are
-almost flat, so any drafter "accepts" them); SmolLM2-135M does not fit: on the shared 2-core
-box it decodes ~9 tokens/s, its drafter's warm start alone takes minutes, and 50 RL steps
-would take far beyond the ~3 minute budget.
+Model for (a), (b): the tiny random Llama with an untied LM head (`build_tiny_model(
+head_std=0.25)`), whose next-token distributions are sharp enough for a drafter to learn (the
+plain tiny model's are almost flat, so any drafter "accepts" them); 50 RL steps of SmolLM2-135M
+would take far beyond the ~3 minute budget on the shared 2-core box.
 
 (a) decode tokens/s, speculation off vs on (k drafts), at batch 1, 4 and 16 (sampled, T = 1,
     64 tokens per row), with the acceptance rate, after the drafter's warm start.
@@ -16,6 +16,11 @@ would take far beyond the ~3 minute budget.
     and of the same drafter frozen after the warm start (a second engine, same policy weights,
     same seeds), and the step time of a trainer that trains the drafter vs one that does not
     (same batches; their policies stay bitwise equal, tests/engines/test_speculative.py).
+(c) SmolLM2-135M-Instruct, fp32, packed weights: a drafter warm-started on 16 of its own
+    64-token samples of 8 story prompts, then decode tokens/s off vs on for k = 1..--k at
+    batch 1, 4, 16 (each on between two offs, back to back; off = their mean), the acceptance,
+    ms per decode step and the acceptance per draft at which speculation would break even at
+    that step cost.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from forgerl.drafter import PREFIX, Drafter, policy_samples, warm_start
 from forgerl.engines.local import LocalEngine
-from forgerl.models import build_tiny_model
+from forgerl.models import build_tiny_model, load_policy
 from forgerl.trainer.trainer import Trainer
 from forgerl.types import Group, SamplingParams
 from tests.factories import completion, trajectory
@@ -49,6 +54,75 @@ async def decode_rate(model, drafter, k: int, batch: int, tokens: int = 64) -> t
                                       for i, p in enumerate(params)))
         rate = sum(len(o.completion_ids) for o in outs) / (time.perf_counter() - start)
         return rate, engine.stats["accepted_tokens"] / max(engine.stats["draft_tokens"], 1)
+    finally:
+        await engine.close()
+
+
+TOPICS = ["the sea", "a robot", "winter", "a small town", "bread", "the moon", "a library",
+          "bicycles"]
+
+
+async def smollm2(args: argparse.Namespace) -> None:
+    """(c) SmolLM2-135M-Instruct: warm start on its own samples, then decode tokens/s off vs
+    on for k = 1..args.k at batch 1, 4, 16 (decode steps only: prefill is the same either way)."""
+    model, tokenizer, system = load_policy("smollm2")
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "system", "content": system},
+         {"role": "user", "content": f"Write a short story about {t}."}],
+        add_generation_prompt=True, tokenize=False)) for t in TOPICS]
+    start = time.perf_counter()
+    engine = LocalEngine(model, max_model_len=512, max_batch_size=16)
+    try:
+        outs = await asyncio.gather(*(engine.generate(prompts[i % 8], SamplingParams(
+            1.0, max_tokens=args.warm_tokens, seed=100 + i)) for i in range(16)))
+    finally:
+        await engine.close()
+    samples = [prompts[i % 8][-8:] + o.completion_ids for i, o in enumerate(outs)]
+    sampled = time.perf_counter() - start
+    drafter = Drafter.for_model(model)
+    kls = warm_start(drafter, model, samples, steps=args.warm_steps, lr=3e-3, batch=4)
+    print(f"warm start: 16 samples of {args.warm_tokens} tokens in {sampled:.0f} s, "
+          f"{args.warm_steps} steps of 4 samples, top-16 KL {kls[0]:.2f} -> {kls[-1]:.2f} in "
+          f"{time.perf_counter() - start - sampled:.0f} s")
+    print("\n(c) SmolLM2-135M decode (sampled, T = 1, packed weights), off and on back to back\n"
+          "| batch | k | off tok/s | on tok/s | on/off | acceptance | ms/step off | ms/step on "
+          "| break-even acceptance |\n|---|---|---|---|---|---|---|---|---|")
+    for batch in (1, 4, 16):
+        tokens = 40 if batch < 16 else 16
+        for k in range(1, args.k + 1):
+            before = await decode_only(model, None, 0, batch, prompts, tokens)
+            on = await decode_only(model, drafter, k, batch, prompts, tokens)
+            after = await decode_only(model, None, 0, batch, prompts, tokens)
+            off = [(x + y) / 2 for x, y in zip(before, after, strict=True)]  # the box drifts
+            print(f"| {batch} | {k} | {off[0]:.1f} | {on[0]:.1f} | {on[0] / off[0]:.2f} | "
+                  f"{on[1]:.2f} | {off[2]:.0f} | {on[2]:.0f} | {break_even(on[2] / off[2], k)} |",
+                  flush=True)
+
+
+def break_even(cost: float, k: int) -> str:
+    """The acceptance per draft at which a speculative step of `cost` plain steps emits as
+    many tokens as it costs: (1 - a^(k+1)) / (1 - a) = cost (bisection); "none" above k + 1."""
+    if cost >= k + 1:
+        return "none"
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < cost else (lo, mid)
+    return f"{lo:.2f}"
+
+
+async def decode_only(model, drafter, k, batch, prompts, tokens) -> tuple[float, float, float]:
+    """(decode tokens/s: tokens after each row's first / decode seconds, acceptance, ms per
+    decode step)."""
+    engine = LocalEngine(model, max_model_len=512, max_batch_size=16, drafter=drafter,
+                         speculative_tokens=k, prefix_cache_tokens=0, packed_weights=True)
+    try:
+        outs = await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], SamplingParams(
+            1.0, max_tokens=tokens, seed=i)) for i in range(batch)))
+        decoded = sum(len(o.completion_ids) - 1 for o in outs)
+        s = engine.stats
+        return (decoded / s["decode_seconds"], s["accepted_tokens"] / max(s["draft_tokens"], 1),
+                1000 * s["decode_seconds"] / s["decode_steps"])
     finally:
         await engine.close()
 
@@ -98,6 +172,8 @@ async def rl_run(policy, drafter, steps: int, k: int) -> list[dict]:
 
 async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.model == "smollm2":
+        return await smollm2(args)
     policy = build_tiny_model(head_std=0.25)
     drafter = Drafter.for_model(policy)
     start = time.perf_counter()
@@ -137,4 +213,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--warm_steps", type=int, default=40)
+    parser.add_argument("--warm_tokens", type=int, default=64)
     asyncio.run(main(parser.parse_args()))

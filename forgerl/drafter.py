@@ -59,10 +59,14 @@ class Drafter(nn.Module):
     def draft(self, model: nn.Module, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(next hidden (B, H), logits (B, V)) from hidden (B, H) and the tokens (B,) that
         follow; the policy's embedding and LM head weights are read detached (never trained
-        through the drafter)."""
+        through the drafter); without autograd the LM head runs its own forward (an engine's
+        oneDNN-packed one, `kernels.pack_linears`)."""
         embeds = F.embedding(tokens, model.get_input_embeddings().weight.detach())
         out = self(hidden.to(embeds.dtype), embeds)
-        return out, F.linear(out, model.get_output_embeddings().weight.detach())
+        head = model.get_output_embeddings()  # without gradients: its own (maybe packed) forward
+        if torch.is_grad_enabled():
+            return out, F.linear(out, head.weight.detach())
+        return out, head(out)
 
 
 def topk_kl(draft_logits: Tensor, policy_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -116,26 +120,28 @@ def final_hidden(model: nn.Module, input_ids: Tensor) -> Tensor:
 
 
 def warm_start(drafter: Drafter, model: nn.Module, sequences: list[list[int]], steps: int,
-               lr: float = 3e-3, k: int = 16) -> list[float]:
+               lr: float = 3e-3, k: int = 16, batch: int | None = None) -> list[float]:
     """Distil `drafter` on `model`'s own forwards over `sequences` (e.g. the policy's samples)
-    for `steps` AdamW steps, each over all sequences (their hidden states are computed once,
-    without gradients); returns the depth-1 top-k KL of each step. The policy is not changed."""
+    for `steps` AdamW steps, each over `batch` sequences taken in turn (default: all; their
+    hidden states are computed once, without gradients); returns the depth-1 top-k KL of each
+    step. The policy is not changed."""
     with torch.no_grad():
         states = [final_hidden(model, torch.tensor([s], device=drafter.proj.weight.device))[0]
                   for s in sequences]
         targets = [F.linear(h, model.get_output_embeddings().weight) for h in states]
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
-    kls = []
-    for _ in range(steps):
+    kls, size = [], min(batch or len(sequences), len(sequences))
+    for step in range(steps):
         total = 0.0
-        for seq, hidden, target in zip(sequences, states, targets, strict=True):
+        for i in range(step * size, (step + 1) * size):
+            seq, hidden, target = (x[i % len(sequences)] for x in (sequences, states, targets))
             n = len(seq)
             ids = torch.tensor(seq, device=hidden.device)
             parent = torch.arange(n, device=hidden.device) - 1
             loss, stats = drafter_loss(drafter, model, hidden, ids, parent,
                                        torch.arange(n, device=hidden.device), k, target)
-            (loss / len(sequences)).backward()
-            total += stats.get("drafter_kl", 0.0) / len(sequences)
+            (loss / size).backward()
+            total += stats.get("drafter_kl", 0.0) / size
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         kls.append(total)

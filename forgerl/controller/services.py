@@ -170,7 +170,8 @@ class Services(Rollouts):
         extra = {"scheduler": self.scheduler.state()}
         await asyncio.to_thread(lambda: save_checkpoint(
             self.run_dir, self.trainer.model, self.trainer.optimizer, self.trainer.step, extra,
-            self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state()))
+            self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state(),
+            getattr(self.trainer, "drafter_state", lambda: None)()))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,

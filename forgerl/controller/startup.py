@@ -42,7 +42,7 @@ from forgerl.metrics import MetricsLogger
 from forgerl.rewards.scoring import submit
 from forgerl.scheduler.policies import Scheduler
 from forgerl.tasks.sources import build_environment
-from forgerl.trainer.checkpoint import checkpoint_step
+from forgerl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_drafter
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         if cores is not None:  # one CPU, two busy threads
             trainer.cpu_share = CpuShare(cores)
         if ec.speculative_tokens:  # a draft head, warmed up on the policy, trained online
-            await asyncio.to_thread(_attach_drafter, trainer, ec)
+            await asyncio.to_thread(_attach_drafter, trainer, ec, config.run_dir)
         kv_pool = _kv_pool(ec.kv_pool, ec.kv_pool_bytes)
         if ec.disaggregated:
             from forgerl.engines.disaggregated import DisaggregatedEngine  # lazy: as LocalEngine
@@ -298,12 +298,18 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
     return engine, cluster
 
 
-def _attach_drafter(trainer: Any, ec: Any) -> None:
-    """Give `trainer` an MTP draft head (`forgerl.drafter`), distilled for
+def _attach_drafter(trainer: Any, ec: Any, run_dir: Any) -> None:
+    """Give `trainer` an MTP draft head (`forgerl.drafter`): the one saved in RUN_DIR's newest
+    checkpoint (with its AdamW state), else a fresh one distilled for
     ec.drafter_warm_start_steps steps on 16 of the policy's own 64-token samples."""
     from forgerl.drafter import Drafter, policy_samples, warm_start  # lazy: torch
 
     drafter = Drafter.for_model(trainer.model)
+    ckpt = latest_checkpoint(run_dir)
+    if (saved := ckpt and load_drafter(ckpt)) is not None:
+        trainer.attach_drafter(drafter, ec.drafter_lr, ec.drafter_top_k)
+        trainer.load_drafter_state(saved)
+        return
     if ec.drafter_warm_start_steps:
         samples = policy_samples(trainer.model, 16, 64)
         warm_start(drafter, trainer.model, samples, ec.drafter_warm_start_steps, k=ec.drafter_top_k)

@@ -2,7 +2,8 @@
 
 Layout: `RUN_DIR/checkpoints/step_00000012/` holds the model (`save_pretrained`, safetensors),
 `optimizer.pt` (torch optimizer state_dict) and `trainer_state.json` ({"step", "extra"}; extra
-carries e.g. the scheduler cursor so buffered rollouts are not lost on resume, CASES.md C12).
+carries e.g. the scheduler cursor so buffered rollouts are not lost on resume, CASES.md C12)
+and, with a speculative-decoding drafter, `drafter.pt` (its weights and AdamW state).
 A checkpoint is written into a temporary folder and renamed into place, so a crash mid-save
 never leaves a partial checkpoint; only then are older checkpoints removed (the last complete
 one always survives).
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # torch is imported where used: `checkpoint_step` alone stays
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+DRAFTER_FILE = "drafter.pt"
 _PREFIX = "step_"
 
 
@@ -32,6 +34,7 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int = 1,
     states: tuple[dict, dict] | None = None,
+    drafter: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` under `run_dir/checkpoints/` and return its folder.
 
@@ -39,7 +42,8 @@ def save_checkpoint(
     otherwise, raised before anything is written). Once the new one is in place, all but the
     `keep` newest checkpoints (by step) are deleted; rewriting an existing step replaces it.
     `states`: (model, optimizer) state dicts to write instead of `model`'s and `optimizer`'s
-    own (`Trainer.checkpoint_state`: gathered in full from a sharded trainer).
+    own (`Trainer.checkpoint_state`: gathered in full from a sharded trainer). `drafter`: the
+    draft head's state (`Trainer.drafter_state`), saved as DRAFTER_FILE (`load_drafter`).
     Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
     0.54 GB + 1.08 GB).
     """
@@ -56,6 +60,8 @@ def save_checkpoint(
     model_state, optimizer_state = states or (None, optimizer.state_dict())
     model.save_pretrained(tmp, state_dict=model_state)
     torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+    if drafter is not None:
+        torch.save(drafter, tmp / DRAFTER_FILE)
     (tmp / STATE_FILE).write_text(state)
     if final.exists():
         shutil.rmtree(final)
@@ -111,3 +117,12 @@ def load_checkpoint(
     opt_state = torch.load(ckpt_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(opt_state)
     return int(state["step"]), dict(state["extra"])
+
+
+def load_drafter(ckpt_dir: str | Path) -> dict[str, Any] | None:
+    """The drafter state saved in checkpoint `ckpt_dir` (`save_checkpoint`), or None when it
+    holds none."""
+    import torch  # lazy: as in save_checkpoint
+
+    path = Path(ckpt_dir) / DRAFTER_FILE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None

@@ -493,6 +493,19 @@ class Trainer:
         """(model state dict, optimizer state dict) to save in a checkpoint."""
         return self.model.state_dict(), self.optimizer.state_dict()
 
+    def drafter_state(self) -> dict | None:
+        """{"weights", "optimizer"} state dicts of the drafter to checkpoint; None without one."""
+        if self.drafter is None:
+            return None
+        return {"weights": self.drafter.state_dict(),
+                "optimizer": self.drafter_optimizer.state_dict()}
+
+    def load_drafter_state(self, state: dict) -> None:
+        """Restore `drafter_state` into the attached drafter and its optimizer."""
+        assert self.drafter is not None, "attach_drafter first"
+        self.drafter.load_state_dict(state["weights"])
+        self.drafter_optimizer.load_state_dict(state["optimizer"])
+
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
         trainer's device; `LocalEngine.update_weights` copies across devices)."""

@@ -241,8 +241,10 @@ def test_speculative_tokens_needs_a_drafter_and_a_dense_model(peaky):
 
 def test_controller_runs_speculative_engine_with_online_drafter(tmp_path):
     """[engine] speculative_tokens: the controller warm-starts a drafter, the engine drafts
-    with it (spec steps run), a step trains it (drafter metrics) and the sync hands it over."""
+    with it (spec steps run), a step trains it (drafter metrics), the sync hands it over and
+    the checkpoint saves it."""
     from forgerl.controller import start_services
+    from forgerl.trainer.checkpoint import latest_checkpoint, load_drafter
     from tests.test_controller import make_agent, tiny_config
 
     config = tiny_config(tmp_path / "run", "--engine.speculative_tokens", "2",
@@ -253,10 +255,12 @@ def test_controller_runs_speculative_engine_with_online_drafter(tmp_path):
             s.admit()
             metrics = await s.train(await s.next_batch())
             await s.sync_weights()
+            await s.checkpoint()
             mine = s.trainer.drafter.state_dict()
             theirs = s.engine.drafter.state_dict()
-            return metrics, dict(s.engine.stats), all(torch.equal(mine[k], theirs[k])
-                                                      for k in mine)
+            saved = load_drafter(latest_checkpoint(config.run_dir))["weights"]
+            return metrics, dict(s.engine.stats), all(
+                torch.equal(mine[k], theirs[k]) and torch.equal(mine[k], saved[k]) for k in mine)
 
     metrics, stats, equal = asyncio.run(main())
     assert metrics["drafter_positions"] > 0 and metrics["drafter_kl"] == metrics["drafter_kl"]
@@ -289,3 +293,133 @@ def test_stream_emits_every_accepted_token(peaky, drafter):
     assert [e.token_id for e in events] == out.completion_ids and len(events) == 30
     assert [e.logprob for e in events] == out.logprobs
     assert stats["accepted_tokens"] > 0 and stats["spec_steps"] < 29
+
+
+GROUP_PROMPT = list(range(30, 54))  # 24 tokens: later rows of the group wait for the cache
+
+
+def test_group_with_prefix_reuse_and_weight_update_mid_completion(peaky, drafter):
+    """Four sampled rows sharing a prompt (later ones reuse its KV from the prefix cache) decode
+    speculatively; a weight update (policy and drafter) arrives mid-completion and the rows are
+    re-prefilled. Every token's logprob equals a teacher-forced forward under the weights of its
+    weight_versions entry (1e-5), both versions occur in every row, drafts were accepted under
+    each version, and the prefix cache served the group."""
+    new_policy = copy.deepcopy(peaky)
+    with torch.no_grad():
+        for p in new_policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    update = dict(new_policy.state_dict())
+    update |= {PREFIX + k: v + 0.01 for k, v in drafter.state_dict().items()}
+    params = [SamplingParams(1.0, max_tokens=64, seed=10 + i, top_p=0.95) for i in range(4)]
+
+    async def main():
+        engine = LocalEngine(peaky, max_model_len=256, max_batch_size=4, drafter=drafter,
+                             speculative_tokens=3)
+        try:
+            async def row(i: int):
+                outs = []
+                async for item in engine.stream(GROUP_PROMPT, params[i]):
+                    outs.append(item)
+                    if i == 0 and len(outs) == 6:
+                        accepted = engine.stats["accepted_tokens"]
+                        await engine.update_weights(update, 1)
+                        stats.append(accepted)
+                return outs[-1]
+            stats: list = []
+            outs = await asyncio.gather(*(row(i) for i in range(4)))
+            return outs, stats[0], dict(engine.stats)
+        finally:
+            await engine.close()
+
+    outs, accepted_before, stats = asyncio.run(main())
+    assert 0 < accepted_before < stats["accepted_tokens"]
+    assert stats["prefix_hit_tokens"] >= 3 * (len(GROUP_PROMPT) - 1)
+    models = {0: peaky, 1: new_policy}
+    for sp, out in zip(params, outs, strict=True):
+        assert set(out.weight_versions) == {0, 1} and len(out.completion_ids) == 64
+        assert out.weight_versions == sorted(out.weight_versions)
+        ids = GROUP_PROMPT + out.completion_ids
+        contexts = [(GROUP_PROMPT, out.completion_ids[:t]) for t in range(64)]
+        for version, model in models.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, len(GROUP_PROMPT) - 1:-1]
+            ref = sampling_logprobs(logits, [sp] * 64, contexts)
+            ref = ref.gather(1, torch.tensor(out.completion_ids)[:, None])[:, 0]
+            mine = [t for t, v in enumerate(out.weight_versions) if v == version]
+            got = torch.tensor(out.logprobs)[mine]
+            assert torch.allclose(ref[mine], got, atol=1e-5), version
+
+
+def test_cancelling_one_row_mid_draft(peaky, drafter):
+    """Three greedy rows decode speculatively; the consumer of one leaves after 5 tokens (its
+    row leaves the batch at the next step, in the middle of its drafts). The other two still
+    equal plain greedy decoding, token for token (the rows that moved in the batch kept their
+    KV), and the engine serves a new request afterwards, exactly too."""
+    params = [SamplingParams(0.0, max_tokens=n) for n in (40, 40, 40)]
+    plain = asyncio.run(_generate(peaky, params, 0, prompts=PROMPTS[:3]))
+
+    async def main():
+        engine = LocalEngine(peaky, max_model_len=256, max_batch_size=4, drafter=drafter,
+                             speculative_tokens=4)
+        try:
+            async def cancelled():
+                seen, stream = [], engine.stream(PROMPTS[1], params[1])
+                async for item in stream:
+                    seen.append(item)
+                    if len(seen) == 5:
+                        await stream.aclose()  # the consumer leaves: the row is cancelled
+                        return seen, engine.stats["decode_rows"], engine.stats["decode_steps"]
+            outs = await asyncio.gather(engine.generate(PROMPTS[0], params[0]), cancelled(),
+                                        engine.generate(PROMPTS[2], params[2]))
+            after = engine.stats["decode_rows"], engine.stats["decode_steps"]
+            later = await engine.generate(PROMPTS[1], params[1])
+            return outs, later, dict(engine.stats), after
+        finally:
+            await engine.close()
+
+    (first, (seen, rows, steps), third), later, stats, after = asyncio.run(main())
+    assert after[0] - rows <= 2 * (after[1] - steps) + 3  # it left at the next step
+    assert first.completion_ids == plain[0].completion_ids
+    assert third.completion_ids == plain[2].completion_ids
+    assert [e.token_id for e in seen] == plain[1].completion_ids[:5]
+    assert later.completion_ids == plain[1].completion_ids
+    assert max(abs(x - y) for x, y in zip(later.logprobs, plain[1].logprobs, strict=True)) < 1e-5
+    assert stats["accepted_tokens"] > 0 and stats["spec_steps"] > 0
+
+
+def test_drafter_is_checkpointed_and_restored_without_warm_start(peaky, drafter, tmp_path):
+    """A trained drafter (weights and AdamW state) is saved with the trainer's checkpoint; a
+    resumed run's `_attach_drafter` restores it, tensor for tensor, instead of warm-starting a
+    fresh head; a checkpoint without a drafter holds none (a fresh run warm-starts)."""
+    from types import SimpleNamespace
+
+    from forgerl.controller.startup import _attach_drafter
+    from forgerl.trainer.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
+
+    trainer = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    trainer.attach_drafter(copy.deepcopy(drafter), lr=1e-3, top_k=8)
+    params = [SamplingParams(1.0, max_tokens=16, seed=s) for s in range(4)]
+    outs = asyncio.run(_generate(peaky, params, 2, drafter, prompts=[PROMPTS[1]] * 4))
+    trainer.train_step(_groups(outs, [PROMPTS[1]] * 4, 1.0))
+    run = tmp_path / "run"
+    save_checkpoint(run, trainer.model, trainer.optimizer, trainer.step, {},
+                    drafter=trainer.drafter_state())
+    ec = SimpleNamespace(drafter_lr=1e-3, drafter_top_k=8, drafter_warm_start_steps=3)
+    resumed = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    _attach_drafter(resumed, ec, run)
+    for name, value in trainer.drafter.state_dict().items():
+        assert torch.equal(resumed.drafter.state_dict()[name], value), name
+    saved, restored = (t.drafter_optimizer.state_dict() for t in (trainer, resumed))
+    assert saved["state"].keys() == restored["state"].keys() and saved["state"]
+    for key, state in saved["state"].items():
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(restored["state"][key][field], state[field])
+
+    bare = tmp_path / "bare"
+    save_checkpoint(bare, trainer.model, trainer.optimizer, trainer.step, {})
+    assert load_drafter(latest_checkpoint(bare)) is None
+    fresh = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    _attach_drafter(fresh, ec, bare)
+    untrained = Drafter.for_model(peaky)
+    assert not torch.equal(fresh.drafter.proj.weight, untrained.proj.weight)  # warm-started
+    assert not torch.equal(fresh.drafter.proj.weight, trainer.drafter.proj.weight)
