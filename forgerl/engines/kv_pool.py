@@ -22,6 +22,7 @@ is a miss, so no KV crosses weight versions.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -154,9 +155,10 @@ class SharedKVPool(KVPool):
 
     @classmethod
     def start(cls, path: str | Path, max_bytes: int, timeout: float = 30.0) -> SharedKVPool:
-        """Start `serve(path, max_bytes)` in a new Python process and connect to it."""
+        """Start `serve(path, max_bytes, owner=this process)` in a new Python process and
+        connect to it; the pool process ends when this process does, even by SIGKILL."""
         proc = subprocess.Popen([sys.executable, "-m", "forgerl.engines.kv_pool", str(path),
-                                 str(max_bytes)])
+                                 str(max_bytes), str(os.getpid())])
         deadline = time.monotonic() + timeout
         while True:  # the socket file exists from bind(), before listen(): retry refusals
             try:
@@ -210,11 +212,14 @@ class SharedKVPool(KVPool):
             Path(self.path).unlink(missing_ok=True)
 
 
-def serve(path: str, max_bytes: int) -> None:
-    """Serve a KVPool of raw-bytes blocks at unix socket `path` until killed, a thread per
+def serve(path: str, max_bytes: int, owner: int | None = None) -> None:
+    """Serve a KVPool of raw-bytes blocks at unix socket `path` until killed (or, with `owner`,
+    the pid of this process's parent, until that parent is gone: no orphan pool), a thread per
     client; messages are pickled (method, *args) tuples, answers the method's result. Anyone who
     can open the socket is trusted: put it in a private folder (SharedKVPool.start's caller)."""
     pool, listener = KVPool(max_bytes), Listener(path, family="AF_UNIX")
+    if owner is not None:
+        threading.Thread(target=_exit_with, args=(owner, path), daemon=True).start()
 
     def client(conn: Connection) -> None:
         with conn:
@@ -228,6 +233,14 @@ def serve(path: str, max_bytes: int) -> None:
     while True:
         conn = listener.accept()
         threading.Thread(target=client, args=(conn,), daemon=True).start()
+
+
+def _exit_with(owner: int, path: str) -> None:
+    """End this process once its parent `owner` is gone (it was re-parented)."""
+    while os.getppid() == owner:
+        time.sleep(0.5)
+    Path(path).unlink(missing_ok=True)
+    os._exit(0)
 
 
 def publish(pool: KVPool, version: int, ids: Sequence[int], kv: KV) -> None:
@@ -261,4 +274,4 @@ def fetch(pool: KVPool, version: int, ids: Sequence[int], have: int) -> tuple[in
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -8,7 +8,8 @@ Pinned here:
   new version's logprobs are those of the new weights.
 - The byte bound: LRU, a chain's root outlives its leaves.
 - The cross-process backend: a second OS process publishes with a real engine, this one
-  fetches through the pool process and matches an engine without a pool.
+  fetches through the pool process and matches an engine without a pool. The pool process
+  ends when the process that started it is SIGKILLed (no orphan).
 - cost_aware picks the instance that fetches when the transfer is cheaper than the prefill,
   and the one with the queue when it is not (hand-computed costs); RouterState's record of
   the pool; DFS order, pure and through a real Router whose waiters it releases.
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -178,6 +180,43 @@ def test_shared_pool_across_processes(tiny_model, tmp_path):
     finally:
         pool.close()
     assert pool.process is not None and pool.process.returncode is not None
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from forgerl.engines.kv_pool import SharedKVPool
+    pool = SharedKVPool.start(sys.argv[1], 1 << 20)
+    print(pool.process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_pool_process_ends_with_its_killed_owner(tmp_path):
+    path = tmp_path / "pool.sock"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    pool_pid = int(owner.stdout.readline())
+    assert path.exists() and _alive(pool_pid)
+    owner.kill()  # SIGKILL: no cleanup runs in the owner
+    owner.wait(10)
+    for _ in range(100):
+        if not _alive(pool_pid):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pool_pid, 9)
+        pytest.fail("the pool process outlived its SIGKILLed owner by 10 s")
+    assert not path.exists()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that no one reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _load(in_flight: int, cached: int, pooled: int, fetch_s: float) -> InstanceLoad:
