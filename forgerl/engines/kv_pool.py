@@ -22,6 +22,7 @@ is a miss, so no KV crosses weight versions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from forgerl.engines.blocks import BLOCK, block_hashes
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
 PROBE_BYTES = 1 << 22  # the bandwidth probe's payload
+log = logging.getLogger(__name__)
 
 
 def _nbytes(value: Any) -> int:
@@ -152,6 +154,7 @@ class SharedKVPool(KVPool):
         self.path, self.process = str(path), None
         self._conn: Connection = Client(self.path, family="AF_UNIX")
         self._call_lock = threading.Lock()
+        self.gone = False  # the pool process stopped answering (see _call)
 
     @classmethod
     def start(cls, path: str | Path, max_bytes: int, timeout: float = 30.0) -> SharedKVPool:
@@ -173,19 +176,29 @@ class SharedKVPool(KVPool):
         return pool
 
     def _fetch_probe(self, block: torch.Tensor) -> None:
-        raw = self._call("echo", block.view(torch.uint8).numpy().tobytes())
+        raw = self._call("echo", block.view(torch.uint8).numpy().tobytes(), lost=bytes(4))
         torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()
 
-    def _call(self, *msg: Any) -> Any:
+    def _call(self, *msg: Any, lost: Any = None) -> Any:
+        """Send `msg`, return the answer; once the pool process is gone (killed, crashed), warn
+        once and answer `lost` from then on: an empty pool, so the engines go on recomputing
+        (a raise here would fail every prefill and leave a weight update unsettled)."""
         with self._call_lock:
-            self._conn.send(msg)
-            return self._conn.recv()
+            if not self.gone:
+                try:
+                    self._conn.send(msg)
+                    return self._conn.recv()
+                except (OSError, EOFError) as exc:
+                    self.gone = True
+                    log.warning("the shared KV pool process at %s is gone (%r): going on "
+                                "without the pool", self.path, exc)
+            return lost
 
     def advance(self, version: int) -> None:
         self._call("advance", version)
 
     def held(self, version: int, hashes: Sequence[int]) -> list[bool]:
-        return self._call("held", version, list(hashes))
+        return self._call("held", version, list(hashes), lost=[False] * len(hashes))
 
     def put(self, version: int, hashes: Sequence[int], blocks: Sequence[Any]) -> None:
         wire = [None if b is None else (str(b.dtype).removeprefix("torch."), tuple(b.shape),
@@ -195,12 +208,12 @@ class SharedKVPool(KVPool):
 
     def get(self, version: int, hashes: Sequence[int]) -> list[Any]:
         return [torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(shape)
-                for dtype, shape, raw in self._call("get", version, list(hashes))]
+                for dtype, shape, raw in self._call("get", version, list(hashes), lost=[])]
 
     @property
     def pool_stats(self) -> dict[str, int | float]:
-        """The pool process's own stats (blocks, bytes, evicted_blocks)."""
-        return self._call("stats")
+        """The pool process's own stats (blocks, bytes, evicted_blocks); {} once it is gone."""
+        return self._call("stats", lost={})
 
     def close(self) -> None:
         """Close the connection; stop the pool process when this client started it (idempotent)."""

@@ -9,7 +9,8 @@ Pinned here:
 - The byte bound: LRU, a chain's root outlives its leaves.
 - The cross-process backend: a second OS process publishes with a real engine, this one
   fetches through the pool process and matches an engine without a pool. The pool process
-  ends when the process that started it is SIGKILLed (no orphan).
+  ends when the process that started it is SIGKILLed (no orphan); an engine whose pool
+  process is SIGKILLed goes on without it (exact completions, weight updates settle, a warning).
 - cost_aware picks the instance that fetches when the transfer is cheaper than the prefill,
   and the one with the queue when it is not (hand-computed costs); RouterState's record of
   the pool; DFS order, pure and through a real Router whose waiters it releases.
@@ -208,6 +209,33 @@ def test_pool_process_ends_with_its_killed_owner(tmp_path):
         os.kill(pool_pid, 9)
         pytest.fail("the pool process outlived its SIGKILLed owner by 10 s")
     assert not path.exists()
+
+
+def test_engine_goes_on_when_the_pool_process_is_killed(tiny_model, tmp_path, caplog):
+    new_model = perturbed(tiny_model, seed=1)
+    pool = SharedKVPool.start(tmp_path / "pool.sock", 1 << 24)
+
+    async def main():
+        a, b = (LocalEngine(tiny_model, max_model_len=256, kv_pool=pool) for _ in range(2))
+        fresh = LocalEngine(new_model, max_model_len=256)
+        await _gen(a, PROMPT, GREEDY)  # published
+        pool.process.kill()
+        pool.process.wait(10)
+        alone = await _gen(b, PROMPT, GREEDY)  # would have fetched: now a miss
+        await asyncio.wait_for(b.update_weights(new_model.state_dict(), 1), 30)
+        outs = await _gen(b, PROMPT, GREEDY), await _gen(fresh, PROMPT, GREEDY)
+        stats = dict(b.stats)
+        for e in (a, b, fresh):
+            await e.close()
+        return alone, outs, stats
+
+    try:
+        alone, (after, ref), stats = asyncio.run(main())
+    finally:
+        pool.close()
+    assert len(alone.completion_ids) == 10 and stats["pool_hits"] == 0
+    _close(after, ref)
+    assert pool.gone and pool.pool_stats == {} and "is gone" in caplog.text
 
 
 def _alive(pid: int) -> bool:
