@@ -32,12 +32,13 @@ import pytest
 import torch
 
 from forgerl.config import ConfigError, load_config
-from forgerl.controller.startup import _kv_pool
+from forgerl.controller.startup import _block_bytes, _kv_pool
 from forgerl.engines.blocks import BLOCK, block_hashes
 from forgerl.engines.kv_pool import KVPool, SharedKVPool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.router import Router
 from forgerl.gateway.routing import InstanceLoad, RouterState, cost_aware, dfs_order
+from forgerl.models import build_tiny_model
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.engines.test_local import perturbed
 
@@ -296,6 +297,9 @@ def test_config_and_startup_pool():
     with pytest.raises(ConfigError, match=r"engine.kv_pool: the pool is wired for local"):
         load_config(None, ["--engine.kv_pool", "shared", "--cluster.backend", "ray"])
     assert _kv_pool("off", 1) is None and _kv_pool("process", 4096).max_bytes == 4096
+    assert _block_bytes(build_tiny_model(), torch.float32) == BLOCK * 512  # docs/kv-pool.md
+    with pytest.raises(ConfigError, match=r"engine.kv_pool_bytes \(8191\) cannot hold one KV"):
+        _kv_pool("shared", 8191, 8192)  # before any pool process starts
     shared = _kv_pool("shared", 4096)
     try:
         assert shared.held(0, [1]) == [False] and shared.process.poll() is None
