@@ -41,7 +41,7 @@ BUDGETS: dict[str, int] = {
     "tasks": 1_600,  # new (issue 48): the environment seam, the tool agent, one adapter per
     # standard (Harbor, ORS, OpenEnv, verifiers, NeMo-Gym, Gymnasium)
     "scheduler": 440,
-    "trainer": 2_185,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
+    "trainer": 2_190,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "core": 2_350,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
