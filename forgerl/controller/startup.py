@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -270,7 +271,7 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
             trainer.cpu_share = CpuShare(cores)
         if ec.speculative_tokens:  # a draft head, warmed up on the policy, trained online
             await asyncio.to_thread(_attach_drafter, trainer, ec, config.run_dir)
-        kv_pool = _kv_pool(ec.kv_pool, ec.kv_pool_bytes)
+        kv_pool = _kv_pool(ec.kv_pool, ec.kv_pool_bytes, _block_bytes(trainer.model, dtype))
         if ec.disaggregated:
             from forgerl.engines.disaggregated import DisaggregatedEngine  # lazy: as LocalEngine
 
@@ -316,17 +317,31 @@ def _attach_drafter(trainer: Any, ec: Any, run_dir: Any) -> None:
     trainer.attach_drafter(drafter, ec.drafter_lr, ec.drafter_top_k)
 
 
-def _kv_pool(kind: str, max_bytes: int) -> Any:
+def _block_bytes(model: Any, dtype: Any) -> int:
+    """Bytes of one KV-pool block (BLOCK tokens) of `model`'s KV in `dtype`."""
+    from forgerl.engines.blocks import BLOCK  # lazy: as the engines
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return BLOCK * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype.itemsize
+
+
+def _kv_pool(kind: str, max_bytes: int, block_bytes: int = 0) -> Any:
     """The local engines' KV pool for `[engine] kv_pool` (None for "off"); a "shared" pool's
-    process stops when this one exits."""
+    process stops when this one exits. ConfigError when `max_bytes` cannot hold one block of
+    `block_bytes` (the pool would silently hold nothing)."""
     from forgerl.engines.kv_pool import KVPool, SharedKVPool  # lazy: torch
 
+    if kind != "off" and max_bytes < block_bytes:
+        raise ConfigError(f"engine.kv_pool_bytes ({max_bytes}) cannot hold one KV block of this "
+                          f"model ({block_bytes} bytes, 16 tokens)")
     if kind == "process":
         return KVPool(max_bytes)
     if kind == "shared":
-        pool = SharedKVPool.start(Path(tempfile.mkdtemp(prefix="forgerl-kv-")) / "pool.sock",
-                                  max_bytes)
-        atexit.register(pool.close)
+        folder = tempfile.mkdtemp(prefix="forgerl-kv-")
+        pool = SharedKVPool.start(Path(folder) / "pool.sock", max_bytes)
+        atexit.register(shutil.rmtree, folder, True)  # atexit runs last in, first out:
+        atexit.register(pool.close)  # the pool stops, then its folder goes
         return pool
     return None
 

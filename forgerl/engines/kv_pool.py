@@ -22,6 +22,8 @@ is a miss, so no KV crosses weight versions.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -38,6 +40,7 @@ from forgerl.engines.blocks import BLOCK, block_hashes
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (H, L, D)
 PROBE_BYTES = 1 << 22  # the bandwidth probe's payload
+log = logging.getLogger(__name__)
 
 
 def _nbytes(value: Any) -> int:
@@ -151,12 +154,14 @@ class SharedKVPool(KVPool):
         self.path, self.process = str(path), None
         self._conn: Connection = Client(self.path, family="AF_UNIX")
         self._call_lock = threading.Lock()
+        self.gone = False  # the pool process stopped answering (see _call)
 
     @classmethod
     def start(cls, path: str | Path, max_bytes: int, timeout: float = 30.0) -> SharedKVPool:
-        """Start `serve(path, max_bytes)` in a new Python process and connect to it."""
+        """Start `serve(path, max_bytes, owner=this process)` in a new Python process and
+        connect to it; the pool process ends when this process does, even by SIGKILL."""
         proc = subprocess.Popen([sys.executable, "-m", "forgerl.engines.kv_pool", str(path),
-                                 str(max_bytes)])
+                                 str(max_bytes), str(os.getpid())])
         deadline = time.monotonic() + timeout
         while True:  # the socket file exists from bind(), before listen(): retry refusals
             try:
@@ -171,19 +176,29 @@ class SharedKVPool(KVPool):
         return pool
 
     def _fetch_probe(self, block: torch.Tensor) -> None:
-        raw = self._call("echo", block.view(torch.uint8).numpy().tobytes())
+        raw = self._call("echo", block.view(torch.uint8).numpy().tobytes(), lost=bytes(4))
         torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()
 
-    def _call(self, *msg: Any) -> Any:
+    def _call(self, *msg: Any, lost: Any = None) -> Any:
+        """Send `msg`, return the answer; once the pool process is gone (killed, crashed), warn
+        once and answer `lost` from then on: an empty pool, so the engines go on recomputing
+        (a raise here would fail every prefill and leave a weight update unsettled)."""
         with self._call_lock:
-            self._conn.send(msg)
-            return self._conn.recv()
+            if not self.gone:
+                try:
+                    self._conn.send(msg)
+                    return self._conn.recv()
+                except (OSError, EOFError) as exc:
+                    self.gone = True
+                    log.warning("the shared KV pool process at %s is gone (%r): going on "
+                                "without the pool", self.path, exc)
+            return lost
 
     def advance(self, version: int) -> None:
         self._call("advance", version)
 
     def held(self, version: int, hashes: Sequence[int]) -> list[bool]:
-        return self._call("held", version, list(hashes))
+        return self._call("held", version, list(hashes), lost=[False] * len(hashes))
 
     def put(self, version: int, hashes: Sequence[int], blocks: Sequence[Any]) -> None:
         wire = [None if b is None else (str(b.dtype).removeprefix("torch."), tuple(b.shape),
@@ -193,12 +208,12 @@ class SharedKVPool(KVPool):
 
     def get(self, version: int, hashes: Sequence[int]) -> list[Any]:
         return [torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(shape)
-                for dtype, shape, raw in self._call("get", version, list(hashes))]
+                for dtype, shape, raw in self._call("get", version, list(hashes), lost=[])]
 
     @property
     def pool_stats(self) -> dict[str, int | float]:
-        """The pool process's own stats (blocks, bytes, evicted_blocks)."""
-        return self._call("stats")
+        """The pool process's own stats (blocks, bytes, evicted_blocks); {} once it is gone."""
+        return self._call("stats", lost={})
 
     def close(self) -> None:
         """Close the connection; stop the pool process when this client started it (idempotent)."""
@@ -210,11 +225,14 @@ class SharedKVPool(KVPool):
             Path(self.path).unlink(missing_ok=True)
 
 
-def serve(path: str, max_bytes: int) -> None:
-    """Serve a KVPool of raw-bytes blocks at unix socket `path` until killed, a thread per
+def serve(path: str, max_bytes: int, owner: int | None = None) -> None:
+    """Serve a KVPool of raw-bytes blocks at unix socket `path` until killed (or, with `owner`,
+    the pid of this process's parent, until that parent is gone: no orphan pool), a thread per
     client; messages are pickled (method, *args) tuples, answers the method's result. Anyone who
     can open the socket is trusted: put it in a private folder (SharedKVPool.start's caller)."""
     pool, listener = KVPool(max_bytes), Listener(path, family="AF_UNIX")
+    if owner is not None:
+        threading.Thread(target=_exit_with, args=(owner, path), daemon=True).start()
 
     def client(conn: Connection) -> None:
         with conn:
@@ -228,6 +246,14 @@ def serve(path: str, max_bytes: int) -> None:
     while True:
         conn = listener.accept()
         threading.Thread(target=client, args=(conn,), daemon=True).start()
+
+
+def _exit_with(owner: int, path: str) -> None:
+    """End this process once its parent `owner` is gone (it was re-parented)."""
+    while os.getppid() == owner:
+        time.sleep(0.5)
+    Path(path).unlink(missing_ok=True)
+    os._exit(0)
 
 
 def publish(pool: KVPool, version: int, ids: Sequence[int], kv: KV) -> None:
@@ -261,4 +287,4 @@ def fetch(pool: KVPool, version: int, ids: Sequence[int], have: int) -> tuple[in
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -104,6 +104,10 @@ def load_checkpoint(
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt_dir.glob("*.safetensors")):
         weights.update(safetensors.torch.load_file(f))
+    if any(k not in model.state_dict() for k in weights):  # saved in the family's on-disk
+        # layout (transformers converts e.g. fused MoE experts on save): load it back through it
+        weights = type(model).from_pretrained(ckpt_dir, dtype=next(model.parameters()).dtype
+                                              ).state_dict()
     result = model.load_state_dict(weights, strict=False)
     # A key absent from the files is fine only if it shares storage with a loaded one (tied).
     current = model.state_dict()

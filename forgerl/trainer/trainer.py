@@ -196,9 +196,12 @@ class Trainer:
         self.drafter_top_k = top_k
         self.drafter_optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
 
-        def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
-            self._hidden = output.last_hidden_state  # type: ignore[attr-defined]
-        self.model.get_decoder().register_forward_hook(keep)
+        decoder = self.model.get_decoder()
+
+        def keep(module: torch.nn.Module, _args: object, output: object) -> None:
+            if module is decoder:  # a deepcopy of the model (a local engine's) keeps this hook
+                self._hidden = output.last_hidden_state  # type: ignore[attr-defined]
+        decoder.register_forward_hook(keep)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on `groups`; returns metrics (floats).

@@ -8,7 +8,9 @@ Pinned here:
   new version's logprobs are those of the new weights.
 - The byte bound: LRU, a chain's root outlives its leaves.
 - The cross-process backend: a second OS process publishes with a real engine, this one
-  fetches through the pool process and matches an engine without a pool.
+  fetches through the pool process and matches an engine without a pool. The pool process
+  ends when the process that started it is SIGKILLed (no orphan); an engine whose pool
+  process is SIGKILLed goes on without it (exact completions, weight updates settle, a warning).
 - cost_aware picks the instance that fetches when the transfer is cheaper than the prefill,
   and the one with the queue when it is not (hand-computed costs); RouterState's record of
   the pool; DFS order, pure and through a real Router whose waiters it releases.
@@ -24,17 +26,19 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from forgerl.config import ConfigError, load_config
-from forgerl.controller.startup import _kv_pool
+from forgerl.controller.startup import _block_bytes, _kv_pool
 from forgerl.engines.blocks import BLOCK, block_hashes
 from forgerl.engines.kv_pool import KVPool, SharedKVPool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.router import Router
 from forgerl.gateway.routing import InstanceLoad, RouterState, cost_aware, dfs_order
+from forgerl.models import build_tiny_model
 from forgerl.types import GenerateOutput, SamplingParams
 from tests.engines.test_local import perturbed
 
@@ -180,6 +184,70 @@ def test_shared_pool_across_processes(tiny_model, tmp_path):
     assert pool.process is not None and pool.process.returncode is not None
 
 
+OWNER = textwrap.dedent("""
+    import sys, time
+    from forgerl.engines.kv_pool import SharedKVPool
+    pool = SharedKVPool.start(sys.argv[1], 1 << 20)
+    print(pool.process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_pool_process_ends_with_its_killed_owner(tmp_path):
+    path = tmp_path / "pool.sock"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    pool_pid = int(owner.stdout.readline())
+    assert path.exists() and _alive(pool_pid)
+    owner.kill()  # SIGKILL: no cleanup runs in the owner
+    owner.wait(10)
+    for _ in range(100):
+        if not _alive(pool_pid):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pool_pid, 9)
+        pytest.fail("the pool process outlived its SIGKILLed owner by 10 s")
+    assert not path.exists()
+
+
+def test_engine_goes_on_when_the_pool_process_is_killed(tiny_model, tmp_path, caplog):
+    new_model = perturbed(tiny_model, seed=1)
+    pool = SharedKVPool.start(tmp_path / "pool.sock", 1 << 24)
+
+    async def main():
+        a, b = (LocalEngine(tiny_model, max_model_len=256, kv_pool=pool) for _ in range(2))
+        fresh = LocalEngine(new_model, max_model_len=256)
+        await _gen(a, PROMPT, GREEDY)  # published
+        pool.process.kill()
+        pool.process.wait(10)
+        alone = await _gen(b, PROMPT, GREEDY)  # would have fetched: now a miss
+        await asyncio.wait_for(b.update_weights(new_model.state_dict(), 1), 30)
+        outs = await _gen(b, PROMPT, GREEDY), await _gen(fresh, PROMPT, GREEDY)
+        stats = dict(b.stats)
+        for e in (a, b, fresh):
+            await e.close()
+        return alone, outs, stats
+
+    try:
+        alone, (after, ref), stats = asyncio.run(main())
+    finally:
+        pool.close()
+    assert len(alone.completion_ids) == 10 and stats["pool_hits"] == 0
+    _close(after, ref)
+    assert pool.gone and pool.pool_stats == {} and "is gone" in caplog.text
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that no one reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _load(in_flight: int, cached: int, pooled: int, fetch_s: float) -> InstanceLoad:
     return InstanceLoad(True, in_flight, cached, prefill_tok_s=1000.0, step_s=0.01, row_s=0.001,
                         expected_tokens=10, overlap_tokens=10.0 * in_flight, load_bound=16,
@@ -229,6 +297,9 @@ def test_config_and_startup_pool():
     with pytest.raises(ConfigError, match=r"engine.kv_pool: the pool is wired for local"):
         load_config(None, ["--engine.kv_pool", "shared", "--cluster.backend", "ray"])
     assert _kv_pool("off", 1) is None and _kv_pool("process", 4096).max_bytes == 4096
+    assert _block_bytes(build_tiny_model(), torch.float32) == BLOCK * 512  # docs/kv-pool.md
+    with pytest.raises(ConfigError, match=r"engine.kv_pool_bytes \(8191\) cannot hold one KV"):
+        _kv_pool("shared", 8191, 8192)  # before any pool process starts
     shared = _kv_pool("shared", 4096)
     try:
         assert shared.held(0, [1]) == [False] and shared.process.poll() is None

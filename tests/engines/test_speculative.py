@@ -423,3 +423,21 @@ def test_drafter_is_checkpointed_and_restored_without_warm_start(peaky, drafter,
     untrained = Drafter.for_model(peaky)
     assert not torch.equal(fresh.drafter.proj.weight, untrained.proj.weight)  # warm-started
     assert not torch.equal(fresh.drafter.proj.weight, trainer.drafter.proj.weight)
+
+
+def test_engine_forwards_leave_the_trainers_hidden_states_alone(peaky, drafter):
+    """The controller attaches the drafter before it builds the engines, whose deepcopy of the
+    model keeps the trainer's forward hook: an engine's forward (another thread, at any time)
+    must not overwrite the hidden states the trainer's drafter loss reads (IndexError in
+    drafter_loss with [engine] instances = 2)."""
+    trainer = Trainer(copy.deepcopy(peaky), lr=1e-3, device="cpu")
+    trainer.attach_drafter(copy.deepcopy(drafter), lr=1e-2)
+    engine = LocalEngine(trainer.model, max_model_len=64, drafter=trainer.drafter,
+                         speculative_tokens=2)
+    with torch.no_grad():
+        trainer.model(input_ids=torch.tensor([PROMPTS[1]]))
+    mine = trainer._hidden
+    assert mine is not None and mine.shape[:2] == (1, len(PROMPTS[1]))
+    out = asyncio.run(engine.generate(PROMPTS[0], SamplingParams(1.0, max_tokens=6, seed=0)))
+    asyncio.run(engine.close())
+    assert len(out.completion_ids) == 6 and trainer._hidden is mine

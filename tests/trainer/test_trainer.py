@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forgerl.models import build_tiny_model
+from forgerl.models import build_tiny_model, build_tiny_moe
 from forgerl.trainer.attention import TREE_SDPA
 from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from forgerl.trainer.losses import cispo_loss
@@ -307,3 +307,17 @@ def test_cuda_trainer_uses_flex_attention_and_syncs_to_a_cpu_engine():
     synced = asyncio.run(sync())
     for name, value in trainer.state_dict_for_sync().items():
         assert torch.equal(synced[name], value.cpu()), name
+
+
+def test_moe_checkpoint_resumes(tmp_path):
+    # transformers saves the tiny MoE's fused experts in Mixtral's per-expert on-disk layout;
+    # loading must convert them back (a resumed tiny-moe run failed with "does not match")
+    model, fresh = build_tiny_moe(), build_tiny_moe()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    path = save_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), 3, {"a": 1})
+    assert load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters())) == (3, {"a": 1})
+    saved, loaded = model.state_dict(), fresh.state_dict()
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
