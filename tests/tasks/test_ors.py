@@ -181,7 +181,8 @@ async def test_a_server_that_goes_away_mid_run_aborts_its_rollouts(tmp_path):
     killed = []
 
     def policy(prompt: str) -> str:
-        if not killed:  # the sessions are open; the server dies before the first tool call
+        if not killed:  # the server dies before the first tool call (on a busy machine some
+            # rollouts are still opening their episode then: they fail at the open instead)
             proc.kill()
             proc.wait()
             killed.append(True)
@@ -197,6 +198,8 @@ async def test_a_server_that_goes_away_mid_run_aborts_its_rollouts(tmp_path):
     finally:
         proc.kill()
     assert {t.status for t in trajs} == {"aborted_infra"}
-    assert all(re.match(rf"infrastructure: environment ORS server {url}: tool 'calculate': ",
+    assert all(re.match(rf"infrastructure: environment ORS server {url}: ", t.error)
+               for t in trajs), [t.error for t in trajs]
+    assert any(re.match(rf"infrastructure: environment ORS server {url}: tool 'calculate': ",
                         t.error) for t in trajs)
     assert metrics["rollouts_aborted_infra"] == 8 and metrics["num_loss_tokens"] == 0
