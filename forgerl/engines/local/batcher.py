@@ -189,9 +189,8 @@ class ContinuousBatcher(SpeculativeDecoder):
                                                                          strict=True)], ids.shape)
         self.note_hidden(rows)
         batch = _Batch(rows, cache, mask, mask.sum(dim=1), self._sample(rows, out.logits[:, -1]))
-        if self.prefix_cache.max_tokens or self.kv_pool is not None:
-            for i, seq in enumerate(seqs):
-                self._keep(seq, batch.row_kv(i), self._routes(rows[i]))
+        for i, seq in enumerate(seqs):
+            self._keep(seq, batch, i)
         return batch
 
     def _lookup(self, seq: tuple[int, ...]) -> tuple[int, KV | None]:
@@ -205,11 +204,14 @@ class ContinuousBatcher(SpeculativeDecoder):
                 return m, pooled
         return n, kv
 
-    def _keep(self, seq: tuple[int, ...], kv: KV, routes: torch.Tensor | None) -> None:
-        """Insert a row's KV (and a MoE row's routes) into the prefix cache and publish the KV
-        to the KV pool."""
+    def _keep(self, seq: tuple[int, ...], batch: _Batch, i: int) -> None:
+        """Insert row i's KV for `seq` (and a MoE row's routes) into the prefix cache and
+        publish the KV to the KV pool; nothing is copied out when both are off."""
+        if not self.prefix_cache.max_tokens and self.kv_pool is None:
+            return
+        kv = batch.row_kv(i)
         if self.prefix_cache.max_tokens:
-            self.prefix_cache.insert(seq, kv, routes)
+            self.prefix_cache.insert(seq, kv, self._routes(batch.rows[i]))
         if self.kv_pool is not None:
             publish(self.kv_pool, self.weight_version, seq, kv)
 
@@ -253,9 +255,7 @@ class ContinuousBatcher(SpeculativeDecoder):
         keep = []
         for i, req in enumerate(batch.rows):
             if req.finish_reason is not None:
-                if self.prefix_cache.max_tokens or self.kv_pool is not None:
-                    self._keep(tuple(req.prompt_ids + req.completion_ids[:-1]), batch.row_kv(i),
-                               self._routes(req))
+                self._keep(tuple(req.prompt_ids + req.completion_ids[:-1]), batch, i)
                 req.resolve()
             elif not req.cancelled:
                 keep.append(i)
