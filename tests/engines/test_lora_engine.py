@@ -3,7 +3,8 @@
 Semantics pinned:
 - Rows of different adapters (and the base) decode in one batch, and every recorded logprob is
   a teacher-forced forward of that row's adapter (forgerl.lora.MultiLoRA on the same base)
-  within 1e-5; an adapter row's tokens record the adapter's version.
+  within 1e-5, with nn.Linear and with oneDNN-packed linears; an adapter row's tokens record
+  the adapter's version.
 - CASES.md C23 on a toy model whose logits are the same at every position: base logits
   [2, 1, 0, -1]; adapter "bias" v1 is peft's fresh adapter (B = 0, the base), v2 adds 1 to
   token 1's logit through the attention values (so stale KV would show in the numbers). After
@@ -13,6 +14,8 @@ Semantics pinned:
   flight across the sync keeps v1 (its tokens' versions and logprobs); a failed load of v3
   raises and leaves v2 active, its cache still used.
 - Bad adapter input is a clear error: an adapter not loaded, tensors of other targets.
+- PrefixCache namespaces: an entry of (adapter, version) serves only lookups of that namespace
+  (not the base, not the next version); `drop` forgets one namespace and its tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forgerl.engines.local import LocalEngine
+from forgerl.engines.local.prefix_cache import PrefixCache
 from forgerl.lora import MultiLoRA
 from forgerl.models import build_tiny_model
 from forgerl.types import SamplingParams
@@ -50,10 +54,12 @@ def _teacher_forced(lora: MultiLoRA, adapter: str | None, prompt: list[int],
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
-def test_rows_of_different_adapters_decode_in_one_batch_token_exact():
+@pytest.mark.parametrize("packed", [False, True], ids=["linear", "packed"])
+def test_rows_of_different_adapters_decode_in_one_batch_token_exact(packed):
     ref = MultiLoRA(build_tiny_model(head_std=0.2))
     _random_adapters(ref, ["a", "b"])
-    engine = LocalEngine(build_tiny_model(head_std=0.2), max_model_len=128)
+    engine = LocalEngine(build_tiny_model(head_std=0.2), max_model_len=128,
+                         packed_weights=packed)
     rows = ["a", "b", None, "a", "b", None]
     prompts = [[1, 40 + i, 41, 42 + 2 * i, 7] for i in range(len(rows))]
 
@@ -207,3 +213,18 @@ def test_bad_adapter_requests_are_clear_errors():
             await engine.close()
 
     asyncio.run(go())
+
+
+def test_prefix_cache_namespaces_never_mix():
+    cache = PrefixCache(max_tokens=100)
+    kv = [(torch.arange(6.0).view(1, 6, 1), torch.zeros(1, 6, 1))]
+    cache.insert((5, 6, 7, 8, 9, 10), kv, ns=("a", 1))
+    assert cache.tokens == 6
+    assert cache.lookup((5, 6, 7, 8, 1)) == (0, None)  # the base sees nothing of a's KV
+    assert cache.lookup((5, 6, 7, 8, 1), ("a", 2)) == (0, None)  # nor does a's next version
+    n, hit = cache.lookup((5, 6, 7, 8, 1), ("a", 1))
+    assert n == 4 and hit[0][0].flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    cache.insert((5, 6, 7), kv, ns=None)  # a base entry beside it: its own namespace
+    assert cache.tokens == 9 and cache.lookup((5, 6, 7, 8))[0] == 3
+    cache.drop(("a", 1))
+    assert cache.tokens == 3 and cache.lookup((5, 6, 7, 8, 1), ("a", 1)) == (0, None)
