@@ -354,7 +354,8 @@ class SQLitePool:
         with self._lock:
             rows = self._read(
                 "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?", (trajectory_id,))
+                " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?",
+                (trajectory_id,))
             if not rows:
                 raise KeyError(f"unknown trajectory {trajectory_id!r}")
             return self._trajectory(rows[0])

@@ -290,8 +290,8 @@ class Gateway:
         """
         with self.active(session):
             call = self.prepare(session, conv, plan)
-            outs = await generate(self.engine_for(conv), self.counters, session, call.prompt_ids,
-                                  call.params)
+            outs = await generate(self.engine_for(conv), self.counters, session,
+                                  call.prompt_ids, call.params)
             return await self.finish(session, call, outs)
 
     async def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
@@ -341,7 +341,8 @@ class Gateway:
         renderer = self.renderer_for(call.conv)
         states = [reply_stream(call, renderer) for _ in call.params]
         outs: list[GenerateOutput | None] = [None] * len(states)
-        sources = [choice_events(self.engine_for(conv), renderer, self.counters, session, i, call, s)
+        engine = self.engine_for(conv)
+        sources = [choice_events(engine, renderer, self.counters, session, i, call, s)
                    for i, s in enumerate(states)]
         try:
             async with contextlib.aclosing(merged(sources)) as events:

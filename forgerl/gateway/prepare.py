@@ -108,9 +108,9 @@ def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: in
                        model_name: str | Sequence[str], strict_model: bool) -> tuple[Tool, ...]:
     """The tools to render for `conv`, after the checks that need no rendering.
 
-    Raises GatewayError 404 `model_not_found` (a model other than `model_name`, or not one of
-    those names, when `strict_model`), 400 `context_length_exceeded` for a request whose text alone must
-    exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
+    Raises GatewayError 404 `model_not_found` (a model not `model_name`, or not one of those
+    names, when `strict_model`), 400 `context_length_exceeded` for a request whose text alone
+    must exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
     top_logprobs > 0 (engines return only the sampled token's logprob), an empty stop
     string, a tool that is not valid (`tool_problem`: 400 `invalid_tool` naming it,
     CASES.md C15), a tool result whose call id no earlier assistant message made in a

@@ -12,8 +12,8 @@ A `dataset` that ends in ".py" is a user task file (the config loader makes its 
 relative to the config file) that defines `make_tasks(size: int, seed: int, **params) ->
 list[dict]` (each dict JSON-safe with at least "question" and "answer") and `score(task: dict,
 answer: str) -> float` (or a dict: each policy's reward, `[[policies]]` name → float, for an
-episode of several trained agents); its tasks carry the file's path as `dataset`, so resume finds the same
-verifier.
+episode of several trained agents); its tasks carry the file's path as `dataset`, so resume
+finds the same verifier.
 """
 
 from __future__ import annotations
