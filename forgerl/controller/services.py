@@ -100,6 +100,10 @@ class Services(Rollouts):
     async def train(self, task_indices: list[int]) -> dict[str, float]:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving).
 
+        With [[policies]], one step of each policy on its own view of them (`policy_group`),
+        `policy_<name>_...` metrics each; num_loss_tokens sums them. The run's step is the
+        first policy's weight version: it advances when any policy trained.
+
         Counts `failed_streak` per domain: its groups in a row in which no rollout finished
         (e.g. every agent call rejected), with the last such rollout's error in
         `last_rollout_error`; groups whose rollouts all ran before a resume do not count.
@@ -122,16 +126,18 @@ class Services(Rollouts):
         metrics = await asyncio.to_thread(self.trainer.train_step, [
             policy_group(g, self.config.gateway.model_name, first=True) for g in groups]
             if self.policies else groups)
-        if self.policies:  # each policy on its own calls, rewards and groups
-            metrics |= named(self.config.gateway.model_name, metrics)
-            for policy in self.policies.values():
-                metrics |= await policy.train(groups)
-            if metrics["num_loss_tokens"] == 0:  # no step of the first policy: no loop sync
-                await self.sync_weights()
         if self.entropy_watch is None:
             tc = self.config.trainer
             self.entropy_watch = EntropyWatch(tc.entropy_floor, tc.entropy_drop_factor)
         metrics |= self.entropy_watch.update(self.trainer.step, metrics)
+        if self.policies:  # each policy on its own calls, rewards and groups
+            metrics |= named(self.config.gateway.model_name, metrics)
+            for policy in self.policies.values():
+                metrics |= await policy.train(groups)
+            tokens = sum(metrics.get(f"policy_{n}_num_loss_tokens", 0) for n in self.policies)
+            if metrics["num_loss_tokens"] == 0 and tokens:  # a run step all the same:
+                self.trainer.step += 1  # the first policy's version advances, weights unchanged
+            metrics["num_loss_tokens"] += tokens
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
         metrics["rollouts_aborted_infra"] = sum(t.status == "aborted_infra" for g in groups
