@@ -1,6 +1,6 @@
 """The proposer-solver agent: two trained policies in one episode, asked for by model name.
 
-It imports nothing from ForgeRL. It reads the task from `FORGERL_TASK` (JSON), asks the
+It imports nothing from ForgeRL. It reads the question from `FORGERL_TASK` (JSON), asks the
 "proposer" model for an addition problem, and, when the reply holds one ("A + B"), asks the
 "solver" model for its sum, two attempts in one call (`n = 2`). The last stdout line is the
 episode as JSON ({"problem": [a, b] or null, "attempts": [...]}), which tasks.py scores with
@@ -26,7 +26,7 @@ def main() -> None:
     proposal = client.chat.completions.create(
         model="proposer", max_tokens=max_tokens,
         messages=[{"role": "user", "content": task["question"]}]).choices[0].message.content
-    problem = parse_problem(proposal or "", task["metadata"]["max_digits"])
+    problem = parse_problem(proposal or "")  # tasks.py checks its digits
     attempts: list[str] = []
     if problem is not None:
         reply = client.chat.completions.create(

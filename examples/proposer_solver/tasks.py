@@ -6,7 +6,7 @@ it as JSON) and gives each policy its own reward (docs/multi-policy.md):
 
     solver:   the fraction of its attempts at the proposed problem that are right (0, 0.5, 1
               with two attempts); no reward when the proposal did not parse (it was not called)
-    proposer: 0 for no parseable "A + B" with at most `max_digits` digits per number; else 0.5,
+    proposer: 0 for no "A + B" with at most `max_digits` digits per number; else 0.5,
               plus 0.5 when the problem is solvable but not trivial: some attempt right, some
               wrong
 """
@@ -33,12 +33,10 @@ def make_tasks(size: int, seed: int, max_digits: int = 2) -> list[dict]:
     return tasks
 
 
-def parse_problem(text: str, max_digits: int) -> tuple[int, int] | None:
-    """The first "A + B" in `text` whose numbers have at most `max_digits` digits, else None."""
-    match = re.search(r"(\d+)\s*\+\s*(\d+)", text)
-    if match is None or max(len(match[1]), len(match[2])) > max_digits:
-        return None
-    return int(match[1]), int(match[2])
+def parse_problem(text: str) -> tuple[int, int] | None:
+    """The first "A + B" in `text` (numbers of at most 6 digits), else None."""
+    match = re.search(r"(\d{1,6})\s*\+\s*(\d{1,6})", text)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 def right(attempt: str, a: int, b: int) -> bool:
@@ -56,4 +54,5 @@ def score(task: dict, answer: str) -> dict[str, float]:
     a, b = episode["problem"]
     solved = [right(t, a, b) for t in episode["attempts"]]
     rate = sum(solved) / len(solved)
-    return {"solver": rate, "proposer": 0.5 + 0.5 * (0.0 < rate < 1.0)}
+    in_range = max(a, b) < 10 ** task["metadata"]["max_digits"]
+    return {"solver": rate, "proposer": in_range * (0.5 + 0.5 * (0.0 < rate < 1.0))}
