@@ -185,3 +185,28 @@ async def test_a_policy_without_calls_keeps_its_weights_and_resume_restores_both
         assert _same(solver_now, fresh)  # the solver had no calls: never changed
         assert not _same(proposer_now, fresh)  # the proposer's trained weights came back
         assert proposer.trainer.optimizer.state  # with its AdamW moments
+
+
+def test_per_policy_rewards_name_policies_of_the_run(tmp_path):
+    """A score dict gives the trajectory the first policy's reward (0.0 without one) and is
+    stored whole; a name that is no policy of the run is an error (the rollout fails with it),
+    as is a dict naming another model in a one-policy run."""
+    from types import SimpleNamespace
+
+    from forgerl.controller.rollouts import Rollouts
+
+    def rewards(config, score):
+        return Rollouts.policy_rewards(SimpleNamespace(config=config), score)
+
+    two = _config(tmp_path / "run")
+    assert rewards(two, {"solver": 0.5, "proposer": 1.0}) == (0.5, {"solver": 0.5,
+                                                                    "proposer": 1.0})
+    assert rewards(two, {"proposer": 0.0}) == (0.0, {"proposer": 0.0})
+    assert rewards(two, 1.0) == (1.0, None)
+    with pytest.raises(ValueError, match="rewarded 'critic', which is no policy of this run "
+                                         r"\(solver, proposer\)"):
+        rewards(two, {"critic": 1.0})
+    one = load_config(None, ["--run_dir", str(tmp_path / "one")])
+    assert rewards(one, {"policy": 1.0}) == (1.0, {"policy": 1.0})
+    with pytest.raises(ValueError, match="'solver'"):
+        rewards(one, {"solver": 1.0})
