@@ -244,7 +244,9 @@ class Rollouts:
                     log.error("a rollout of task %d crashed: %r", task_index, result)
         self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
-        versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
+        first = self.config.gateway.model_name  # the run's step is its weight version
+        versions = [v for t in group.trajectories for c in t.completions
+                    if c.policy in ("", first) for v in c.weight_versions]
         self.scheduler.on_group_finished(task_index,
                                          min(versions, default=self.engine.weight_version))
         self.group_done.set()
