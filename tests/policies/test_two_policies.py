@@ -57,23 +57,26 @@ def _config(run_dir: Path, *extra: str, proposer_only: bool = False):
 
 def make_agent(calls: list[tuple[str, int]], solver: bool = True):
     """The example's episode, scripted: a proposer call, then (with `solver`) a solver call of
-    two choices; the answer alternates per task between both attempts right (solver 1.0,
-    proposer 0.5) and one right (solver 0.5, proposer 1.0), so both groups have signal.
+    two choices continuing the proposer's conversation; the answer alternates per task between
+    both attempts right (solver 1.0, proposer 0.5) and one right (solver 0.5, proposer 1.0), so
+    both groups have signal.
     Appends (model, choices) for each call to `calls`."""
     counters: dict[str, itertools.count] = {}
 
     async def agent(task: dict, base_url: str, api_key: str) -> str:
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-        await client.chat.completions.create(
-            model="proposer", max_tokens=6, messages=[{"role": "user",
-                                                       "content": task["question"]}])
+        asked = [{"role": "user", "content": task["question"]}]
+        proposal = await client.chat.completions.create(model="proposer", max_tokens=6,
+                                                        messages=asked)
         calls.append(("proposer", 1))
         k = next(counters.setdefault(task["question"], itertools.count()))
         if not solver:
             return str(k % 2)  # the proposer-only task file's reward (PROPOSER_ONLY)
-        await client.chat.completions.create(
+        await client.chat.completions.create(  # the proposer's conversation, continued
             model="solver", max_tokens=6, n=2,
-            messages=[{"role": "user", "content": "What is 1 + 2?"}])
+            messages=[*asked, {"role": "assistant",
+                               "content": proposal.choices[0].message.content},
+                      {"role": "user", "content": "What is 1 + 2?"}])
         calls.append(("solver", 2))
         attempts = ["3", "3"] if k % 2 == 0 else ["3", "4"]
         return json.dumps({"problem": [1, 2], "attempts": attempts})
@@ -145,6 +148,11 @@ async def test_two_policies_record_train_and_sync_apart(tmp_path):
             for c in traj.completions:  # the prompt is the one sent to the model it names
                 asked_solver = "What is 1 + 2?" in s.gateway.renderer.decode(c.prompt_ids)
                 assert c.policy == ("solver" if asked_solver else "proposer")
+            # the solver extends the proposer's turn (its ids reused) in a trace of its own
+            first, *attempts = traj.completions
+            assert [c.trace for c in traj.completions] == [0, 1, 1]
+            assert all(c.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)]
+                       == first.prompt_ids + first.completion_ids for c in attempts)
         # each policy trained on its own rewards: solver [1, .5, 1, .5], proposer [.5, 1, .5, 1]
         assert metrics["policy_solver_reward_mean"] == 0.75
         assert metrics["policy_proposer_reward_mean"] == 0.75
