@@ -218,3 +218,32 @@ def test_per_policy_rewards_name_policies_of_the_run(tmp_path):
     assert rewards(one, {"policy": 1.0}) == (1.0, {"policy": 1.0})
     with pytest.raises(ValueError, match="'solver'"):
         rewards(one, {"solver": 1.0})
+
+
+def test_policy_and_policy_rewards_round_trip_and_old_pools_open(tmp_path):
+    """Each completion's policy and a trajectory's per-policy rewards come back exactly; a pool
+    file from before policies (neither column) opens with them added: policy "" (read as the
+    first policy's by `policy_group`), no per-policy rewards."""
+    from forgerl.datapool.sqlite import SQLitePool
+
+    path = tmp_path / "pool.sqlite"
+    pool = SQLitePool(path)
+    pool.add_task(0, {})
+    tid = pool.create_trajectory(0, rollout_index=0)
+    for policy in ("proposer", "solver"):
+        pool.add_completion(tid, _completion(policy))
+    pool.finish_trajectory(tid, "finished", reward=0.5,
+                           policy_rewards={"solver": 0.5, "proposer": 1.0})
+    traj = pool.get_trajectory(tid)
+    assert [c.policy for c in traj.completions] == ["proposer", "solver"]
+    assert (traj.reward, traj.policy_rewards) == (0.5, {"solver": 0.5, "proposer": 1.0})
+    pool.close()
+    db = sqlite3.connect(path)  # as written before policies: drop both columns
+    db.executescript("ALTER TABLE completions DROP COLUMN policy;"
+                     " ALTER TABLE trajectories DROP COLUMN policy_rewards;")
+    db.close()
+    pool = SQLitePool(path)
+    old = pool.get_trajectory(tid)
+    assert [c.policy for c in old.completions] == ["", ""] and old.policy_rewards is None
+    assert old.reward == 0.5
+    pool.close()
