@@ -247,3 +247,29 @@ def test_policy_and_policy_rewards_round_trip_and_old_pools_open(tmp_path):
     assert [c.policy for c in old.completions] == ["", ""] and old.policy_rewards is None
     assert old.reward == 0.5
     pool.close()
+
+
+@sync
+async def test_the_example_agent_runs_as_a_process_and_each_call_lands_under_its_policy(
+        tmp_path):
+    """examples/proposer_solver as shipped (agent.py a real process, tasks.py the verifier), on
+    the tiny model: one group of G = 4 episodes; every proposer call is recorded under
+    "proposer", the solver's two attempts (when the random proposer's reply parsed) under
+    "solver", and each episode's per-policy rewards are stored."""
+    text = (EXAMPLE / "config.toml").read_text().replace('path = "smollm2"', 'path = "tiny"')
+    text = text.replace('[agent]\n', f'[agent]\ncwd = "{EXAMPLE}"\n').replace(
+        'dataset = "tasks.py"', f'dataset = "{EXAMPLE / "tasks.py"}"')
+    (tmp_path / "config.toml").write_text(text)
+    config = load_config(tmp_path / "config.toml", [
+        "--run_dir", str(tmp_path / "run"), "--tasks.eval_size", "0", "--rollout.max_tokens",
+        "8", "--rollout.tasks_per_step", "1", "--scheduler.max_in_flight", "1"])
+    async with start_services(config) as s:
+        s.admit()
+        [task] = await s.next_batch()
+        group = s.pool.get_group(task)
+    assert [t.status for t in group.trajectories] == ["finished"] * 4
+    for traj in group.trajectories:
+        policies = [c.policy for c in traj.completions]
+        assert policies in (["proposer"], ["proposer", "solver", "solver"])
+        assert set(traj.policy_rewards) == set(policies)
+        assert traj.policy_rewards["proposer"] in (0.0, 0.5, 1.0)
