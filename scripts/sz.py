@@ -29,7 +29,7 @@ BUDGETS: dict[str, int] = {
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
     "engines": 2_640,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_656,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
+    "gateway": 5_657,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;
     # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,

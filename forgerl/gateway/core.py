@@ -73,7 +73,8 @@ class Gateway:
 
     temperature: the default when neither the session nor the request sets one. max_tokens:
     the cap on every call's completion tokens.
-    strict_model: refuse (404) model names other than `model_name` and `untrained_models`.
+    strict_model: refuse (404) model names other than `model_name`, `policies` and
+    `untrained_models`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, traces (traces started,
     sessions.py), tool_parse_errors, engine_errors, client_disconnects (calls cancelled because
     their client went away), tokens_after_stop (sampled ids decoded past a stop string and
