@@ -156,12 +156,16 @@ async def test_two_policies_record_train_and_sync_apart(tmp_path):
         # each policy trained on its own rewards: solver [1, .5, 1, .5], proposer [.5, 1, .5, 1]
         assert metrics["policy_solver_reward_mean"] == 0.75
         assert metrics["policy_proposer_reward_mean"] == 0.75
-        assert metrics["policy_solver_num_loss_tokens"] > 0
-        assert metrics["policy_proposer_num_loss_tokens"] > 0
+        episodes = s.pool.get_group(batch[0]).trajectories
+        for p in ("solver", "proposer"):  # each trained on exactly its own sampled tokens
+            own = sum(len(c.completion_ids) for t in episodes for c in t.completions
+                      if c.policy == p)
+            assert metrics[f"policy_{p}_num_loss_tokens"] == own > 0
         after = {"solver": _params(s.trainer.model), "proposer": _params(proposer.trainer.model)}
         changed = {k for k in before["solver"] if not torch.equal(before["solver"][k],
                                                                   after["solver"][k])}
         assert changed and not _same(after["solver"], after["proposer"])
+        assert not _same(before["proposer"], after["proposer"])
         # versions per policy; each engine runs its own policy's weights
         assert s.trainer.step == proposer.trainer.step == 1
         assert s.engine.weight_version == proposer.engine.weight_version == 1
