@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 1_295,  # +25 (issue 47): runner.infra_cause, the per-episode kill of escapees;
     # +550 (issue 48): the sandbox (namespaces, cgroups, gateway relay, its PID 1 sandbox_init.py)
-    "controller": 1_530,  # +80 (issue 48): environment episodes, their start/stop, env_seconds,
+    "controller": 1_536,  # +80 (issue 48): environment episodes, their start/stop, env_seconds,
     # generation_seconds, the episode timeout; +25: command agents in sandboxes ([sandbox] agents,
     # Harbor), verifier statuses, sandboxes_peak; +5: unknown [tasks] params keys are an error,
     # [agent] without a command for tool-agent sources;

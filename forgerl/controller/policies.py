@@ -70,24 +70,33 @@ def named(policy: str, metrics: dict[str, Any]) -> dict[str, float]:
     return {f"policy_{policy}_{k}": metrics[k] for k in POLICY_METRICS if k in metrics}
 
 
-async def build_policies(config: Config, tokenizer: Any, run_dir: Path,
-                         start_engine: Callable[[Any], Awaitable[tuple[Any, Any]]]
-                         ) -> dict[str, Policy]:
-    """Every [[policies]] entry after the first, by name: model loaded, trainer built and
-    resumed from RUN_DIR/policies/<name>, engine started by `start_engine(trainer)` (which
-    gives (engine, cluster)).
-    Raises ConfigError (`policies.<i>.path`) when a model does not share the first policy's
-    tokenizer (one renderer tokenises every call), or a checkpoint is of another model."""
+def load_models(config: Config, tokenizer: Any) -> dict[str, Any]:
+    """The model of every [[policies]] entry after the first, by name, loaded before anything
+    of the run is written. Raises ConfigError (`policies.<i>.path`) when one does not share the
+    first policy's tokenizer (one renderer tokenises every call)."""
     from forgerl.models import load_policy  # lazy: torch, transformers
-    from forgerl.trainer.data_parallel import build_trainer  # lazy: torch
 
-    policies: dict[str, Policy] = {}
+    models = {}
     for i, entry in enumerate(config.policies[1:], start=1):
         model, own_tokenizer, _ = load_policy(entry.path)
         if own_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"policies.{i}.path: {entry.path!r} does not share the first "
                               f"policy's tokenizer ({config.policies[0].path!r})")
-        trainer = build_trainer(config, model)
+        models[entry.name] = model
+    return models
+
+
+async def build_policies(config: Config, models: dict[str, Any], run_dir: Path,
+                         start_engine: Callable[[Any], Awaitable[tuple[Any, Any]]]
+                         ) -> dict[str, Policy]:
+    """A `Policy` per model of `load_models`: its trainer built and resumed from
+    RUN_DIR/policies/<name>, its engine started by `start_engine(trainer)` (which gives
+    (engine, cluster)). Raises ConfigError when a checkpoint is of another model."""
+    from forgerl.trainer.data_parallel import build_trainer  # lazy: torch
+
+    policies: dict[str, Policy] = {}
+    for entry in config.policies[1:]:
+        trainer = build_trainer(config, models[entry.name])
         folder = run_dir / "policies" / entry.name
         resume(folder, trainer, entry.path)
         engine, _ = await start_engine(trainer)

@@ -28,7 +28,7 @@ from typing import Any
 
 from forgerl.agents.reaper import Reaper
 from forgerl.config import Config, ConfigError
-from forgerl.controller.policies import build_policies
+from forgerl.controller.policies import build_policies, load_models
 from forgerl.controller.rollouts import (
     Agent,
     agent_command,
@@ -116,6 +116,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     warn_positions(config.model.max_model_len, model.config)
+    models = load_models(config, tokenizer)  # [[policies]] after the first: may refuse too
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
                               eos_ids=eos_ids(model)).bind(gc.chat_template_kwargs)
@@ -134,9 +135,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)
-    policies = await build_policies(  # [[policies]] after the first: each its own engine
-        config, tokenizer, run_dir,
-        lambda t: _start_engines(config, t, run_dir, cores)) if len(config.policies) > 1 else {}
+    policies = await build_policies(  # each its own trainer and engine
+        config, models, run_dir, lambda t: _start_engines(config, t, run_dir, cores))
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens, strict=config.gateway.strict,

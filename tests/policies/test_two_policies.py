@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from openai import AsyncOpenAI
 
-from forgerl.config import load_config
+from forgerl.config import ConfigError, load_config
 from forgerl.controller import run, start_services
 from forgerl.trainer.advantages import group_advantages
 from forgerl.trainer.checkpoint import latest_checkpoint
@@ -277,3 +278,18 @@ async def test_the_example_agent_runs_as_a_process_and_each_call_lands_under_its
         assert policies in (["proposer"], ["proposer", "solver", "solver"])
         assert set(traj.policy_rewards) == set(policies)
         assert traj.policy_rewards["proposer"] in (0.0, 0.5, 1.0)
+
+
+@sync
+async def test_a_policy_with_another_tokenizer_is_refused_before_the_run_is_written(tmp_path):
+    toml = tmp_path / "config.toml"
+    toml.write_text('[[policies]]\nname = "solver"\npath = "tiny"\n'
+                    '[[policies]]\nname = "proposer"\npath = "smollm2"\n'
+                    f'[tasks]\ndataset = "{EXAMPLE / "tasks.py"}"\n')
+    config = load_config(toml, ["--run_dir", str(tmp_path / "run"), "--model.max_model_len",
+                                "512", "--tasks.eval_size", "0"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "policies.1.path: 'smollm2' does not share the first policy's tokenizer ('tiny')")):
+        async with start_services(config, make_agent([])):
+            pass
+    assert not (tmp_path / "run").exists()
