@@ -2,7 +2,7 @@
 
 `forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
 Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer]
-[reward] [cluster] [sandbox] [[domains]].
+[reward] [cluster] [sandbox] [[domains]] [[policies]].
 This module imports no torch, so `forgerl --help` and config errors are instant.
 """
 
@@ -401,6 +401,19 @@ class DomainConfig(_Section):
         return self
 
 
+class PolicyConfig(_Section):
+    """[[policies]]: one trained policy of a run whose agents ask for several models by name
+    (e.g. a proposer and a solver in one episode). Each has its own model, trainer, AdamW,
+    weight versions and local engine; [model]'s other fields, [engine] and [trainer] apply to
+    each. The first is the run's main policy: it sets [model] path and [gateway] model_name."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The model name its agent asks for (OpenAI / Anthropic `model`); a call is recorded under
+    it (`completions.policy`) and its metrics are `policy_<name>_...`."""
+    path: str = "smollm2"
+    """Its model, as [model] path. Every policy must share the first one's tokenizer."""
+
+
 class _LossSection(_Section):
     def build(self) -> Any:
         """The loss function `forgerl.trainer.losses.<type>_loss` with this section's values."""
@@ -638,6 +651,28 @@ class Config(_Section):
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""
+    policies: list[PolicyConfig] = []
+    """Several trained policies, each served and recorded under its name (docs/multi-policy.md);
+    empty: one policy, [model] path served as [gateway] model_name."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_policy(cls, data: Any) -> Any:
+        """[[policies]]' first entry is [model] path and [gateway] model_name."""
+        if not isinstance(data, dict) or not data.get("policies"):
+            return data
+        first = data["policies"][0] if isinstance(data["policies"], list) else None
+        if not isinstance(first, dict) or not isinstance(first.get("name"), str):
+            return data  # the field's own validation names the problem
+        model, gateway = dict(data.get("model") or {}), dict(data.get("gateway") or {})
+        for where, key, value in ((model, "model.path", first.get("path", "smollm2")),
+                                  (gateway, "gateway.model_name", first["name"])):
+            field = key.split(".")[1]
+            if where.get(field, value) != value:
+                raise ValueError(f"{key} ({where[field]!r}) is set by the first [[policies]] "
+                                 f"entry ({value!r}): leave it out")
+            where[field] = value
+        return {**data, "model": model, "gateway": gateway}
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -685,7 +720,22 @@ class Config(_Section):
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")
+        self._check_policies()
         return self
+
+    def _check_policies(self) -> None:
+        names = [p.name for p in self.policies]
+        if len(set(names)) != len(names) or set(names) & set(self.gateway.untrained_models):
+            raise ValueError(f"policies: names must be unique and not untrained_models, got "
+                             f"{names}")
+        if len(names) > 1 and (self.engine.type != "local" or self.engine.instances > 1
+                               or self.engine.disaggregated or self.engine.speculative_tokens
+                               or self.cluster.backend != "local" or self.trainer.workers > 1
+                               or self.warmstart.steps):
+            raise ValueError("policies: several policies need one local engine each "
+                             "(engine.type = \"local\", instances = 1, not disaggregated, no "
+                             "speculative_tokens), cluster.backend = \"local\", "
+                             "trainer.workers = 1 and no warmstart")
 
 
 def _parse_value(text: str) -> Any:

@@ -194,6 +194,7 @@ class Completion:
     train: bool = True
     request: dict[str, Any] = field(default_factory=dict)
     routed_experts: Routes | None = None
+    policy: str = ""
 
     def __post_init__(self) -> None:
         self.check()
@@ -247,6 +248,8 @@ class Trajectory:
     turn_rewards: optional per-turn process rewards (len == len(completions)), added to the
     outcome reward for reward-to-go. events: process events by turn (`Event`), weighted into
     per-turn rewards by `[reward] process`. started_at / ended_at: wall-clock seconds.
+    policy_rewards: each policy's outcome reward (`[[policies]]` name → reward) when the episode
+    gave one per agent; a policy not named there gets `reward`.
     """
 
     id: str
@@ -260,6 +263,7 @@ class Trajectory:
     started_at: float = 0.0
     ended_at: float = 0.0
     events: list[Event] = field(default_factory=list)
+    policy_rewards: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

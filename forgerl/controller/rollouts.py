@@ -182,9 +182,15 @@ class Rollouts:
         if status == "finished":
             if environment is None:
                 reward, turn_rewards = await self.score(task, answer), None
-            self.pool.finish_trajectory(trajectory_id, "finished", reward=reward,
-                                        turn_rewards=turn_rewards)
-            return reward
+            try:
+                reward, policy_rewards = self.policy_rewards(reward)
+            except ValueError as e:  # failed, with the reason: never a silent drop
+                status, error = "failed", str(e)
+            else:
+                self.pool.finish_trajectory(trajectory_id, "finished", reward=reward,
+                                            turn_rewards=turn_rewards,
+                                            policy_rewards=policy_rewards)
+                return reward
         redispatch = status == "timeout" and self.config.rollout.on_timeout == "redispatch"
         final = status if status == "aborted_infra" else ("aborted" if redispatch else "failed")
         self.pool.finish_trajectory(trajectory_id, final, error=error or status)
@@ -196,7 +202,20 @@ class Rollouts:
                     ", re-dispatched" if redispatch else "", where)
         return 0.0
 
-    async def score(self, task: dict, answer: str | None) -> float:
+    def policy_rewards(self, reward: float | dict[str, float]
+                       ) -> tuple[float, dict[str, float] | None]:
+        """(the trajectory's reward, its per-policy rewards) of a score: a dict (one reward per
+        [[policies]] name) gives the first policy's as the trajectory's reward (0.0 when it
+        has none). Raises ValueError for a name that is no policy of the run."""
+        if not isinstance(reward, dict):
+            return reward, None
+        names = [p.name for p in self.config.policies] or [self.config.gateway.model_name]
+        if unknown := sorted(set(reward) - set(names)):
+            raise ValueError(f"the episode rewarded {unknown[0]!r}, which is no policy of "
+                             f"this run ({', '.join(names)})")
+        return reward.get(names[0], 0.0), reward
+
+    async def score(self, task: dict, answer: str | None) -> float | dict[str, float]:
         """reasoning-gym's scorer in a child process with a timeout (CASES.md C13)."""
         [result] = await asyncio.to_thread(score_with_timeout, score, [(task, answer)],
                                            self.config.rollout.reward_timeout_s, 0.0)
@@ -225,7 +244,9 @@ class Rollouts:
                     log.error("a rollout of task %d crashed: %r", task_index, result)
         self.pool.finish_group(task_index)
         group = self.pool.get_group(task_index)
-        versions = [v for t in group.trajectories for c in t.completions for v in c.weight_versions]
+        first = self.config.gateway.model_name  # the run's step is its weight version
+        versions = [v for t in group.trajectories for c in t.completions
+                    if c.policy in ("", first) for v in c.weight_versions]
         self.scheduler.on_group_finished(task_index,
                                          min(versions, default=self.engine.weight_version))
         self.group_done.set()

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.config import AgentConfig, Config
 from forgerl.controller.memory import cuda_peak_gib, peak_rss_gib, resident_gib
+from forgerl.controller.policies import Policy, named
 from forgerl.controller.rollouts import Agent, Rollouts
 from forgerl.metrics import EntropyWatch
 from forgerl.trainer.checkpoint import save_checkpoint
+from forgerl.trainer.policies import policy_group
 from forgerl.types import NOT_TRAINED
 
 if TYPE_CHECKING:
@@ -91,9 +93,16 @@ class Services(Rollouts):
     for reasoning-gym and task-file domains."""
     env_seconds: float = 0.0
     """Seconds spent in environments (resets, tool calls, tests, closes), all rollouts."""
+    policies: dict[str, Policy] = field(default_factory=dict)
+    """[[policies]] after the first, by name (controller/policies.py); the first policy is
+    `trainer` and `engine`."""
 
     async def train(self, task_indices: list[int]) -> dict[str, float]:
         """One optimizer step on the chosen groups (in a thread: the gateway keeps serving).
+
+        With [[policies]], one step of each policy on its own view of them (`policy_group`),
+        `policy_<name>_...` metrics each; num_loss_tokens sums them. The run's step is the
+        first policy's weight version: it advances when any policy trained.
 
         Counts `failed_streak` per domain: its groups in a row in which no rollout finished
         (e.g. every agent call rejected), with the last such rollout's error in
@@ -114,11 +123,21 @@ class Services(Rollouts):
             self.failed_streak[domain] = self.failed_streak.get(domain, 0) + 1
             if errors := [t.error for t in group.trajectories if t.error]:
                 self.last_rollout_error[domain] = errors[-1]
-        metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics = await asyncio.to_thread(self.trainer.train_step, [
+            policy_group(g, self.config.gateway.model_name, first=True) for g in groups]
+            if self.policies else groups)
         if self.entropy_watch is None:
             tc = self.config.trainer
             self.entropy_watch = EntropyWatch(tc.entropy_floor, tc.entropy_drop_factor)
         metrics |= self.entropy_watch.update(self.trainer.step, metrics)
+        if self.policies:  # each policy on its own calls, rewards and groups
+            metrics |= named(self.config.gateway.model_name, metrics)
+            for policy in self.policies.values():
+                metrics |= await policy.train(groups)
+            tokens = sum(metrics.get(f"policy_{n}_num_loss_tokens", 0) for n in self.policies)
+            if metrics["num_loss_tokens"] == 0 and tokens:  # a run step all the same:
+                self.trainer.step += 1  # the first policy's version advances, weights unchanged
+            metrics["num_loss_tokens"] += tokens
         metrics["rollouts_failed"] = sum(t.status == "failed" for g in groups
                                          for t in g.trajectories)
         metrics["rollouts_aborted_infra"] = sum(t.status == "aborted_infra" for g in groups
@@ -161,7 +180,10 @@ class Services(Rollouts):
             from forgerl.trainer.weight_sync import WeightSync
 
             self.weight_sync = WeightSync(self.engine, self.config.trainer.weight_sync)
-        await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
+        if self.engine.weight_version != self.trainer.step or not self.policies:
+            await self.weight_sync.sync(self.trainer.state_dict_for_sync(), self.trainer.step)
+        for policy in self.policies.values():  # each to its own engine, at its own version
+            await policy.sync(self.config.trainer.weight_sync)
 
     async def checkpoint(self) -> None:
         """Save model, optimizer and scheduler state under RUN_DIR/checkpoints, in a thread so
@@ -172,6 +194,8 @@ class Services(Rollouts):
             self.run_dir, self.trainer.model, self.trainer.optimizer, self.trainer.step, extra,
             self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state(),
             getattr(self.trainer, "drafter_state", lambda: None)()))
+        for policy in self.policies.values():
+            await policy.checkpoint(self.config.trainer.keep_checkpoints, self.trainer.step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
@@ -188,7 +212,9 @@ class Services(Rollouts):
                                                        if self.weight_sync else {}).items()},
                  **{f"scheduler_{k}": v for k, v in self.scheduler.metrics().items()},
                  "off_policy_lag_histogram": {str(lag): n for lag, n
-                                              in sorted(self.scheduler.lag_counts.items())}}
+                                              in sorted(self.scheduler.lag_counts.items())},
+                 **{f"policy_{name}_engine_weight_version": p.engine.weight_version
+                    for name, p in self.policies.items()}}
         self.logger.log(step, metrics | stats)
 
 

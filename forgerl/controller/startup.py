@@ -28,6 +28,7 @@ from typing import Any
 
 from forgerl.agents.reaper import Reaper
 from forgerl.config import Config, ConfigError
+from forgerl.controller.policies import build_policies, load_models
 from forgerl.controller.rollouts import (
     Agent,
     agent_command,
@@ -115,6 +116,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     torch.manual_seed(config.seed)
     model, tokenizer, system = load_policy(config.model.path)
     warn_positions(config.model.max_model_len, model.config)
+    models = load_models(config, tokenizer)  # [[policies]] after the first: may refuse too
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
                               eos_ids=eos_ids(model)).bind(gc.chat_template_kwargs)
@@ -133,6 +135,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)
+    policies = await build_policies(  # each its own trainer and engine
+        config, models, run_dir, lambda t: _start_engines(config, t, run_dir, cores))
     gateway = Gateway(renderer, engine, pool,
                       config.gateway.model_name, temperature=config.rollout.temperature,
                       max_tokens=config.rollout.max_tokens, strict=config.gateway.strict,
@@ -142,7 +146,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
                       untrained_models=frozenset(gc.untrained_models),
                       responses_token_ids=gc.responses_token_ids,
                       untrained_traces=tuple(map(re.compile, gc.untrained_traces)),
-                      template_kwargs=dict(gc.chat_template_kwargs))
+                      template_kwargs=dict(gc.chat_template_kwargs),
+                      policies={name: p.engine for name, p in policies.items()})
     log = gc.request_log if isinstance(gc.request_log, str) else (
         run_dir / "requests.jsonl" if gc.request_log else None)
     try:
@@ -155,7 +160,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         agent = agent_command(config.agent)
     services = Services(config, run_dir, trainer, engine, pool, gateway, server, scheduler, tasks,
                         eval_tasks, agent, MetricsLogger(run_dir, trainer.step), reaper,
-                        demos=demos, forkservers=forkservers)
+                        demos=demos, forkservers=forkservers, policies=policies)
     if config.domains:  # per-domain entropy (`Trainer.domain_of`)
         trainer.domain_of = services.domain_of
     services.domain_agents = {d.name: (agent_command(d.agent), d.agent) for d in config.domains
@@ -206,6 +211,8 @@ async def _running(services: Services, cluster: Any) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):  # one environment's failed stop stops no other
                 await environment.stop()
         await s.engine.close()
+        for policy in s.policies.values():
+            await policy.engine.close()
         s.logger.close()
         s.pool.close()
         if workers is not None:

@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     status TEXT NOT NULL,
     reward REAL,
     turn_rewards TEXT,
+    policy_rewards TEXT,
     error TEXT,
     started_at REAL NOT NULL,
     ended_at REAL NOT NULL DEFAULT 0.0,
@@ -91,6 +92,7 @@ CREATE TABLE IF NOT EXISTS completions (
     train INTEGER NOT NULL DEFAULT 1,
     request TEXT NOT NULL DEFAULT '{}',
     routed_experts BLOB,
+    policy TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (trajectory_id, turn)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -108,6 +110,7 @@ _ADDED_COLUMNS = {
     "train": "INTEGER NOT NULL DEFAULT 1",
     "request": "TEXT NOT NULL DEFAULT '{}'",
     "routed_experts": "BLOB",  # `Routes.to_blob`; NULL for a dense model
+    "policy": "TEXT NOT NULL DEFAULT ''",
 }
 """Columns of `completions` newer than the first schema: a pool file written before them gets
 them added (with their defaults) when it is opened, so an older run resumes."""
@@ -167,6 +170,9 @@ class SQLitePool:
             for name, decl in _ADDED_COLUMNS.items():
                 if name not in have:
                     db.execute(f"ALTER TABLE completions ADD COLUMN {name} {decl}")
+            if "policy_rewards" not in {r[1] for r in db.execute(
+                    "PRAGMA table_info(trajectories)")}:  # pools written before policies
+                db.execute("ALTER TABLE trajectories ADD COLUMN policy_rewards TEXT")
 
     # ---- plumbing -----------------------------------------------------------------------------
 
@@ -285,14 +291,14 @@ class SQLitePool:
         db.execute(
             "INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids, logprobs,"
             " weight_versions, weight_version, finish_reason, sampling, started_at, ended_at,"
-            " token_exact, extends_previous, trace, train, request, routed_experts)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " token_exact, extends_previous, trace, train, request, routed_experts, policy)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (trajectory_id, turn, _pack(c.prompt_ids, "i"), _pack(c.completion_ids, "i"),
              _pack(c.logprobs, "d"), _pack(c.weight_versions, "q"), c.weight_version,
              c.finish_reason, _sampling_json(c.sampling), c.started_at, c.ended_at,
              int(c.token_exact), int(c.extends_previous), c.trace, int(c.train),
              json.dumps(c.request),
-             None if c.routed_experts is None else c.routed_experts.to_blob()),
+             None if c.routed_experts is None else c.routed_experts.to_blob(), c.policy),
         )
         return turn
 
@@ -324,9 +330,10 @@ class SQLitePool:
         reward: float | None = None,
         error: str | None = None,
         turn_rewards: list[float] | None = None,
+        policy_rewards: dict[str, float] | None = None,
     ) -> None:
-        """Set the final status (finished | failed | aborted | aborted_infra), reward, error and
-        turn rewards.
+        """Set the final status (finished | failed | aborted | aborted_infra), reward, error,
+        turn rewards and per-policy rewards (`Trajectory.policy_rewards`).
 
         Raises KeyError for an unknown trajectory, ValueError for a non-final `status` or a
         trajectory that already ended (a late report after a timeout abort is refused).
@@ -336,10 +343,10 @@ class SQLitePool:
         with self._tx() as db:
             self._require_running(db, trajectory_id)
             db.execute(
-                "UPDATE trajectories SET status=?, reward=?, error=?, turn_rewards=?, ended_at=?"
-                " WHERE id=?",
+                "UPDATE trajectories SET status=?, reward=?, error=?, turn_rewards=?, ended_at=?,"
+                " policy_rewards=? WHERE id=?",
                 (status, reward, error, None if turn_rewards is None else json.dumps(turn_rewards),
-                 time.time(), trajectory_id),
+                 time.time(), policy_rewards and json.dumps(policy_rewards), trajectory_id),
             )
 
     def get_trajectory(self, trajectory_id: str) -> Trajectory:
@@ -347,7 +354,8 @@ class SQLitePool:
         with self._lock:
             rows = self._read(
                 "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at FROM trajectories WHERE id=?", (trajectory_id,))
+                " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?",
+                (trajectory_id,))
             if not rows:
                 raise KeyError(f"unknown trajectory {trajectory_id!r}")
             return self._trajectory(rows[0])
@@ -361,7 +369,7 @@ class SQLitePool:
         with self._lock:
             rows = self._read(
                 "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at FROM trajectories WHERE task_index=?"
+                " started_at, ended_at, policy_rewards FROM trajectories WHERE task_index=?"
                 " ORDER BY rollout_index, seq", (task_index,))
             return Group(task_index, [self._trajectory(r) for r in rows])
 
@@ -535,11 +543,11 @@ class SQLitePool:
                        [(step, i) for i in task_indices])
 
     def _trajectory(self, row: tuple[Any, ...]) -> Trajectory:
-        tid, task_index, rollout_index, status, reward, turn_rewards, error, start, end = row
+        tid, task_index, rollout_index, status, reward, turn_rewards, error, start, end, pr = row
         rows = self._read(
             "SELECT prompt_ids, completion_ids, logprobs, weight_versions, weight_version,"
             " finish_reason, sampling, started_at, ended_at, token_exact, extends_previous,"
-            " trace, train, request, routed_experts FROM completions WHERE trajectory_id=?"
+            " trace, train, request, routed_experts, policy FROM completions WHERE trajectory_id=?"
             " ORDER BY turn", (tid,))
         completions = [
             Completion(
@@ -549,7 +557,7 @@ class SQLitePool:
                 started_at=r[7], ended_at=r[8], token_exact=bool(r[9]),
                 extends_previous=bool(r[10]), trace=r[11], train=bool(r[12]),
                 request=json.loads(r[13]),
-                routed_experts=None if r[14] is None else Routes.from_blob(r[14]),
+                routed_experts=None if r[14] is None else Routes.from_blob(r[14]), policy=r[15],
             )
             for r in rows
         ]
@@ -559,4 +567,5 @@ class SQLitePool:
             id=tid, task_index=task_index, rollout_index=rollout_index, completions=completions,
             reward=reward, turn_rewards=None if turn_rewards is None else json.loads(turn_rewards),
             status=status, error=error, started_at=start, ended_at=end, events=events,
+            policy_rewards=None if pr is None else json.loads(pr),
         )

@@ -193,10 +193,11 @@ def add_protocol_routes(app: FastAPI, gateway: core.Gateway) -> None:
 
 
 def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:
-    """GET /v1/models and /v1/models/{id}: the served model, then its untrained names; GET and
+    """GET /v1/models and /v1/models/{id}: the served policies, then the untrained names; GET and
     HEAD /: 200."""
     cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "forgerl"}
-             for name in [gateway.model_name, *sorted(gateway.untrained_models)]}
+             for name in [gateway.model_name, *gateway.policies,
+                          *sorted(gateway.untrained_models)]}
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> dict[str, str]:
@@ -213,7 +214,7 @@ def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:
         """A served name's card (`client.models.retrieve`); 404 `model_not_found` else."""
         if model_id not in cards:
             raise GatewayError(404, f"model {model_id!r} does not exist; serving "
-                               f"{gateway.model_name!r}", "model_not_found", "model")
+                               f"{', '.join(map(repr, cards))}", "model_not_found", "model")
         return cards[model_id]
 
 

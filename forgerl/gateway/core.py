@@ -73,7 +73,8 @@ class Gateway:
 
     temperature: the default when neither the session nor the request sets one. max_tokens:
     the cap on every call's completion tokens.
-    strict_model: refuse (404) model names other than `model_name` and `untrained_models`.
+    strict_model: refuse (404) model names other than `model_name`, `policies` and
+    `untrained_models`.
     counters: requests, completion_tokens, prefix_hits, prefix_misses, traces (traces started,
     sessions.py), tool_parse_errors, engine_errors, client_disconnects (calls cancelled because
     their client went away), tokens_after_stop (sampled ids decoded past a stop string and
@@ -125,6 +126,10 @@ class Gateway:
     call's `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (NeMo-Gym)."""
     untrained_traces: tuple[re.Pattern[str], ...] = ()
     """A trace whose opening one of these finds (`sessions.matches`) is recorded untrained."""
+    policies: Mapping[str, RolloutEngine] = field(default_factory=dict)
+    """More trained policies ([[policies]] after the first), by the model name that asks for
+    each: a call naming one is served by its engine and recorded under its name
+    (`Completion.policy`); `model_name` (and an untrained name) is served by `engine`."""
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("requests", "completion_tokens", "prefix_hits", "prefix_misses", "traces",
@@ -228,11 +233,20 @@ class Gateway:
             conv.request["template_kwargs"] = wanted
         return self.renderer.bind(wanted)
 
+    def engine_for(self, conv: Conversation) -> RolloutEngine:
+        """The engine of the policy `conv` names (`policies`), else the first policy's."""
+        return self.policies.get(conv.model, self.engine)
+
+    def policy_of(self, conv: Conversation) -> str:
+        """The policy a call of `conv` is recorded under: the model it names when that is one
+        of `policies`, else `model_name`."""
+        return conv.model if conv.model in self.policies else self.model_name
+
     def check(self, conv: Conversation) -> tuple[Tool, ...]:
         """The tools to render for `conv`, after the checks that need no rendering
-        (prepare.check_conversation: 404 for another model when `strict_model`, 400s)."""
+        (prepare.check_conversation: 404 for a model not served when `strict_model`, 400s)."""
         return check_conversation(conv, self.renderer_for(conv), self.engine.max_model_len,
-                                  self.model_name,
+                                  [self.model_name, *self.policies],
                                   self.strict_model and conv.model not in self.untrained_models)
 
     def prefill(self, conv: Conversation) -> str:
@@ -258,7 +272,7 @@ class Gateway:
             conv.request["token_ids"] = plan.note
             self.counters["item_token_ids"] += 1
         prefix = self.prefill(conv)
-        call = build_call(session, conv, tools, plan, prefix, renderer, self.engine,
+        call = build_call(session, conv, tools, plan, prefix, renderer, self.engine_for(conv),
                           self.temperature, self.max_tokens)
         self.counters["requests"] += 1
         return call
@@ -277,8 +291,8 @@ class Gateway:
         """
         with self.active(session):
             call = self.prepare(session, conv, plan)
-            outs = await generate(self.engine, self.counters, session, call.prompt_ids,
-                                  call.params)
+            outs = await generate(self.engine_for(conv), self.counters, session,
+                                  call.prompt_ids, call.params)
             return await self.finish(session, call, outs)
 
     async def finish(self, session: Session, call: Call, outs: Sequence[GenerateOutput],
@@ -287,8 +301,12 @@ class Gateway:
         record.build_choices, record.record). Raises GatewayError 409 (see record.record)."""
         choices = build_choices(self.renderer_for(call.conv), self.counters, call, outs,
                                 streamed)
+        policy = self.policy_of(call.conv)
+        for c in choices:
+            c.completion.policy = policy
         place = session.place(call.plan, call.conv.messages,
-                              call.conv.model not in self.untrained_models, self.untrained_traces)
+                              call.conv.model not in self.untrained_models, self.untrained_traces,
+                              policy)
         await record(self.pool, self.commits, self.counters, session, call, choices, place)
         result = Result(choices, len(call.prompt_ids), call.started_at)
         telemetry.note(prompt_tokens=result.prompt_tokens,
@@ -324,7 +342,8 @@ class Gateway:
         renderer = self.renderer_for(call.conv)
         states = [reply_stream(call, renderer) for _ in call.params]
         outs: list[GenerateOutput | None] = [None] * len(states)
-        sources = [choice_events(self.engine, renderer, self.counters, session, i, call, s)
+        engine = self.engine_for(conv)
+        sources = [choice_events(engine, renderer, self.counters, session, i, call, s)
                    for i, s in enumerate(states)]
         try:
             async with contextlib.aclosing(merged(sources)) as events:

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,21 +105,23 @@ def refuse_surely_too_long(renderer: Renderer, texts: Iterable[str], max_model_l
 
 
 def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: int,
-                       model_name: str, strict_model: bool) -> tuple[Tool, ...]:
+                       model_name: str | Sequence[str], strict_model: bool) -> tuple[Tool, ...]:
     """The tools to render for `conv`, after the checks that need no rendering.
 
-    Raises GatewayError 404 `model_not_found` (a model other than `model_name` when
-    `strict_model`), 400 `context_length_exceeded` for a request whose text alone must
-    exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
+    Raises GatewayError 404 `model_not_found` (a model not `model_name`, or not one of those
+    names, when `strict_model`), 400 `context_length_exceeded` for a request whose text alone
+    must exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
     top_logprobs > 0 (engines return only the sampled token's logprob), an empty stop
     string, a tool that is not valid (`tool_problem`: 400 `invalid_tool` naming it,
     CASES.md C15), a tool result whose call id no earlier assistant message made in a
     conversation that made calls (C22), or a tool_choice that forces a tool without tools /
     names an undeclared one.
     """
-    if strict_model and conv.model != model_name:
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if strict_model and conv.model not in names:
         raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
-                           f"{model_name!r}", "model_not_found", conv.param("model"))
+                           f"{', '.join(map(repr, names))}", "model_not_found",
+                           conv.param("model"))
     if conv.top_logprobs > 0:
         raise unsupported(conv.param("top_logprobs"), f"{conv.top_logprobs} alternatives per "
                           "token asked; the rollout engine returns only the sampled token's "

@@ -120,7 +120,8 @@ class Session:
     training: the session's completions are trained on (a turn sampled with top_p < 1, top_k,
         min_p or a penalty is kept as context by the trainer, CASES.md C04, C21).
     prefix_misses: calls that started a trace with the opening of an earlier one (module
-        docstring). traces: per trace, its opening's message keys and whether it is trained.
+        docstring). traces: per trace, its opening's message keys and whether it is trained;
+        trace_policies: per trace, the policy it was asked of ([[policies]]).
     last_active: time.monotonic() of the latest model call's start or end (or the opening).
     in_flight: model calls of this session now running (an idle sweep never expires those).
     response_ids: ids a protocol answered with -> the index of the turn each names (Responses
@@ -136,6 +137,7 @@ class Session:
     turns: list[Turn] = field(default_factory=list)
     prefix_misses: int = 0
     traces: list[tuple[tuple[Any, ...], bool]] = field(default_factory=list)
+    trace_policies: list[str] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0
     response_ids: dict[str, int] = field(default_factory=dict)
@@ -203,18 +205,22 @@ class Session:
         return PromptPlan(renderer.render(messages, tools), None, False)
 
     def place(self, plan: PromptPlan, messages: Sequence[Message], trained_model: bool = True,
-              rules: Sequence[re.Pattern[str]] = ()) -> Placement:
+              rules: Sequence[re.Pattern[str]] = (), policy: str = "") -> Placement:
         """The trace of a call planned as `plan` (module docstring), started here when new.
 
         trained_model: False for a call naming an untrained model. rules: compiled
-        `untrained_traces` patterns, matched (`matches`) against a new trace's opening."""
+        `untrained_traces` patterns, matched (`matches`) against a new trace's opening.
+        policy: the policy the call asked for ([[policies]]); a call joins only a trace of its
+        own policy (one that extends another policy's turn starts its own trace)."""
         if plan.parent is not None:
             trace = self.turns[plan.parent].trace
-            if trained_model or not self.traces[trace][1]:
+            same_policy = self.trace_policies[trace] == policy
+            if (trained_model or not self.traces[trace][1]) and same_policy:
                 return Placement(trace, self.traces[trace][1], False, False)
         key = tuple(message_key(m) for m in opening(messages))
         miss = not plan.extends_previous and any(k == key for k, _ in self.traces)
         self.traces.append((key, trained_model and not matches(rules, messages)))
+        self.trace_policies.append(policy)
         return Placement(len(self.traces) - 1, self.traces[-1][1], True, miss)
 
     def record(self, turns: Sequence[Turn], miss: bool) -> None:

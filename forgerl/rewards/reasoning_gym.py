@@ -11,8 +11,9 @@ verifiers.
 A `dataset` that ends in ".py" is a user task file (the config loader makes its path absolute,
 relative to the config file) that defines `make_tasks(size: int, seed: int, **params) ->
 list[dict]` (each dict JSON-safe with at least "question" and "answer") and `score(task: dict,
-answer: str) -> float`; its tasks carry the file's path as `dataset`, so resume finds the same
-verifier.
+answer: str) -> float` (or a dict: each policy's reward, `[[policies]]` name → float, for an
+episode of several trained agents); its tasks carry the file's path as `dataset`, so resume
+finds the same verifier.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def _scorer(dataset: str) -> Callable[[str | None, dict], float]:
     return reasoning_gym.get_score_answer_fn(dataset)
 
 
-def score(task: dict, answer: str | None) -> float:
+def score(task: dict, answer: str | None) -> float | dict[str, float]:
     """reasoning-gym's reward for `answer` on `task` (1.0 = correct; some datasets give partial
-    credit); 0.0 for a missing answer.
+    credit); 0.0 for a missing answer. A user task file may give one reward per policy.
 
     The scorer receives the original entry (`question`, `answer`, `metadata`), never the extra
     `dataset` key; a composite task is scored by its `metadata.source_dataset`.
@@ -79,7 +80,9 @@ def score(task: dict, answer: str | None) -> float:
     if answer is None:
         return 0.0
     if task["dataset"].endswith(".py"):
-        return float(_user_file(task["dataset"]).score(task, answer))
+        value = _user_file(task["dataset"]).score(task, answer)
+        return ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
+                else float(value))
     name = task["metadata"].get("source_dataset") or task["dataset"]
     entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
     return float(_scorer(name)(answer, entry))

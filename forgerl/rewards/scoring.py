@@ -40,10 +40,11 @@ PRELOAD = ["reasoning_gym", "forgerl.rewards.reasoning_gym", "forgerl.cli"]
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """One item's reward. status "ok": `fn`'s value; "timeout" / "error": the fallback, with
-    the reason in `error` (exception type and message, or the timeout)."""
+    """One item's reward (a dict: one per policy). status "ok": `fn`'s value; "timeout" /
+    "error": the fallback, with the reason in `error` (exception type and message, or the
+    timeout)."""
 
-    reward: float
+    reward: float | dict[str, float]
     status: ScoreStatus
     error: str = ""
 
@@ -153,8 +154,11 @@ def _child(conn: Connection, fn: Callable[..., float], item: tuple) -> None:
     """Worker body: own process group (so a killed verifier takes its children along)."""
     os.setpgrp()
     try:
-        reward = float(fn(*item))
-        conn.send(("ok", reward) if math.isfinite(reward) else ("error", f"reward {reward}"))
+        value = fn(*item)  # a float, or a dict of rewards per policy
+        reward = ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
+                  else float(value))
+        finite = all(map(math.isfinite, reward.values() if isinstance(reward, dict) else [reward]))
+        conn.send(("ok", reward) if finite else ("error", f"reward {reward}"))
     except BaseException as exc:  # the verifier's fault, reported to the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
