@@ -6,7 +6,7 @@ over HTTP (the openai SDK for the model calls); each round's feedback arrives on
 (delayed), from the consenting users' sessions and the others alike (the latter count in
 metrics only). After each round the background trainer's pass (`OnlineService.step`) runs:
 train a candidate, gate it on the held-out prompts (the same hidden preference as verifier),
-canary it, promote or roll back. In round `poison_round` every user's feedback is inverted
+canary it, promote or roll back. In rounds `poison_round` and the next every user's feedback is inverted
 (1 - score): the candidate trained on it must be caught by the gate.
 
     python benchmarks/online.py --rounds 14 --poison_round 9     # the tiny model, ~1-2 min
@@ -21,6 +21,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -56,25 +57,26 @@ async def user(http: httpx.AsyncClient, base_url: str, consent: bool, prompt: st
 
 
 async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None = 9,
-                   run_dir: Path | None = None, lr: float = 3e-3, seed: int = 0,
-                   config: OnlineConfig | None = None) -> dict:
-    """Run the population; returns {"rounds": [...], "decisions": [...]} (also printed)."""
+                   run_dir: Path | None = None, lr: float = 1e-2, seed: int = 0,
+                   config: OnlineConfig | None = None, model: Any = None) -> dict:
+    """Run the population; returns {"rounds": [...], "decisions": [...]} (also printed).
+    `model`: the first served policy (default: a new tiny model)."""
     torch.manual_seed(seed)
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="online-"))
     config = config or OnlineConfig(batch_trajectories=24, steps_per_candidate=1,
-                                    max_off_policy_steps=2, canary_share=0.25,
+                                    max_off_policy_steps=4, canary_share=0.25,
                                     canary_min_feedback=6, canary_tolerance=0.02,
                                     held_out_tolerance=0.0)
     held_out = HeldOut([{"question": p} for p in PROMPTS], lambda _task, text: preference(text),
                        max_tokens=16, samples=8, seed=10_000)
-    online = await start_online(build_tiny_model(), build_byte_tokenizer(), run_dir, config,
+    online = await start_online(model or build_tiny_model(), build_byte_tokenizer(), run_dir, config,
                                 held_out, ADMIN, lr=lr, max_model_len=256, background=False,
                                 device="cpu")
     service, rng = online.service, random.Random(seed)
     http = httpx.AsyncClient(base_url=online.server.base_url.removesuffix("/v1"),
                              headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60,
                              limits=httpx.Limits(max_keepalive_connections=0))
-    history, due = [], []
+    history, due, poisoned_ids = [], [], set()
     try:
         for r in range(rounds):
             served = service.engine.incumbent.weight_version
@@ -85,8 +87,9 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
                 resp = await http.post("/v1/online/feedback",
                                        json={"session_id": session_id, "score": score})
                 resp.raise_for_status()
-            poisoned = r == poison_round
+            poisoned = poison_round is not None and poison_round <= r < poison_round + 2
             due = [(sid, v, 1.0 - s if poisoned else s) for sid, v, s in results]
+            poisoned_ids |= {sid for sid, _, _ in results} if poisoned else set()
             true = [s for _, _, s in results]
             decision = await service.step()
             history.append({"round": r, "served_version": served,
@@ -96,6 +99,9 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
     finally:
         await http.aclose()
         await online.close()
+    for d in service.decisions:
+        batch = service.batches.get(d["version"], [])
+        d["poisoned_share"] = sum(t.id in poisoned_ids for t in batch) / max(len(batch), 1)
     return {"rounds": history, "decisions": service.decisions,
             "counters": dict(service.counters), "pool": dict(service.pool.counters)}
 
@@ -105,7 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--poison_round", type=int, default=9)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()

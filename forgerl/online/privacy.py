@@ -32,13 +32,13 @@ is nothing to scrub (a changed text drops the call)."""
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
-PHONE = re.compile(r"(?<![\w+])\+?\d(?:[ ().-]?\d){6,14}(?!\w)")
+PHONE = re.compile(r"(?<![\w+])\+?\(?\d(?:[ ().-]{0,2}\d){8,14}(?!\w)")
 
 
 def regex_scrub(text: str) -> str:
     """The default scrubber: e-mail addresses → "[email]", card numbers (13-19 digits, spaces or
-    dashes between) → "[card]", phone numbers (7-15 digits, optional +, spaces, dots, dashes,
-    parentheses) → "[phone]"."""
+    dashes between) → "[card]", phone numbers (9-15 digits, optional +, spaces, dots, dashes,
+    parentheses; fewer digits are left alone, so dates like 2026-12-06 stay) → "[phone]"."""
     return PHONE.sub("[phone]", CARD.sub("[card]", EMAIL.sub("[email]", text)))
 
 

@@ -106,6 +106,8 @@ class OnlineService:
         self.decisions: list[dict[str, Any]] = []
         self.counters: Counter[str] = Counter()
         self.reward_by_version: dict[int, list[float]] = {}
+        self.batches: dict[int, list[Trajectory]] = {}
+        """Candidate version → the trajectories it was trained on."""
         self.next_task = max(pool.task_indices(), default=-1) + 1
 
     def _snapshot(self) -> dict:
@@ -205,13 +207,17 @@ class OnlineService:
         steps = min(self.config.steps_per_candidate, len(fresh) // b)
         if not steps:
             return None
+        fresh.reverse()  # the newest traffic first: the smallest off-policy lag
+        trained: list[Trajectory] = []
         for k in range(steps):
             chunk = fresh[k * b:(k + 1) * b]
             group = Group(chunk[0][0], [t for _, t in chunk])
             await asyncio.to_thread(self.trainer.train_step, [group])
             self.pool.mark_trained([i for i, _ in chunk], self.trainer.step)
-            self.counters["trained_trajectories"] += len(chunk)
+            trained += group.trajectories
+        self.counters["trained_trajectories"] += len(trained)
         self.counters["candidates"] += 1
+        self.batches[self.trainer.step] = trained
         return self.trainer.step
 
     async def gate(self, version: int) -> dict[str, Any]:
@@ -222,8 +228,13 @@ class OnlineService:
         renderer = self.gateway.renderer
         incumbent = await self.held_out.score(self.engine.incumbent, renderer)
         candidate = await self.held_out.score(self.engine.candidate, renderer)
+        batch = self.batches.get(version, [])
+        versions = [v for t in batch for c in t.completions for v in c.weight_versions]
         numbers = {"held_out_incumbent": incumbent, "held_out_candidate": candidate,
-                   "tolerance": self.config.held_out_tolerance}
+                   "tolerance": self.config.held_out_tolerance, "trained": len(batch),
+                   "trained_reward_mean": sum(t.reward or 0.0 for t in batch) / max(len(batch), 1),
+                   "version_lag_mean": sum(version - v for v in versions)
+                   / max(len(versions), 1)}
         if candidate < incumbent - self.config.held_out_tolerance:
             self.counters["rejections"] += 1
             self.rejected.add(version)
