@@ -6,8 +6,8 @@ over HTTP (the openai SDK for the model calls); each round's feedback arrives on
 (delayed), from the consenting users' sessions and the others alike (the latter count in
 metrics only). After each round the background trainer's pass (`OnlineService.step`) runs:
 train a candidate, gate it on the held-out prompts (the same hidden preference as verifier),
-canary it, promote or roll back. In rounds `poison_round` and the next every user's feedback is inverted
-(1 - score): the candidate trained on it must be caught by the gate.
+canary it, promote or roll back. In rounds `poison_round` and the next, every user's feedback
+is inverted (1 - score): the candidate trained on it must be caught by the gate.
 
     python benchmarks/online.py --rounds 14 --poison_round 9     # the tiny model, ~1-2 min
 """
@@ -69,8 +69,8 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
                                     held_out_tolerance=0.0)
     held_out = HeldOut([{"question": p} for p in PROMPTS], lambda _task, text: preference(text),
                        max_tokens=16, samples=8, seed=10_000)
-    online = await start_online(model or build_tiny_model(), build_byte_tokenizer(), run_dir, config,
-                                held_out, ADMIN, lr=lr, max_model_len=256, background=False,
+    online = await start_online(model or build_tiny_model(), build_byte_tokenizer(), run_dir,
+                                config, held_out, ADMIN, lr=lr, max_model_len=256, background=False,
                                 device="cpu")
     service, rng = online.service, random.Random(seed)
     http = httpx.AsyncClient(base_url=online.server.base_url.removesuffix("/v1"),

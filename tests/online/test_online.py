@@ -157,7 +157,7 @@ def test_scrubbed_text_never_stored(tmp_path):
         async with online(tmp_path) as (svc, http):
             pii = (await http.post("/v1/online/sessions", json={"consent": True})).json()
             clean = (await http.post("/v1/online/sessions", json={"consent": True})).json()
-            reply, _ = await chat(svc, pii["api_key"], secret)
+            await chat(svc, pii["api_key"], secret)
             await chat(svc, clean["api_key"], "tell me a story")
             decode = svc.service.gateway.renderer.decode
             return pii, clean, decode, svc.service.pool.counters
