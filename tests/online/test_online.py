@@ -276,3 +276,25 @@ def test_poisoned_feedback_is_rejected(tmp_path):
     assert first["held_out_candidate"] < first["held_out_incumbent"] - 0.2
     assert all(r["served_version"] == 0 for r in out["rounds"])
     assert out["counters"]["rejections"] == 1 and "promotions" not in out["counters"]
+
+
+def test_stale_traffic_is_dropped(tmp_path):
+    async def main():
+        async with online(tmp_path, batch_trajectories=2, max_off_policy_steps=4) as (svc, http):
+            s = svc.service
+            ids = []
+            for _ in range(3):
+                x = (await http.post("/v1/online/sessions", json={"consent": True})).json()
+                await chat(svc, x["api_key"], "hi")
+                await http.post("/v1/online/feedback",
+                                json={"session_id": x["session_id"], "score": 1.0})
+                ids.append(x["session_id"])
+            s.trainer.step = 5  # the traffic (version 0) is now 5 trainer steps old
+            return await s.train_candidate(), dict(s.counters)
+    version, counters = asyncio.run(main())
+    assert version is None and counters["dropped_stale"] == 3
+    pool = SQLitePool(tmp_path / "pool.sqlite")
+    try:
+        assert len(pool.task_indices("trained")) == 3 and pool.task_indices("finished") == []
+    finally:
+        pool.close()
