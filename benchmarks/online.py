@@ -76,7 +76,7 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
     http = httpx.AsyncClient(base_url=online.server.base_url.removesuffix("/v1"),
                              headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60,
                              limits=httpx.Limits(max_keepalive_connections=0))
-    history, due, poisoned_ids, served = [], [], set(), {}
+    history, due, poisoned_ids, seen = [], [], set(), {}
     try:
         for r in range(rounds):
             served = service.engine.incumbent.weight_version
@@ -92,7 +92,7 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
             poisoned_ids |= {sid for sid, _, _ in results} if poisoned else set()
             true = [s for _, _, s in results]
             for _, version, score in results:  # the version named by x-forgerl-weight-version
-                served.setdefault(version, []).append(score)
+                seen.setdefault(version, []).append(score)
             decision = await service.step()
             history.append({"round": r, "served_version": served,
                             "reward_mean": sum(true) / len(true), "poisoned": poisoned,
@@ -105,7 +105,7 @@ async def simulate(rounds: int = 14, users: int = 32, poison_round: int | None =
         batch = service.batches.get(d["version"], [])
         d["poisoned_share"] = sum(t.id in poisoned_ids for t in batch) / max(len(batch), 1)
     by_version = {v: {"true_reward_mean": sum(x) / len(x), "sessions": len(x)}
-                  for v, x in sorted(served.items())}
+                  for v, x in sorted(seen.items())}
     return {"rounds": history, "decisions": service.decisions, "by_version": by_version,
             "counters": dict(service.counters), "pool": dict(service.pool.counters)}
 

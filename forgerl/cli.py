@@ -96,6 +96,8 @@ def _raise_stopped(signum: int, _frame: object) -> None:
 
 async def _serve(config: Config) -> None:
     """`forgerl serve`: the online service (forgerl/online/serve.py)."""
+    if config.online is None:  # before the heavy import: an instant one-line error
+        raise ValueError("online: forgerl serve needs an [online] section (docs/online.md)")
     from forgerl.online.serve import serve_online  # lazy: torch, after parsing
 
     await serve_online(config)
