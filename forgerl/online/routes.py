@@ -17,9 +17,10 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from forgerl.gateway.app import BODIES, create_app
+from forgerl.gateway.app import create_app
 from forgerl.gateway.errors import GatewayError, parse_body
 from forgerl.gateway.sessions_api import one_authorization, require_admin
+from forgerl.gateway.web import declare_bodies
 from forgerl.online.canary import ArmMiddleware
 from forgerl.online.service import OnlineService
 
@@ -72,9 +73,9 @@ def online_app(service: OnlineService, metrics: bool = True) -> FastAPI:
     """The gateway's app (`create_app`) with the online routes and the canary's arm
     middleware (outermost)."""
     gateway = service.gateway
-    BODIES.update({"/v1/online/sessions": OnlineSessionRequest,
-                   "/v1/online/feedback": FeedbackRequest})
     app = create_app(gateway, None, metrics)
+    declare_bodies(app, {"/v1/online/sessions": OnlineSessionRequest,
+                         "/v1/online/feedback": FeedbackRequest})
 
     @app.post("/v1/online/sessions")
     async def open_session(request: Request) -> dict[str, Any]:

@@ -94,6 +94,11 @@ def test_consent_respected(tmp_path):
             bad = await http.post("/v1/online/sessions", headers={"X-ForgeRL-Consent": "maybe"})
             for s in (yes, header, no, default):
                 assert (await chat(svc, s["api_key"], "hello"))[1] == 0
+            spec = (await http.get("/openapi.json")).json()
+            body = spec["paths"]["/v1/online/feedback"]["post"]["requestBody"]
+            assert body["content"]["application/json"]["schema"]["$ref"].endswith(
+                "FeedbackRequest")
+            assert "/v1/chat/completions" in spec["paths"]
             return yes, header, no, default, bad, svc.service.pool.counters
     yes, header, no, default, bad, counters = asyncio.run(main())
     assert [s["consent"] for s in (yes, header, no, default)] == [True, True, False, False]
