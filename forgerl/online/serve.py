@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from forgerl.config import Config, OnlineConfig
 from forgerl.controller.rundir import admin_key as saved_admin_key
 from forgerl.controller.tasks import make_task_sets
@@ -21,7 +23,7 @@ from forgerl.models import load_policy
 from forgerl.online.canary import CanaryEngine
 from forgerl.online.privacy import PrivatePool, Scrubber, regex_scrub
 from forgerl.online.routes import online_app
-from forgerl.online.service import HeldOut, OnlineService
+from forgerl.online.service import SERVED, HeldOut, OnlineService
 from forgerl.rewards.reasoning_gym import score
 from forgerl.trainer.trainer import Trainer
 
@@ -53,10 +55,19 @@ async def start_online(model: Any, tokenizer: Any, run_dir: str | Path, config: 
                        model_name: str = "policy", background: bool = True, seed: int = 0,
                        device: str = "auto") -> Online:
     """Serve `model` (it becomes the trainer's; each engine keeps its own copy) with the online
-    routes; `background`: run `OnlineService.run` as a task. The pool is RUN_DIR/pool.sqlite."""
+    routes; `background`: run `OnlineService.run` as a task. The pool is RUN_DIR/pool.sqlite.
+    When RUN_DIR/online_served.pt exists (an earlier promotion) its weights and version serve
+    instead of `model`'s own, and the trainer's step count resumes at that version."""
     run_dir = Path(run_dir)
+    served = None
+    if (run_dir / SERVED).exists():  # the last promoted weights of an earlier process
+        served = torch.load(run_dir / SERVED, map_location="cpu", weights_only=True)
+        model.load_state_dict(served["state"], strict=False)
     trainer = Trainer(model, lr=lr, device=device)
     engines = [LocalEngine(trainer.model, max_model_len=max_model_len) for _ in range(2)]
+    if served is not None:
+        trainer.step = served["version"]
+        await engines[0].update_weights(trainer.state_dict_for_sync(), served["version"])
     renderer = build_renderer(tokenizer)
     pool = PrivatePool(SQLitePool(run_dir / "pool.sqlite"), renderer.decode, scrub)
     engine = CanaryEngine(engines[0], engines[1], config.canary_share, seed)

@@ -11,8 +11,9 @@ after its optimizer steps. Traffic older than `max_off_policy_steps` trainer ste
 by a candidate that was rejected or rolled back, is dropped (marked consumed, never trained);
 the rest is importance-corrected by CISPO against its recorded behaviour logprobs. After a
 rejection or rollback the trainer restarts from the incumbent's weights (optimizer state
-cleared). Every decision is one JSON line in RUN_DIR/online_decisions.jsonl (and in
-`decisions`) with the numbers behind it.
+cleared). A promotion writes the weights to RUN_DIR/online_served.pt, which a restart serves.
+Every decision is one JSON line in RUN_DIR/online_decisions.jsonl (and in `decisions`) with
+the numbers behind it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from forgerl.config import OnlineConfig
 from forgerl.gateway.conversation import Message
@@ -38,6 +42,8 @@ from forgerl.trainer.trainer import Trainer
 from forgerl.types import NO_CALL, Group, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
+SERVED = "online_served.pt"
+"""The last promoted weights in RUN_DIR ({"version", "state"}); a restart serves them."""
 Verifier = Callable[[dict, str], float]
 """(task, reply text) → score; the higher the better."""
 
@@ -266,8 +272,16 @@ class OnlineService:
         await self.engine.incumbent.update_weights(self.candidate_state, version)
         self.incumbent_state, self.candidate_state = self.candidate_state, None
         self.counters["promotions"] += 1
-        self.pool.set_meta("online_served_version", version)
+        self.save_served(version)
         return entry
+
+    def save_served(self, version: int) -> None:
+        """Write the served weights to RUN_DIR/online_served.pt (atomically: a temporary file,
+        then a rename), then their version to the pool's meta `online_served_version`."""
+        path = self.log_path.parent / SERVED
+        torch.save({"version": version, "state": self.incumbent_state}, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+        self.pool.set_meta("online_served_version", version)
 
     def _reset(self) -> None:
         """The trainer back on the incumbent's weights, its optimizer state cleared."""

@@ -261,6 +261,14 @@ def test_canary_rollback_and_promotion(tmp_path, canary_better):
         assert after == incumbent == 0  # the old weight version serves again
     assert rows[new["session_id"]].completions[0].weight_version == after
 
+    async def restart():
+        async with online(tmp_path) as (svc, http):
+            x = (await http.post("/v1/online/sessions", json={"consent": True})).json()
+            return svc.service.engine.incumbent.weight_version, (await chat(
+                svc, x["api_key"], "hi"))[1], svc.service.trainer.step
+    # a restart serves the last promoted weights, with their version
+    assert asyncio.run(restart()) == ((v, v, v) if canary_better else (0, 0, 0))
+
 
 def test_poisoned_feedback_is_rejected(tmp_path):
     """An incumbent that already serves the preference (a few fine-tuning steps toward
