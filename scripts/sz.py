@@ -37,7 +37,7 @@ BUDGETS: dict[str, int] = {
     # (C15), one key per request on every route (C26), generation-config stop ids, turn ends the
     # real families' templates write (Phi-3.5's trailing eos, GLM's next-turn opener);
     # +65: chat template variables (Renderer.bind, Gateway.renderer_for, the fields row)
-    "online": 620,
+    "online": 660,
     "rewards": 300,
     "tasks": 1_600,  # new (issue 48): the environment seam, the tool agent, one adapter per
     # standard (Harbor, ORS, OpenEnv, verifiers, NeMo-Gym, Gymnasium)

@@ -241,6 +241,13 @@ def test_canary_rollback_and_promotion(tmp_path, canary_better):
             sessions = [(await http.post("/v1/online/sessions", json={"consent": True})).json()
                         for _ in range(16)]
             seen = [(await chat(svc, x["api_key"], "hi", i))[1] for i, x in enumerate(sessions)]
+            canary_key = sessions[seen.index(gate["version"])]["api_key"]
+            client = AsyncOpenAI(base_url=svc.server.base_url, api_key=canary_key)
+            stream = await client.chat.completions.create(  # streamed: the same arm
+                model="policy", messages=[{"role": "user", "content": "more"}], max_tokens=4,
+                stream=True)
+            assert [c async for c in stream]
+            await client.close()
             for x, version in zip(sessions, seen, strict=True):
                 good = (version == gate["version"]) == canary_better
                 await http.post("/v1/online/feedback",
@@ -253,6 +260,10 @@ def test_canary_rollback_and_promotion(tmp_path, canary_better):
     assert gate["decision"] == "canary" and set(seen) == {0, v}
     rows = stored(tmp_path)
     assert sorted({c.weight_version for t in rows.values() for c in t.completions}) == [0, v]
+    assert [sum(len(t.completions) for t in rows.values() if t.completions[0].weight_version
+                == version) for version in (0, v)] == [seen.count(0) + (after == 0),
+                                                        seen.count(v) + 1 + (after == v)]
+    assert all(len({c.weight_version for c in t.completions}) == 1 for t in rows.values())
     if canary_better:
         assert decision["decision"] == "promote" and decision["canary_mean"] == 1.0
         assert after == incumbent == v
