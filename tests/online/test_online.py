@@ -6,8 +6,10 @@ stored reward (a second is 409 and changes nothing, an unknown id 404); a call h
 e-mail or phone number is answered and never stored, a clean one is; the held-out gate sends a
 better hand-built candidate to the canary and rejects a worse one (the trainer back on the
 incumbent's weights); the canary takes its share of sessions and their calls record its
-version; a regressing canary is rolled back (calls record the old version again), a good one
-promoted; a poisoned batch of feedback makes a candidate that the gate rejects.
+version (streamed calls too); a regressing canary is rolled back (calls record the old version
+again), a good one promoted, and a restart serves the last promoted version; a poisoned batch
+of feedback makes a candidate that the gate rejects; traffic older than max_off_policy_steps
+is dropped, never trained.
 """
 
 from __future__ import annotations
