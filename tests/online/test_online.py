@@ -6,10 +6,10 @@ stored reward (a second is 409 and changes nothing, an unknown id 404); a call h
 e-mail or phone number is answered and never stored, a clean one is; the held-out gate sends a
 better hand-built candidate to the canary and rejects a worse one (the trainer back on the
 incumbent's weights); the canary takes its share of sessions and their calls record its
-version (streamed calls too); a regressing canary is rolled back (calls record the old version
-again), a good one promoted, and a restart serves the last promoted version; a poisoned batch
-of feedback makes a candidate that the gate rejects; traffic older than max_off_policy_steps
-is dropped, never trained.
+version (streamed and Anthropic calls too); a regressing canary is rolled back (calls record
+the old version again), a good one promoted, and a restart serves the last promoted version; a
+poisoned batch of feedback makes a candidate that the gate rejects; traffic older than
+max_off_policy_steps is dropped, never trained.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
 from forgerl.config import OnlineConfig
@@ -250,6 +251,12 @@ def test_canary_rollback_and_promotion(tmp_path, canary_better):
                 stream=True)
             assert [c async for c in stream]
             await client.close()
+            claude = AsyncAnthropic(base_url=svc.server.base_url.removesuffix("/v1"),
+                                    api_key=canary_key, max_retries=0)
+            raw = await claude.messages.with_raw_response.create(  # x-api-key: the same arm
+                model="policy", max_tokens=4, messages=[{"role": "user", "content": "and?"}])
+            assert int(raw.headers["x-forgerl-weight-version"]) == gate["version"]
+            await claude.close()
             for x, version in zip(sessions, seen, strict=True):
                 good = (version == gate["version"]) == canary_better
                 await http.post("/v1/online/feedback",
@@ -264,7 +271,7 @@ def test_canary_rollback_and_promotion(tmp_path, canary_better):
     assert sorted({c.weight_version for t in rows.values() for c in t.completions}) == [0, v]
     assert [sum(len(t.completions) for t in rows.values() if t.completions[0].weight_version
                 == version) for version in (0, v)] == [seen.count(0) + (after == 0),
-                                                        seen.count(v) + 1 + (after == v)]
+                                                        seen.count(v) + 2 + (after == v)]
     assert all(len({c.weight_version for c in t.completions}) == 1 for t in rows.values())
     if canary_better:
         assert decision["decision"] == "promote" and decision["canary_mean"] == 1.0
