@@ -2,6 +2,7 @@
 
     forgerl train CONFIG [--section.key VALUE ...]     run (or resume) RL training
     forgerl gateway CONFIG [--section.key VALUE ...]   serve the policy for external agents
+    forgerl serve CONFIG [--section.key VALUE ...]     serve users, train online ([online])
     forgerl plot RUN_DIR                               write RUN_DIR/curves.png
 
 Bad input gives a one-line error and exit code 2. Heavy imports (torch) happen after parsing.
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from forgerl.config import load_config
+from forgerl.config import Config, load_config
 from forgerl.controller import run, serve_gateway, share_malloc_arena
 from forgerl.plot import plot_run
 
@@ -29,7 +30,8 @@ from forgerl.plot import plot_run
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forgerl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run or resume RL training"), ("gateway", "serve the policy")):
+    for name, text in (("train", "run or resume RL training"), ("gateway", "serve the policy"),
+                       ("serve", "serve users and train on their feedback ([online])")):
         p = sub.add_parser(name, help=text, description=text + "; overrides: --section.key VALUE")
         p.add_argument("config", help="TOML config file")
     plot = sub.add_parser("plot", help="plot reward and held-out accuracy of a run")
@@ -92,6 +94,15 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise Stopped(signum)
 
 
+async def _serve(config: Config) -> None:
+    """`forgerl serve`: the online service (forgerl/online/serve.py)."""
+    if config.online is None:  # before the heavy import: an instant one-line error
+        raise ValueError("online: forgerl serve needs an [online] section (docs/online.md)")
+    from forgerl.online.serve import serve_online  # lazy: torch, after parsing
+
+    await serve_online(config)
+
+
 def _fail(message: str) -> int:
     print(f"forgerl: error: {message}", file=sys.stderr)
     return 2
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
         asyncio.run(until_signal(run(config) if args.command == "train"
+                                 else _serve(config) if args.command == "serve"
                                  else serve_gateway(config)))
         return 0
     except Stopped as e:

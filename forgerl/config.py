@@ -621,6 +621,34 @@ class ClusterConfig(_Section):
     engine_gpus > 0 and CUDA is there, else gloo). Deltas always use the object store."""
 
 
+class OnlineConfig(_Section):
+    """[online]: online RL from production traffic behind a promotion gate (`forgerl serve`;
+    docs/online.md). Its presence turns it on."""
+
+    consent_default: bool = False
+    """Consent of a session whose opener sends neither `consent` nor `X-ForgeRL-Consent`."""
+    scrub: Literal["regex", "off"] = "regex"
+    """"regex": drop (never store) a call whose text holds an e-mail, phone or card number."""
+    batch_trajectories: int = Field(16, ge=2, le=100_000)
+    """Consented, rewarded trajectories per optimizer step (one batch-mean baseline)."""
+    steps_per_candidate: int = Field(2, ge=1, le=1000)
+    """Optimizer steps that make one candidate checkpoint."""
+    max_off_policy_steps: int = Field(4, ge=0, le=1000)
+    """Traffic sampled more than this many trainer steps ago is dropped (never trained)."""
+    held_out_tolerance: float = Field(0.02, ge=0)
+    """A candidate passes the held-out gate if its score >= the serving policy's minus this."""
+    canary_share: float = Field(0.1, gt=0, le=1)
+    """Share of new sessions served by a candidate that passed the held-out gate."""
+    canary_min_feedback: int = Field(20, ge=1)
+    """Feedback needed in each arm (canary, incumbent) before the canary is decided."""
+    canary_tolerance: float = Field(0.05, ge=0)
+    """Roll back when the canary's mean feedback < the incumbent's minus this; else promote."""
+    train_every_s: float = Field(60.0, gt=0)
+    """Seconds between background trainer passes."""
+    held_out_samples: int = Field(2, ge=1, le=64)
+    """Sampled replies per held-out task ([tasks] eval set, its verifier) in the gate."""
+
+
 class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
@@ -648,6 +676,8 @@ class Config(_Section):
     cluster: ClusterConfig = ClusterConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    online: OnlineConfig | None = None
+    """Online RL on served traffic (`forgerl serve`); None: off."""
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""

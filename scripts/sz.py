@@ -37,6 +37,7 @@ BUDGETS: dict[str, int] = {
     # (C15), one key per request on every route (C26), generation-config stop ids, turn ends the
     # real families' templates write (Phi-3.5's trailing eos, GLM's next-turn opener);
     # +65: chat template variables (Renderer.bind, Gateway.renderer_for, the fields row)
+    "online": 660,
     "rewards": 300,
     "tasks": 1_600,  # new (issue 48): the environment seam, the tool agent, one adapter per
     # standard (Harbor, ORS, OpenEnv, verifiers, NeMo-Gym, Gymnasium)
@@ -44,7 +45,7 @@ BUDGETS: dict[str, int] = {
     "trainer": 2_241,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
-    "core": 2_587,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
+    "core": 2_622,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),

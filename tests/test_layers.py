@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"agents", "cluster", "metrics"},
     {"tasks"},  # environments: the sandbox (agents) below them
     {"controller", "plot"},
+    {"online"},  # online RL on served traffic: a controller of its own
     {"cli"},
     {"__main__", ""},  # "" is forgerl/__init__.py
 ]
