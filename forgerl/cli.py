@@ -2,6 +2,7 @@
 
     forgerl train CONFIG [--section.key VALUE ...]     run (or resume) RL training
     forgerl gateway CONFIG [--section.key VALUE ...]   serve the policy for external agents
+    forgerl serve CONFIG [--host H] [--port P] [...]   the Tinker API over LoRA runs (docs/tinker.md)
     forgerl plot RUN_DIR                               write RUN_DIR/curves.png
 
 Bad input gives a one-line error and exit code 2. Heavy imports (torch) happen after parsing.
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from forgerl.config import load_config
+from forgerl.config import Config, load_config
 from forgerl.controller import run, serve_gateway, share_malloc_arena
 from forgerl.plot import plot_run
 
@@ -32,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("train", "run or resume RL training"), ("gateway", "serve the policy")):
         p = sub.add_parser(name, help=text, description=text + "; overrides: --section.key VALUE")
         p.add_argument("config", help="TOML config file")
+    serve = sub.add_parser("serve", help="the Tinker API over LoRA runs on one base model")
+    serve.add_argument("config", help="TOML config file")
+    serve.add_argument("--host", default=None, help="listen address (default [serve] host)")
+    serve.add_argument("--port", type=int, default=None, help="port (default [serve] port)")
     plot = sub.add_parser("plot", help="plot reward and held-out accuracy of a run")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
@@ -92,6 +97,12 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise Stopped(signum)
 
 
+def _serve(config: Config) -> Coroutine[Any, Any, None]:
+    # lazy: the optional extra forgerl[tinker] (the tinker SDK's protobuf messages)
+    from forgerl.tinker import serve
+    return serve(config)
+
+
 def _fail(message: str) -> int:
     print(f"forgerl: error: {message}", file=sys.stderr)
     return 2
@@ -113,12 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"unexpected arguments: {' '.join(rest)}")
             print(plot_run(args.run_dir, args.out))
             return 0
+        if args.command == "serve":
+            rest += [f"--serve.{k}={v}" for k in ("host", "port")
+                     if (v := getattr(args, k)) is not None]
         config = load_config(args.config, rest)
         # the run draws its own bars: none from transformers or the hub per checkpoint (read at
         # their import, which `run` starts only after its task generation is under way)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
         asyncio.run(until_signal(run(config) if args.command == "train"
+                                 else _serve(config) if args.command == "serve"
                                  else serve_gateway(config)))
         return 0
     except Stopped as e:

@@ -2,7 +2,7 @@
 
 `forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
 Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer]
-[reward] [cluster] [sandbox] [[domains]].
+[reward] [cluster] [sandbox] [serve] [[domains]].
 This module imports no torch, so `forgerl --help` and config errors are instant.
 """
 
@@ -608,6 +608,23 @@ class ClusterConfig(_Section):
     engine_gpus > 0 and CUDA is there, else gloo). Deltas always use the object store."""
 
 
+class ServeConfig(_Section):
+    """[serve]: `forgerl serve`, the Tinker API over LoRA runs on the [model] base
+    (forgerl/tinker/, docs/tinker.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    """0 picks a free port."""
+    served_model_name: str | None = Field(None, min_length=1)
+    """The base model name clients ask for (Tinker's `base_model`, e.g. "Qwen/Qwen3-0.6B" for
+    a tokenizer-compatible local model, as vLLM's --served-model-name); None = model.path."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """LoRA alpha of every adapter (scale alpha / rank); the rank comes with each create_model."""
+    lora_targets: list[Annotated[str, Field(min_length=1)]] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the nn.Linear modules that get a LoRA adapter."""
+
+
 class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
@@ -635,6 +652,7 @@ class Config(_Section):
     cluster: ClusterConfig = ClusterConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    serve: ServeConfig = ServeConfig()
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""
