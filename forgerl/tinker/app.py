@@ -185,9 +185,9 @@ def build_app(service: TinkerService, tokenizer: Any = None) -> FastAPI:
         check_model(req.base_model)
         if req.lora_config is None:
             raise TinkerError("only LoRA training is served: give lora_config (a rank)")
-        cfg = req.lora_config
-        return jobs.submit(lambda: _json({"type": "create_model",
-                                          "model_id": service.create(cfg.rank, cfg.seed)}))
+        cfg, model_id = req.lora_config, f"{req.session_id}:train:{req.model_seq_id}"
+        return jobs.submit(lambda: _json({"type": "create_model", "model_id": service.create(
+            cfg.rank, cfg.seed, model_id)}))
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -243,9 +243,11 @@ def build_app(service: TinkerService, tokenizer: Any = None) -> FastAPI:
         req = await _parse(request, tt.LoadWeightsRequest)
         check_model(req.base_model)
         service.folder(req.path)
+        new_id = (f"{req.session_id}:train:{req.model_seq_id}" if req.session_id is not None
+                  else None)  # create-via-load: the SDK names the run itself
         return jobs.submit(lambda: _json({"type": "load_weights", "path": req.path,
                                           "model_id": service.load(req.path, req.optimizer,
-                                                                   req.model_id)}))
+                                                                   req.model_id, new_id)}))
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:

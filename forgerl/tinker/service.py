@@ -107,11 +107,13 @@ class TinkerService:
         self._ids = itertools.count()
 
     # ---- training runs -----------------------------------------------------------------------
-    def create(self, rank: int, seed: int | None = None) -> str:
-        """A new LoRA run of `rank`; returns its model id."""
+    def create(self, rank: int, seed: int | None = None, model_id: str | None = None) -> str:
+        """A new LoRA run of `rank` named `model_id` (None: a fresh name); returns the id."""
         if not 1 <= rank <= 1024:
             raise TinkerError(f"lora rank must be in [1, 1024], got {rank}")
-        model_id = f"run{next(self._ids)}"
+        model_id = model_id or f"run{next(self._ids)}"
+        if model_id in self.runs or "/" in model_id:
+            raise TinkerError(f"model_id {model_id!r} exists or has a '/'")
         self.lora.add(model_id, rank, self.alpha, seed=seed or 0)
         opt = torch.optim.AdamW(self.lora.parameters(model_id), lr=1e-4)
         self.runs[model_id] = _Run(model_id, rank, opt)
@@ -211,12 +213,13 @@ class TinkerService:
             raise TinkerError(f"no checkpoint at {path!r}")
         return folder
 
-    def load(self, path: str, optimizer: bool, model_id: str | None = None) -> str:
-        """Load a checkpoint into `model_id` (None: a new run of the checkpoint's rank), with
-        its optimizer state when `optimizer`; returns the model id."""
+    def load(self, path: str, optimizer: bool, model_id: str | None = None,
+             new_id: str | None = None) -> str:
+        """Load a checkpoint into run `model_id` (None: a new run `new_id` of the checkpoint's
+        rank), with its optimizer state when `optimizer`; returns the model id."""
         folder = self.folder(path)
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
-        model_id = model_id or self.create(rank)
+        model_id = model_id or self.create(rank, model_id=new_id)
         if self.run(model_id).rank != rank:
             raise TinkerError(f"checkpoint rank {rank} != run rank {self.run(model_id).rank}")
         self.lora.load_state_dict(model_id, load_file(str(folder / "adapter_model.safetensors")))
