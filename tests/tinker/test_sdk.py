@@ -41,7 +41,8 @@ def datum(tokens: list[int], **inputs: np.ndarray) -> types.Datum:
 
 def test_round_trip_cross_entropy_optim_and_sampling(server):
     client = tinker.ServiceClient(base_url=server.url)
-    assert [m.model_name for m in client.create_rest_client().get_server_capabilities().result().supported_models] == [TINY]
+    caps = tinker.RestClient(base_url=server.url).get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [TINY]
     trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
     assert trainer.get_info().lora_rank == 4
     weights = np.linspace(0.2, 1.0, len(TOKENS) - 1).astype(np.float32)
