@@ -73,7 +73,8 @@ def sample(service: TinkerService, path: str | None, prompt: list[int], num_samp
     alive = list(range(num_samples))
     with service.lora.active(adapter):
         cache = DynamicCache(config=model.config)  # filled in place by each forward
-        out = model(input_ids=torch.tensor([prompt] * num_samples), cache=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([prompt] * num_samples), cache=cache, use_cache=True,
+                    logits_to_keep=0 if prompt_logprobs else 1)
         first = out.logits[0].float().log_softmax(-1) if prompt_logprobs else None
         logits = out.logits[:, -1]
         for _ in range(max_tokens):
