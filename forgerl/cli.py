@@ -2,7 +2,7 @@
 
     forgerl train CONFIG [--section.key VALUE ...]     run (or resume) RL training
     forgerl gateway CONFIG [--section.key VALUE ...]   serve the policy for external agents
-    forgerl serve CONFIG [--host H] [--port P] [...]   the Tinker API over LoRA runs (docs/tinker.md)
+    forgerl serve CONFIG [--host H] [--port P] [...]   the Tinker API over LoRA runs
     forgerl plot RUN_DIR                               write RUN_DIR/curves.png
 
 Bad input gives a one-line error and exit code 2. Heavy imports (torch) happen after parsing.

@@ -26,7 +26,7 @@ class _LoRALinear(nn.Module):
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self.scale: dict[str, float] = {}
-        self.adapters: str | None | list[str | None] = None
+        self.adapters: str | list[str | None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -107,7 +107,7 @@ class MultiLoRA:
                 layer.lora_B[name].copy_(tensors[f"base_model.model.{path}.lora_B.weight"])
 
     @contextmanager
-    def active(self, adapters: str | None | Sequence[str | None]) -> Iterator[None]:
+    def active(self, adapters: str | Sequence[str | None] | None) -> Iterator[None]:
         """One adapter for the whole batch, or one per batch row (None = the base alone)."""
         choice = adapters if adapters is None or isinstance(adapters, str) else list(adapters)
         for layer in self.layers.values():

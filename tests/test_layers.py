@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 LAYERS: list[set[str]] = [
     {"types"},  # the records every layer shares
     {"config", "cpu_share"},  # config / runtime
-    {"models", "weights", "drafter"},  # models, weight formats, the MTP draft head
+    {"models", "weights", "drafter", "lora"},  # models, weight formats, the MTP draft head, LoRA
     {"engines", "datapool", "rewards"},
     {"gateway", "scheduler", "trainer"},
     {"agents", "cluster", "metrics"},
     {"tasks"},  # environments: the sandbox (agents) below them
-    {"controller", "plot"},
+    {"controller", "plot", "tinker"},
     {"cli"},
     {"__main__", ""},  # "" is forgerl/__init__.py
 ]

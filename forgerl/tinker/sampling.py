@@ -89,7 +89,8 @@ def sample(service: TinkerService, path: str | None, prompt: list[int], num_samp
                     alive.remove(i)
             if not alive:
                 break
-            logits = model(input_ids=tokens.unsqueeze(-1), cache=cache, use_cache=True).logits[:, -1]
+            out = model(input_ids=tokens.unsqueeze(-1), cache=cache, use_cache=True)
+            logits = out.logits[:, -1]
     lp = None
     if first is not None:
         lp = np.full(len(prompt), np.nan, dtype=np.float32)

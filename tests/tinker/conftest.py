@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("tinker", reason="the optional extra forgerl[tinker] is not installed")
 
-from forgerl.gateway.server import GatewayServer  # noqa: E402
-from forgerl.models import build_byte_tokenizer, build_tiny_model  # noqa: E402
-from forgerl.tinker.app import build_app  # noqa: E402
-from forgerl.tinker.service import TinkerService  # noqa: E402
+from forgerl.gateway.server import GatewayServer
+from forgerl.models import build_byte_tokenizer, build_tiny_model
+from forgerl.tinker.app import build_app
+from forgerl.tinker.service import TinkerService
 
 TINY = "forgerl/tiny"
 

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (setup.sh)")
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
-from tests.families import ROOT as FAMILIES  # noqa: E402
-from tests.tinker.offline_hub import hub_dataset, hub_model, tiny_qwen3  # noqa: E402
+from tests.families import ROOT as FAMILIES
+from tests.tinker.offline_hub import hub_dataset, hub_model, tiny_qwen3
 
 SERVED = "Qwen/Qwen3-4B-Instruct-2507"
 SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
@@ -44,9 +44,9 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, di
     work = tmp_path_factory.mktemp("cookbook")
     home = work / "hf"
     tok = AutoTokenizer.from_pretrained(qwen3)
-    answers = [tok.encode(f"\\boxed{{{n}}}") + [tok.eos_token_id] for n in (5, 7)]
+    answers = [[*tok.encode(f"\\boxed{{{n}}}"), tok.eos_token_id] for n in (5, 7)]
     shot = [("user", "How many r's are in strawberry?" + SUFFIX), ("assistant", "\\boxed{3}")]
-    teach = [(_chat(tok, turns + [("user", q + SUFFIX)]), a)
+    teach = [(_chat(tok, [*turns, ("user", q + SUFFIX)]), a)
              for turns in ([], shot) for q, _ in QUESTIONS[:2] for a in answers]
     model = tiny_qwen3(qwen3, work / "tiny-qwen3", teach)  # answers 5 or 7, about evenly
     hub_model(home, SERVED, model)
