@@ -27,7 +27,7 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
-    "engines": 2_640,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
+    "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
     "gateway": 5_631,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;
@@ -45,7 +45,7 @@ BUDGETS: dict[str, int] = {
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "tinker": 660,
-    "core": 2_480,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
+    "core": 2_565,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),
