@@ -22,7 +22,7 @@ import queue
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from tinker import types as tt
 
 from forgerl.tinker import wire
-from forgerl.tinker.sampling import sample
+from forgerl.tinker.sampling import EngineSampler, sample
 from forgerl.tinker.service import TinkerError, TinkerService
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class Jobs:
             queue.SimpleQueue())
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._ids = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._work, name="forgerl-tinker", daemon=True)
         self._thread.start()
 
@@ -68,6 +69,19 @@ class Jobs:
         while len(self._jobs) > KEPT_RESULTS:
             self._jobs.popitem(last=False)
         self._queue.put((job, fn))
+        return {"request_id": rid, **extra}
+
+    def submit_async(self, coro: Callable[[], Awaitable[Response]], **extra: Any
+                     ) -> dict[str, Any]:
+        """Run `coro()` as a task of the running loop (beside the worker's jobs)."""
+        rid = f"req{next(self._ids)}"
+        job = self._jobs[rid] = _Job(asyncio.get_running_loop())
+
+        async def run() -> None:
+            job.result = await _answer(coro)
+            job.done.set()
+        self._tasks.add(task := asyncio.create_task(run()))
+        task.add_done_callback(self._tasks.discard)
         return {"request_id": rid, **extra}
 
     async def retrieve(self, rid: str) -> Response:
@@ -99,6 +113,16 @@ class Jobs:
         self._queue.put(None)
 
 
+async def _answer(coro: Callable[[], Awaitable[Response]]) -> Response:
+    try:
+        return await coro()
+    except TinkerError as exc:
+        return JSONResponse({"error": str(exc), "category": "user"})
+    except Exception as exc:
+        log.exception("tinker job failed")
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+
+
 def _error(message: str, status: int = 400, category: str = "user") -> JSONResponse:
     return JSONResponse({"error": message, "category": category, "detail": message}, status)
 
@@ -119,8 +143,10 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
         raise TinkerError(f"body is not JSON: {exc}") from None
 
 
-def build_app(service: TinkerService, tokenizer: Any = None) -> FastAPI:
-    """The FastAPI app; `tokenizer` (optional) decodes completions for stop strings."""
+def build_app(service: TinkerService, tokenizer: Any = None,
+              engine: EngineSampler | None = None) -> FastAPI:
+    """The FastAPI app; `tokenizer` (optional) decodes completions for stop strings; `engine`
+    (optional) samples instead of the worker thread, batching the rows of every sampler."""
     app, jobs = FastAPI(title="ForgeRL Tinker API"), Jobs()
     app.state.jobs = jobs
     samplers: dict[str, str | None] = {}  # sampling_session_id → checkpoint path (None: base)
@@ -276,12 +302,17 @@ def build_app(service: TinkerService, tokenizer: Any = None) -> FastAPI:
             path = req.model_path
         prompt = req.prompt.to_ints()
         params = req.sampling_params.model_dump()
+        ids = [f"seq-{uuid.uuid4().hex[:12]}" for _ in range(req.num_samples)]
+        if engine is not None and not req.prompt_logprobs:
+            async def sampled() -> Response:
+                seqs = await engine.sample(path, prompt, req.num_samples, params, decode)
+                return Response(wire.sample_response(seqs, None), media_type=PROTO)
+            return jobs.submit_async(sampled, sample_sequence_ids=ids)
 
         def job() -> Response:
             seqs, lp = sample(service, path, prompt, req.num_samples, params, decode,
                               bool(req.prompt_logprobs))
             return Response(wire.sample_response(seqs, lp), media_type=PROTO)
-        ids = [f"seq-{uuid.uuid4().hex[:12]}" for _ in range(req.num_samples)]
         return jobs.submit(job, sample_sequence_ids=ids)
 
     @app.post("/api/v1/retrieve_future")

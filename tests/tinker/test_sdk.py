@@ -81,6 +81,9 @@ def test_round_trip_cross_entropy_optim_and_sampling(server):
                            sampling_params=types.SamplingParams(max_tokens=8, seed=7, stop=[])
                            ).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
+    for seq in again.sequences:  # (with the engine: sampled in its batch, not with the above)
+        forced = base_logprobs(prompt + seq.tokens, adapter)[len(prompt) - 1:]
+        assert np.allclose(seq.logprobs, forced.numpy(), atol=1e-5)
 
 
 def test_policy_gradient_losses_equal_hand_computation(server):
@@ -112,7 +115,9 @@ def test_two_training_clients_are_independent(server):
     b.forward_backward([d], "cross_entropy").result()
     b.optim_step(types.AdamParams(learning_rate=0.01)).result()
     lora = server.service.lora
-    b_before, a_before = lora.state_dict(b.model_id), lora.state_dict(a.model_id)
+    def snapshot(model_id: str) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in lora.state_dict(model_id).items()}
+    b_before, a_before = snapshot(b.model_id), snapshot(a.model_id)
     for _ in range(2):
         a.forward_backward([d], "cross_entropy").result()
         a.optim_step(types.AdamParams(learning_rate=0.01)).result()
