@@ -25,10 +25,10 @@ def build_service(config: Config) -> tuple[TinkerService, object, LocalEngine]:
     """(service, tokenizer, engine) for `config`: the [model] base, [serve]'s name and LoRA
     settings, checkpoints under run_dir/tinker; the local engine (its own copy of the base,
     [engine] max_batch_size and prefix_cache_tokens) samples."""
-    model, tokenizer, _ = load_policy(config.model.path)
     ec = config.engine
     if ec.type != "local":
         raise ConfigError("engine.type: forgerl serve samples with the local engine (\"local\")")
+    model, tokenizer, _ = load_policy(config.model.path)
     engine = LocalEngine(model, config.model.max_model_len, ec.max_batch_size,
                          prefix_cache_tokens=ec.prefix_cache_tokens)  # before MultiLoRA hooks
     eos = tokenizer.eos_token_id
