@@ -107,7 +107,7 @@ def test_sl_loop_runs_unmodified(offline):
 
 def test_rl_loop_runs_unmodified(offline):
     work, env = offline
-    metrics = run_recipe(work, env, "rl_loop", "batch_size=2", "group_size=4", "max_steps=3",
+    metrics = run_recipe(work, env, "rl_loop", "batch_size=2", "group_size=4", "max_steps=2",
                          "max_tokens=12", "loss_fn=importance_sampling", "learning_rate=0.01")
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics] == [0, 1]
     assert any(m["reward/total"] > 0 for m in metrics)  # the format is sampled and rewarded
