@@ -2,7 +2,8 @@
 
     forgerl train CONFIG [--section.key VALUE ...]     run (or resume) RL training
     forgerl gateway CONFIG [--section.key VALUE ...]   serve the policy for external agents
-    forgerl serve CONFIG [--section.key VALUE ...]     serve users, train online ([online])
+    forgerl serve CONFIG [--host H] [--port P] [...]   the Tinker API over LoRA runs, or
+                                                       with [online]: serve users, train online
     forgerl plot RUN_DIR                               write RUN_DIR/curves.png
 
 Bad input gives a one-line error and exit code 2. Heavy imports (torch) happen after parsing.
@@ -30,10 +31,14 @@ from forgerl.plot import plot_run
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forgerl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run or resume RL training"), ("gateway", "serve the policy"),
-                       ("serve", "serve users and train on their feedback ([online])")):
+    for name, text in (("train", "run or resume RL training"), ("gateway", "serve the policy")):
         p = sub.add_parser(name, help=text, description=text + "; overrides: --section.key VALUE")
         p.add_argument("config", help="TOML config file")
+    serve = sub.add_parser(
+        "serve", help="the Tinker API over LoRA runs on one base; [online]: train on served users")
+    serve.add_argument("config", help="TOML config file")
+    serve.add_argument("--host", default=None, help="listen address (default [serve] host)")
+    serve.add_argument("--port", type=int, default=None, help="port (default [serve] port)")
     plot = sub.add_parser("plot", help="plot reward and held-out accuracy of a run")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
@@ -94,13 +99,15 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise Stopped(signum)
 
 
-async def _serve(config: Config) -> None:
-    """`forgerl serve`: the online service (forgerl/online/serve.py)."""
-    if config.online is None:  # before the heavy import: an instant one-line error
-        raise ValueError("online: forgerl serve needs an [online] section (docs/online.md)")
-    from forgerl.online.serve import serve_online  # lazy: torch, after parsing
-
-    await serve_online(config)
+def _serve(config: Config) -> Coroutine[Any, Any, None]:
+    """`forgerl serve`: online RL on served traffic with [online] (forgerl/online/serve.py),
+    else the Tinker API (forgerl/tinker/)."""
+    if config.online is not None:
+        from forgerl.online.serve import serve_online  # lazy: torch, after parsing
+        return serve_online(config)
+    # lazy: the optional extra forgerl[tinker] (the tinker SDK's protobuf messages)
+    from forgerl.tinker import serve
+    return serve(config)
 
 
 def _fail(message: str) -> int:
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"unexpected arguments: {' '.join(rest)}")
             print(plot_run(args.run_dir, args.out))
             return 0
+        if args.command == "serve":
+            rest += [f"--serve.{k}={v}" for k in ("host", "port")
+                     if (v := getattr(args, k)) is not None]
         config = load_config(args.config, rest)
         # the run draws its own bars: none from transformers or the hub per checkpoint (read at
         # their import, which `run` starts only after its task generation is under way)

@@ -2,7 +2,7 @@
 
 `forgerl train examples/chain_sum/config.toml --trainer.lr 1e-6` → `load_config(path, overrides)`.
 Sections: [model] [engine] [gateway] [datapool] [scheduler] [rollout] [agent] [tasks] [trainer]
-[reward] [cluster] [sandbox] [[domains]] [[policies]].
+[reward] [cluster] [sandbox] [serve] [online] [[domains]] [[policies]].
 This module imports no torch, so `forgerl --help` and config errors are instant.
 """
 
@@ -649,6 +649,24 @@ class OnlineConfig(_Section):
     """Sampled replies per held-out task ([tasks] eval set, its verifier) in the gate."""
 
 
+class ServeConfig(_Section):
+    """[serve]: `forgerl serve`, the Tinker API over LoRA runs on the [model] base
+    (forgerl/tinker/, docs/tinker.md); with [online], the online service (docs/online.md)."""
+
+    host: str = "127.0.0.1"
+    """Listen address of `forgerl serve` (either service); `--host` overrides it."""
+    port: int = Field(8000, ge=0, le=65535)
+    """0 picks a free port; `--port` overrides it."""
+    served_model_name: str | None = Field(None, min_length=1)
+    """The base model name clients ask for (Tinker's `base_model`, e.g. "Qwen/Qwen3-0.6B" for
+    a tokenizer-compatible local model, as vLLM's --served-model-name); None = model.path."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """LoRA alpha of every adapter (scale alpha / rank); the rank comes with each create_model."""
+    lora_targets: list[Annotated[str, Field(min_length=1)]] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the nn.Linear modules that get a LoRA adapter."""
+
+
 class Config(_Section):
     """A whole run; sections as above. Raises pydantic ValidationError on bad values
     (`load_config` turns it into a one-line ConfigError)."""
@@ -678,6 +696,7 @@ class Config(_Section):
     sandbox: SandboxConfig = SandboxConfig()
     online: OnlineConfig | None = None
     """Online RL on served traffic (`forgerl serve`); None: off."""
+    serve: ServeConfig = ServeConfig()
     domains: list[DomainConfig] = []
     """Mixed-domain training: when given, the domains' tasks replace [tasks]' own ([tasks]
     eval_every still sets the held-out cadence); [agent] is the agent of a domain without one."""

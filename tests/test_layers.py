@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"gateway", "scheduler", "trainer"},
     {"agents", "cluster", "metrics"},
     {"tasks"},  # environments: the sandbox (agents) below them
-    {"controller", "plot"},
+    {"controller", "plot", "tinker"},
     {"online"},  # online RL on served traffic: a controller of its own
     {"cli"},
     {"__main__", ""},  # "" is forgerl/__init__.py

@@ -96,8 +96,8 @@ async def serve_online(config: Config) -> None:
     key = gc.admin_key or saved_admin_key(run_dir)
     online = await start_online(
         model, tokenizer, run_dir, config.online, held_out, key, lr=config.trainer.lr,
-        scrub=regex_scrub if config.online.scrub == "regex" else None, host=gc.host,
-        port=gc.port, max_model_len=config.model.max_model_len,
+        scrub=regex_scrub if config.online.scrub == "regex" else None,
+        host=config.serve.host, port=config.serve.port, max_model_len=config.model.max_model_len,
         max_tokens=config.rollout.max_tokens, model_name=gc.model_name, seed=config.seed)
     print(f"ForgeRL online at {online.server.base_url} (model {gc.model_name!r})"
           + ("" if gc.admin_key else f"; admin key in {run_dir / 'admin_key'}"), flush=True)

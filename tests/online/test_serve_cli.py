@@ -25,23 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_needs_an_online_section(tmp_path):
-    config = tmp_path / "c.toml"
-    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[model]\npath = "tiny"\n')
-    r = subprocess.run([*FORGERL, "serve", str(config)], capture_output=True, text=True,
-                       timeout=120, env=ENV)
-    assert r.returncode == 2
-    assert r.stderr.strip() == ("forgerl: error: online: forgerl serve needs an [online] "
-                                "section (docs/online.md)")
-
-
 def test_serve_process(tmp_path):
     port, run = free_port(), tmp_path / "run"
     config = tmp_path / "c.toml"
     config.write_text(
         f'run_dir = "{run}"\n[model]\npath = "tiny"\nmax_model_len = 512\n'
         f'[rollout]\nmax_tokens = 8\n[tasks]\neval_size = 2\n'
-        f'[gateway]\nport = {port}\nadmin_key = "sk-admin-cli"\n[online]\n')
+        f'[serve]\nport = {port}\n[gateway]\nadmin_key = "sk-admin-cli"\n[online]\n')
     proc = subprocess.Popen([*FORGERL, "serve", str(config)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
     try:
