@@ -171,7 +171,7 @@ class Services(Rollouts):
         await asyncio.to_thread(lambda: save_checkpoint(
             self.run_dir, self.trainer.model, self.trainer.optimizer, self.trainer.step, extra,
             self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state(),
-            getattr(self.trainer, "drafter_state", lambda: None)()))
+            getattr(self.trainer, "drafter_state", lambda: None)(), self.trainer.lora))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step record: `metrics` plus gateway, reward, engine and scheduler counters,
