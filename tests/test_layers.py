@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 LAYERS: list[set[str]] = [
     {"types"},  # the records every layer shares
     {"config", "cpu_share"},  # config / runtime
-    {"models", "weights", "drafter"},  # models, weight formats, the MTP draft head
+    {"models", "weights", "drafter", "lora"},  # models, weight formats, the MTP draft head,
+    # many LoRA adapters on one base
     {"engines", "datapool", "rewards"},
     {"gateway", "scheduler", "trainer"},
     {"agents", "cluster", "metrics"},
