@@ -57,7 +57,7 @@ def test_default_is_full_fine_tuning_and_targets_must_name_linears():
     with pytest.raises(ConfigError, match=r"^model.lora.targets: 'qkv' names no Linear layer of "
                        r"this model \(its Linear layers: down_proj, gate_proj, k_proj"):
         check_targets(model, LoraConfig(targets=["q_proj", "qkv"]))
-    with pytest.raises(ConfigError, match="^model.lora.targets: 'lm_head' is the output head"):
+    with pytest.raises(ConfigError, match=r"^model\.lora\.targets: 'lm_head' is the output head"):
         check_targets(model, LoraConfig(targets=["lm_head"]))
 
 
@@ -184,9 +184,9 @@ def test_checkpoint_saves_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     for i, s in saved["state"].items():
         assert torch.equal(s["exp_avg"], loaded["state"][i]["exp_avg"])
     other = _lora_trainer(rank=4)
-    with pytest.raises(ValueError, match="has rank 8, alpha 32.0"):
+    with pytest.raises(ValueError, match=r"has rank 8, alpha 32\.0"):
         load_checkpoint(ckpt, other.model, other.optimizer, other.lora)
-    peft = pytest.importorskip("peft", reason="peft (the [lora] extra) loads the saved adapter")
+    peft = pytest.importorskip("peft", reason="peft (the dev extra) loads the saved adapter")
     reference = peft.PeftModel.from_pretrained(build_tiny_model(), ckpt).eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad(), trainer._adapter():
