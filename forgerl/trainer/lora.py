@@ -13,8 +13,7 @@ base model's speed; its version stamp clears the prefix cache at each sync as fo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -57,7 +56,7 @@ class PolicyAdapter:
     def wrap(cls, model: nn.Module, config: LoraConfig, seed: int = 0,
              base: str | None = None) -> PolicyAdapter:
         """Hook `model`'s target Linears (in place, base frozen) and add the adapter on their
-        device (A from `seed`, B = 0: the policy starts as the base). Raises as `check`."""
+        device (A from `seed`, B = 0: the policy starts as the base). Raises as `check_targets`."""
         check_targets(model, config)
         lora = MultiLoRA(model, config.targets)
         lora.add(ADAPTER, config.rank, config.alpha, seed)
@@ -67,11 +66,9 @@ class PolicyAdapter:
         """The adapter's A and B of every hooked Linear (what the optimizer owns)."""
         return self.lora.parameters(ADAPTER)
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        """Forwards of the model on this thread run with the adapter."""
-        with self.lora.active(ADAPTER):
-            yield
+    def active(self) -> AbstractContextManager[None]:
+        """Within it, forwards of the model on this thread run with the adapter."""
+        return self.lora.active(ADAPTER)
 
     @torch.no_grad()
     def merged(self) -> dict[str, Tensor]:
@@ -100,7 +97,3 @@ class PolicyAdapter:
                              f"targets {got[2]}; model.lora has rank {c.rank}, alpha {c.alpha}, "
                              f"targets {sorted(c.targets)}")
         self.lora.load_state_dict(ADAPTER, load_file(Path(folder) / "adapter_model.safetensors"))
-
-    def nbytes(self) -> int:
-        """Bytes of the adapter's tensors."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,153 @@
+"""Benchmark: LoRA (`[model] lora`) vs full fine-tuning on the main job, and how a LoRA policy
+reaches the local engine (merged weights vs the adapter through MultiLoRA's hooks).
+
+    python benchmarks/lora_train.py [--steps 2] [--eval-size 8] [--ranks 16 4] [--lora-lr 1e-4]
+        [--skip-main-job] [--skip-engine]
+
+Main job: `forgerl train examples/calculator_agent/config.toml` (SmolLM2-135M-Instruct, the
+calculator agent) once per variant, back to back, each in its own process, with `--max_steps
+STEPS --tasks.eval_size E --tasks.eval_every STEPS --trainer.checkpoint_every STEPS`: full
+fine-tuning at the config's lr, then LoRA of each rank (alpha = 2·rank, q/k/v/o) at
+`--lora-lr` (LoRA's usual ~10x the full fine-tuning lr). Columns from the run's metrics.jsonl:
+trainer seconds per step (`train_seconds`, mean over steps) and its tree tokens per second,
+step wall seconds, weight-sync MB and seconds, peak RSS (`peak_rss_gib`, the process's
+ru_maxrss), held-out accuracy at step 0 and at STEPS; optimizer-state MB is the size of the
+final checkpoint's optimizer.pt (AdamW's exp_avg and exp_avg_sq), trainable the parameters the
+optimizer owns.
+
+Engine: SmolLM2 in fp32, a batch of 8 rows decoding 48 tokens after a 32-token prompt with a KV
+cache (the local engine's step shape), timed with the base weights (= merged weights: the same
+kernels) and with a rank-16 adapter active through MultiLoRA's forward hooks (unmerged); and the
+cost of one sync of each: `PolicyAdapter.merged()` + copying it into an engine's weights vs the
+adapter's own tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "calculator_agent" / "config.toml"
+
+
+def main_job(name: str, extra: list[str], steps: int, eval_size: int, out: Path) -> dict:
+    """One `forgerl train` run of the main job; its numbers."""
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "forgerl", "train", str(CONFIG), "--run_dir", str(run_dir),
+           "--max_steps", str(steps), "--tasks.eval_size", str(eval_size),
+           "--tasks.eval_every", str(steps), "--trainer.checkpoint_every", str(steps), *extra]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train_seconds" in r]
+    ckpt = run_dir / "checkpoints" / f"step_{steps:08d}"
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    trainable = sum(s["exp_avg"].numel() for s in opt["state"].values())
+    accuracy = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in trained) / len(trained)
+
+    return {"variant": name, "wall_s": wall, "train_s": mean("train_seconds"),
+            "train_tok_s": mean("tokens_per_second"), "step_s": mean("step_seconds"),
+            "sync_mb": mean("weight_sync_bytes") / 1e6, "sync_s": mean("sync_seconds"),
+            "peak_rss_gib": max(r["peak_rss_gib"] for r in records),
+            "optimizer_mb": (ckpt / "optimizer.pt").stat().st_size / 1e6,
+            "trainable_m": trainable / 1e6, "acc_0": accuracy.get(0, float("nan")),
+            "acc_n": accuracy.get(steps, float("nan"))}
+
+
+def engine_costs(rank: int = 16, rows: int = 8, prompt: int = 32, tokens: int = 48) -> dict:
+    """Decode seconds with merged (base-speed) weights vs the adapter unmerged, and sync costs."""
+    from forgerl.config import LoraConfig
+    from forgerl.models import load_pretrained
+    from forgerl.trainer.lora import PolicyAdapter
+
+    model, _ = load_pretrained("smollm2")
+    model = model.float().eval()
+    adapter = PolicyAdapter.wrap(model, LoraConfig(rank=rank, alpha=2 * rank))
+    with torch.no_grad():  # a trained adapter: B != 0
+        for p in adapter.parameters():
+            p.normal_(0, 0.01)
+    ids = torch.randint(0, 40000, (rows, prompt), generator=torch.Generator().manual_seed(0))
+
+    def prefill(active: bool) -> tuple[torch.Tensor, object]:
+        with torch.no_grad(), adapter.active() if active else contextlib.nullcontext():
+            out = model(input_ids=ids, use_cache=True)
+        return out.logits[:, -1:].argmax(-1), out.past_key_values
+
+    def step(active: bool, state: tuple[torch.Tensor, object]) -> tuple[float, tuple]:
+        start = time.perf_counter()
+        with torch.no_grad(), adapter.active() if active else contextlib.nullcontext():
+            out = model(input_ids=state[0], past_key_values=state[1], use_cache=True)
+        return time.perf_counter() - start, (out.logits[:, -1:].argmax(-1), out.past_key_values)
+
+    states = {False: prefill(False), True: prefill(True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(tokens):  # interleaved step by step: both see the same machine load
+        for active in (False, True):
+            seconds, states[active] = step(active, states[active])
+            times[active].append(seconds)
+    engine = {k: v.clone() for k, v in model.state_dict().items()}
+    start = time.perf_counter()
+    merged = adapter.merged()
+    with torch.no_grad():
+        for k, v in merged.items():
+            engine[k].copy_(v)
+    merged_s = time.perf_counter() - start
+    start = time.perf_counter()
+    copies = [p.detach().clone() for p in adapter.parameters()]
+    adapter_s = time.perf_counter() - start
+    return {"step_merged_ms": 1e3 * statistics.median(times[False]),
+            "step_unmerged_ms": 1e3 * statistics.median(times[True]),
+            "sync_merged_mb": sum(v.numel() * 4 for v in merged.values()) / 1e6,
+            "sync_merged_s": merged_s,
+            "sync_adapter_mb": sum(c.numel() * 4 for c in copies) / 1e6,
+            "sync_adapter_s": adapter_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--eval-size", type=int, default=8)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 4])
+    parser.add_argument("--lora-lr", default="1e-4")
+    parser.add_argument("--skip-main-job", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not args.skip_engine:
+        e = engine_costs()
+        print(f"engine decode step (batch 8, median of 48): merged {e['step_merged_ms']:.1f} ms,"
+              f" unmerged adapter {e['step_unmerged_ms']:.1f} ms "
+              f"(x{e['step_unmerged_ms'] / e['step_merged_ms']:.3f}); sync: merged "
+              f"{e['sync_merged_mb']:.1f} MB in {e['sync_merged_s']:.3f} s, adapter "
+              f"{e['sync_adapter_mb']:.1f} MB in {e['sync_adapter_s']:.3f} s", flush=True)
+    if args.skip_main_job:
+        return
+    variants = [("full", [])] + [
+        (f"lora r{r}", ["--model.lora", f"{{rank = {r}, alpha = {2 * r}}}",
+                        "--trainer.lr", args.lora_lr]) for r in args.ranks]
+    cols = ["variant", "wall_s", "train_s", "train_tok_s", "step_s", "sync_mb", "sync_s",
+            "peak_rss_gib", "optimizer_mb", "trainable_m", "acc_0", "acc_n"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
+    with tempfile.TemporaryDirectory(prefix="forgerl-lora-bench-") as out:
+        for name, extra in variants:
+            row = main_job(name, extra, args.steps, args.eval_size, Path(out))
+            print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3g}" for v in row.values())
+                  + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
