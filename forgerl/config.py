@@ -46,8 +46,8 @@ class LoraConfig(_Section):
     alpha: float = Field(32.0, gt=0)
     """The update is scaled by alpha / rank (peft's lora_alpha)."""
     targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
-    """The Linear layers that get the adapter: those whose module name's last part is one of these;
-    each must match at least one Linear of the model."""
+    """The Linear layers that get the adapter: those whose module name's last part is one of
+    these (e.g. model.layers.3.self_attn.q_proj); each must name a Linear of the model."""
 
 
 class ModelConfig(_Section):
