@@ -40,15 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "calculator_agent" / "config.toml"
 
 
-def main_job(name: str, extra: list[str], steps: int, eval_size: int, out: Path) -> dict:
-    """One `forgerl train` run of the main job; its numbers."""
-    run_dir = out / name
-    cmd = [sys.executable, "-m", "forgerl", "train", str(CONFIG), "--run_dir", str(run_dir),
-           "--max_steps", str(steps), "--tasks.eval_size", str(eval_size),
-           "--tasks.eval_every", str(steps), "--trainer.checkpoint_every", str(steps), *extra]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
+def job_command(run_dir: Path, extra: list[str], steps: int, eval_size: int) -> list[str]:
+    """`forgerl train` of the main job into `run_dir`, STEPS steps, held-out at 0 and STEPS."""
+    return [sys.executable, "-m", "forgerl", "train", str(CONFIG), "--run_dir", str(run_dir),
+            "--max_steps", str(steps), "--tasks.eval_size", str(eval_size),
+            "--tasks.eval_every", str(steps), "--trainer.checkpoint_every", str(steps), *extra]
+
+
+def job_numbers(name: str, run_dir: Path, steps: int, wall: float) -> dict:
+    """A finished main-job run's numbers (its metrics.jsonl and last checkpoint)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "train_seconds" in r]
     ckpt = run_dir / "checkpoints" / f"step_{steps:08d}"
@@ -66,6 +66,25 @@ def main_job(name: str, extra: list[str], steps: int, eval_size: int, out: Path)
             "optimizer_mb": (ckpt / "optimizer.pt").stat().st_size / 1e6,
             "trainable_m": trainable / 1e6, "acc_0": accuracy.get(0, float("nan")),
             "acc_n": accuracy.get(steps, float("nan"))}
+
+
+def main_jobs(variants: list[tuple[str, list[str]]], steps: int, eval_size: int, out: Path,
+              side_by_side: bool) -> list[dict]:
+    """Each variant's main-job run, one after another or all at once (`side_by_side`: every
+    run sees the same machine load); their numbers."""
+    rows, running = [], []
+    for name, extra in variants:
+        run_dir = out / name.replace(" ", "_")
+        proc = subprocess.Popen(job_command(run_dir, extra, steps, eval_size), cwd=ROOT,
+                                stdout=subprocess.DEVNULL)
+        running.append((name, run_dir, proc, time.perf_counter()))
+        if not side_by_side:
+            proc.wait()
+    for name, run_dir, proc, start in running:
+        if proc.wait() != 0:
+            raise RuntimeError(f"{name}: forgerl train exited {proc.returncode}")
+        rows.append(job_numbers(name, run_dir, steps, time.perf_counter() - start))
+    return rows
 
 
 def engine_costs(rank: int = 16, rows: int = 8, prompt: int = 32, tokens: int = 48) -> dict:
@@ -117,6 +136,52 @@ def engine_costs(rank: int = 16, rows: int = 8, prompt: int = 32, tokens: int = 
             "sync_adapter_s": adapter_s}
 
 
+def trainer_steps(pool: Path, ranks: list[int], lora_lr: float, rounds: int) -> list[dict]:
+    """The trainer alone, in one process: a full fine-tuning trainer and one LoRA trainer per
+    rank (the main job's [trainer] settings) each take the same steps on the groups a main-job
+    run recorded in `pool` (2 per step, as tasks_per_step), interleaved step by step so all
+    see the same machine load; per trainer: median step seconds, tree tokens/s and AdamW
+    state MB (exp_avg + exp_avg_sq + step)."""
+    from forgerl.config import LoraConfig, load_config
+    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.models import load_policy
+    from forgerl.trainer.data_parallel import build_trainer
+    from forgerl.trainer.lora import PolicyAdapter
+
+    config = load_config(CONFIG)
+    db = SQLitePool(pool)
+    groups = [db.get_group(i) for i in db.task_indices("trained")]
+    db.close()
+    batches = [groups[i:i + 2] for i in range(0, len(groups) - 1, 2)] * rounds
+    trainers = {}
+    for name, rank in [("full", None)] + [(f"lora r{r}", r) for r in ranks]:
+        trainer = build_trainer(config, load_policy("smollm2")[0])
+        if rank is not None:
+            trainer.attach_lora(PolicyAdapter.wrap(trainer.model, LoraConfig(
+                rank=rank, alpha=2.0 * rank)))
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lora_lr
+        trainers[name] = trainer
+    seconds: dict[str, list[float]] = {n: [] for n in trainers}
+    tokens: dict[str, list[float]] = {n: [] for n in trainers}
+    for batch in batches:
+        for name, trainer in trainers.items():
+            metrics = trainer.train_step(batch)
+            seconds[name].append(metrics["step_seconds"])
+            tokens[name].append(metrics["tokens_after_merge"])
+    out = []
+    for name, trainer in trainers.items():
+        state = trainer.optimizer.state_dict()["state"].values()
+        nbytes = sum(v.numel() * v.element_size() for s in state for v in s.values())
+        out.append({"trainer": name, "steps": len(seconds[name]),
+                    "step_s": statistics.median(seconds[name]),
+                    "tok_s": sum(tokens[name]) / sum(seconds[name]),
+                    "adamw_mb": nbytes / 1e6,
+                    "trainable_m": sum(p.numel() for g in trainer.optimizer.param_groups
+                                       for p in g["params"]) / 1e6})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
@@ -125,8 +190,22 @@ def main() -> None:
     parser.add_argument("--lora-lr", default="1e-4")
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--trainer-only", type=Path, metavar="POOL",
+                        help="only the interleaved trainer steps on this run's pool.sqlite")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="keep the main-job runs here (default: a "
+                        "new temporary folder, kept)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="start every variant's main-job run at once")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.trainer_only:
+        rows = trainer_steps(args.trainer_only, args.ranks, float(args.lora_lr), args.rounds)
+        print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+        for row in rows:
+            print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3g}" for v in row.values())
+                  + " |", flush=True)
+        return
     if not args.skip_engine:
         e = engine_costs()
         print(f"engine decode step (batch 8, median of 48): merged {e['step_merged_ms']:.1f} ms,"
@@ -139,14 +218,12 @@ def main() -> None:
     variants = [("full", [])] + [
         (f"lora r{r}", ["--model.lora", f"{{rank = {r}, alpha = {2 * r}}}",
                         "--trainer.lr", args.lora_lr]) for r in args.ranks]
-    cols = ["variant", "wall_s", "train_s", "train_tok_s", "step_s", "sync_mb", "sync_s",
-            "peak_rss_gib", "optimizer_mb", "trainable_m", "acc_0", "acc_n"]
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
-    with tempfile.TemporaryDirectory(prefix="forgerl-lora-bench-") as out:
-        for name, extra in variants:
-            row = main_job(name, extra, args.steps, args.eval_size, Path(out))
-            print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3g}" for v in row.values())
-                  + " |", flush=True)
+    out = args.out or Path(tempfile.mkdtemp(prefix="forgerl-lora-bench-"))
+    rows = main_jobs(variants, args.steps, args.eval_size, out, args.side_by_side)
+    print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3g}" for v in row.values())
+              + " |", flush=True)
 
 
 if __name__ == "__main__":
