@@ -3,10 +3,11 @@
 Pins: config validation (rank, targets, unsupported combinations: one line naming the field);
 a LoRA trainer's AdamW holds only the adapter; a step changes the adapter and leaves every base
 weight bitwise unchanged; the engine given the merged weights samples with logprobs equal to
-the trainer's adapter forward (ratio 1 within 1e-5) and reuses no prefix-cache KV of the weights
-before the sync; activation checkpointing's recompute runs with the adapter even when the
-backward runs on another thread (as CUDA's autograd does); the checkpointed adapter is peft's
-format and loads back (optimizer state included) and into peft itself.
+the trainer's adapter forward (ratio 1 within 1e-5; a dense and a MoE policy) and reuses no
+prefix-cache KV of the weights before the sync; the packed prefix-tree loss and adapter
+gradients equal a plain forward per sample; activation checkpointing's recompute runs with the
+adapter even when the backward runs on another thread (as CUDA's autograd does); the
+checkpointed adapter is peft's format and loads back (optimizer state included) and into peft.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from forgerl.config import ConfigError, LoraConfig, load_config
 from forgerl.engines.local import LocalEngine
-from forgerl.models import build_tiny_model
+from forgerl.models import build_tiny_model, build_tiny_moe
 from forgerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from forgerl.trainer.lora import PolicyAdapter, check_targets
 from forgerl.trainer.prefix_tree import build_tree_batch
@@ -62,8 +63,9 @@ def test_default_is_full_fine_tuning_and_targets_must_name_linears():
         check_targets(model, LoraConfig(targets=["lm_head"]))
 
 
-def _lora_trainer(rank: int = 4, checkpointing: str = "off", **kwargs) -> Trainer:
-    trainer = Trainer(build_tiny_model(), lr=1e-2, device="cpu",
+def _lora_trainer(rank: int = 4, checkpointing: str = "off", build=build_tiny_model,
+                  **kwargs) -> Trainer:
+    trainer = Trainer(build(), lr=1e-2, device="cpu",
                       activation_checkpointing=checkpointing, **kwargs)
     trainer.attach_lora(PolicyAdapter.wrap(trainer.model, LoraConfig(rank=rank), 0, "tiny"))
     return trainer
@@ -90,8 +92,10 @@ def _ratio_errors(trainer: Trainer, group: Group) -> torch.Tensor:
     return torch.cat(errors)
 
 
-def test_a_step_trains_the_adapter_only_and_the_merged_sync_is_on_policy():
-    trainer = _lora_trainer()
+@pytest.mark.parametrize("build", [build_tiny_model, build_tiny_moe])
+def test_a_step_trains_the_adapter_only_and_the_merged_sync_is_on_policy(build):
+    """Also for a MoE policy (tiny Mixtral: LoRA on its attention, the experts untouched)."""
+    trainer = _lora_trainer(build=build)
     adapter = trainer.lora
     params = adapter.parameters()
     assert [p for g in trainer.optimizer.param_groups for p in g["params"]] == params
@@ -218,3 +222,28 @@ def test_checkpoint_saves_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     with torch.no_grad(), trainer._adapter():
         ours = trainer.model.eval()(ids).logits
     torch.testing.assert_close(reference(ids).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_sync_carries_the_adapted_linears_only():
+    """`[trainer] weight_sync = "delta"` on a LoRA run: after the first (full) sync, deltas of
+    the merged q/k/v/o weights alone, applied exactly."""
+    from forgerl.trainer.weight_sync import WeightSync
+
+    trainer = _lora_trainer()
+
+    async def run() -> None:
+        engine = LocalEngine(trainer.model, max_model_len=256, max_batch_size=4)
+        try:
+            sync = WeightSync(engine, "delta")
+            assert (await sync.sync(trainer.state_dict_for_sync(), 0))["kind"] == "full"
+            trainer.train_step([Group(0, await _sample(engine))])
+            stats = await sync.sync(trainer.state_dict_for_sync(), trainer.step)
+            merged = trainer.lora.merged()
+            assert stats["kind"] == "delta" and stats["changed_fraction"] > 0.5
+            assert stats["bytes"] <= sum(v.numel() * 4 for v in merged.values()) == 98304
+            state = engine.model.state_dict()
+            assert all(torch.equal(state[k], v) for k, v in merged.items())
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
