@@ -247,3 +247,23 @@ def test_delta_sync_carries_the_adapted_linears_only():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_kind(tmp_path):
+    """A LoRA checkpoint resumed without [model] lora (or another rank), and a full one with it,
+    stop with one line naming model.lora."""
+    from forgerl.controller.rundir import resume
+
+    lora = _lora_trainer(rank=8)
+    save_checkpoint(tmp_path / "lora", lora.model, lora.optimizer, 1, {},
+                    states=lora.checkpoint_state(), adapter=lora.lora)
+    full = Trainer(build_tiny_model(), device="cpu")
+    save_checkpoint(tmp_path / "full", full.model, full.optimizer, 1, {})
+    for run_dir, trainer, expected in [
+            ("lora", full, "holds a LoRA adapter"), ("full", _lora_trainer(), "holds all weights"),
+            ("lora", _lora_trainer(rank=4), "has rank 8, alpha 32.0")]:
+        with pytest.raises(ConfigError) as info:
+            resume(tmp_path / run_dir, trainer, "tiny")
+        assert str(info.value).startswith("model.lora: ") and expected in str(info.value)
+        assert "\n" not in str(info.value)
+    assert resume(tmp_path / "lora", _lora_trainer(rank=8), "tiny") is None  # no scheduler state
