@@ -136,50 +136,85 @@ def engine_costs(rank: int = 16, rows: int = 8, prompt: int = 32, tokens: int = 
             "sync_adapter_s": adapter_s}
 
 
-def trainer_steps(pool: Path, ranks: list[int], lora_lr: float, rounds: int) -> list[dict]:
-    """The trainer alone, in one process: a full fine-tuning trainer and one LoRA trainer per
-    rank (the main job's [trainer] settings) each take the same steps on the groups a main-job
-    run recorded in `pool` (2 per step, as tasks_per_step), interleaved step by step so all
-    see the same machine load; per trainer: median step seconds, tree tokens/s and AdamW
-    state MB (exp_avg + exp_avg_sq + step)."""
-    from forgerl.config import LoraConfig, load_config
+def recorded_batches(pool: Path) -> list[list]:
+    """The finished rollouts of a main-job run's groups with at least 4 of them, 2 groups per
+    batch (tasks_per_step), each group's rewards set to 1, 0, 1, ... (synthetic: a signal for
+    every group; the recorded tokens and behavior logprobs are the run's own)."""
+    from dataclasses import replace
+
     from forgerl.datapool.sqlite import SQLitePool
+
+    db = SQLitePool(pool)
+    groups = []
+    for i in sorted(i for i in db.task_indices() if i >= 0):
+        group = db.get_group(i)
+        done = [t for t in group.trajectories if t.status == "finished" and t.completions]
+        if len(done) >= 4:
+            groups.append(replace(group, trajectories=[
+                replace(t, reward=float(k % 2 == 0)) for k, t in enumerate(done)]))
+    db.close()
+    return [groups[i:i + 2] for i in range(0, len(groups) - 1, 2)]
+
+
+def trainer_child(pool: Path, rank: int, lora_lr: float, steps: int) -> dict:
+    """One trainer (full fine-tuning when rank is 0, else LoRA of that rank, alpha = 2·rank) with
+    the main job's [trainer] settings, `steps` steps on `recorded_batches(pool)`; its numbers
+    (this process: peak RSS, the RSS the model and engine-free trainer held before step 1)."""
+    import resource
+
+    from forgerl.config import LoraConfig, load_config
+    from forgerl.controller.memory import resident_gib
     from forgerl.models import load_policy
     from forgerl.trainer.data_parallel import build_trainer
     from forgerl.trainer.lora import PolicyAdapter
 
-    config = load_config(CONFIG)
-    db = SQLitePool(pool)
-    groups = [db.get_group(i) for i in db.task_indices("trained")]
-    db.close()
-    batches = [groups[i:i + 2] for i in range(0, len(groups) - 1, 2)] * rounds
-    trainers = {}
-    for name, rank in [("full", None)] + [(f"lora r{r}", r) for r in ranks]:
-        trainer = build_trainer(config, load_policy("smollm2")[0])
-        if rank is not None:
-            trainer.attach_lora(PolicyAdapter.wrap(trainer.model, LoraConfig(
-                rank=rank, alpha=2.0 * rank)))
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = lora_lr
-        trainers[name] = trainer
-    seconds: dict[str, list[float]] = {n: [] for n in trainers}
-    tokens: dict[str, list[float]] = {n: [] for n in trainers}
+    batches = recorded_batches(pool)[:steps]
+    trainer = build_trainer(load_config(CONFIG), load_policy("smollm2")[0])
+    if rank:
+        trainer.attach_lora(PolicyAdapter.wrap(trainer.model, LoraConfig(
+            rank=rank, alpha=2.0 * rank)))
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lora_lr
+    before = resident_gib()
+    seconds, tokens = [], []
     for batch in batches:
-        for name, trainer in trainers.items():
-            metrics = trainer.train_step(batch)
-            seconds[name].append(metrics["step_seconds"])
-            tokens[name].append(metrics["tokens_after_merge"])
-    out = []
-    for name, trainer in trainers.items():
-        state = trainer.optimizer.state_dict()["state"].values()
-        nbytes = sum(v.numel() * v.element_size() for s in state for v in s.values())
-        out.append({"trainer": name, "steps": len(seconds[name]),
-                    "step_s": statistics.median(seconds[name]),
-                    "tok_s": sum(tokens[name]) / sum(seconds[name]),
-                    "adamw_mb": nbytes / 1e6,
-                    "trainable_m": sum(p.numel() for g in trainer.optimizer.param_groups
-                                       for p in g["params"]) / 1e6})
-    return out
+        metrics = trainer.train_step(batch)
+        seconds.append(metrics["step_seconds"])
+        tokens.append(metrics["tokens_after_merge"])
+    state = trainer.optimizer.state_dict()["state"].values()
+    return {"seconds": seconds, "tokens": tokens, "rss_before_gib": before,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "adamw_mb": sum(v.numel() * v.element_size() for s in state
+                            for v in s.values()) / 1e6,
+            "trainable_m": sum(p.numel() for g in trainer.optimizer.param_groups
+                               for p in g["params"]) / 1e6,
+            "sync_mb": sum(v.numel() * v.element_size()
+                           for v in trainer.state_dict_for_sync().values()) / 1e6}
+
+
+def trainer_steps(pool: Path, ranks: list[int], lora_lr: str, steps: int,
+                  rounds: int) -> list[dict]:
+    """`trainer_child` of full fine-tuning and each rank, each in its own process (its own
+    peak RSS), in turn, `rounds` times (A B C A B C: load drift hits all alike)."""
+    runs: dict[int, list[dict]] = {r: [] for r in [0, *ranks]}
+    for _ in range(rounds):
+        for rank in runs:
+            out = subprocess.run([sys.executable, __file__, "--trainer-only", str(pool),
+                                  "--child-rank", str(rank), "--lora-lr", lora_lr,
+                                  "--steps", str(steps)], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout
+            runs[rank].append(json.loads(out.strip().splitlines()[-1]))
+    rows = []
+    for rank, results in runs.items():
+        seconds = [x for r in results for x in r["seconds"]]
+        tokens = [x for r in results for x in r["tokens"]]
+        rows.append({"trainer": f"lora r{rank}" if rank else "full", "steps": len(seconds),
+                     "step_s": statistics.median(seconds), "tok_s": sum(tokens) / sum(seconds),
+                     "peak_rss_gib": max(r["peak_rss_gib"] for r in results),
+                     "rss_before_gib": max(r["rss_before_gib"] for r in results),
+                     "adamw_mb": results[0]["adamw_mb"], "trainable_m": results[0]["trainable_m"],
+                     "sync_mb": results[0]["sync_mb"]})
+    return rows
 
 
 def main() -> None:
@@ -193,14 +228,19 @@ def main() -> None:
     parser.add_argument("--trainer-only", type=Path, metavar="POOL",
                         help="only the interleaved trainer steps on this run's pool.sqlite")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--child-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="keep the main-job runs here (default: a "
                         "new temporary folder, kept)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="start every variant's main-job run at once")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.trainer_only and args.child_rank is not None:
+        print(json.dumps(trainer_child(args.trainer_only, args.child_rank, float(args.lora_lr),
+                                       args.steps)))
+        return
     if args.trainer_only:
-        rows = trainer_steps(args.trainer_only, args.ranks, float(args.lora_lr), args.rounds)
+        rows = trainer_steps(args.trainer_only, args.ranks, args.lora_lr, args.steps, args.rounds)
         print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:
             print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3g}" for v in row.values())
