@@ -167,6 +167,7 @@ def trainer_child(pool: Path, rank: int, lora_lr: float, steps: int) -> dict:
     from forgerl.models import load_policy
     from forgerl.trainer.data_parallel import build_trainer
     from forgerl.trainer.lora import PolicyAdapter
+    from forgerl.weights import unique_tensors
 
     batches = recorded_batches(pool)[:steps]
     trainer = build_trainer(load_config(CONFIG), load_policy("smollm2")[0])
@@ -188,8 +189,8 @@ def trainer_child(pool: Path, rank: int, lora_lr: float, steps: int) -> dict:
                             for v in s.values()) / 1e6,
             "trainable_m": sum(p.numel() for g in trainer.optimizer.param_groups
                                for p in g["params"]) / 1e6,
-            "sync_mb": sum(v.numel() * v.element_size()
-                           for v in trainer.state_dict_for_sync().values()) / 1e6}
+            "sync_mb": sum(v.numel() * v.element_size() for v in unique_tensors(
+                trainer.state_dict_for_sync()).values()) / 1e6}
 
 
 def trainer_steps(pool: Path, ranks: list[int], lora_lr: str, steps: int,
@@ -229,6 +230,8 @@ def main() -> None:
                         help="only the interleaved trainer steps on this run's pool.sqlite")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--child-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rollout-timeout-s", type=int, help="the main job's rollout.timeout_s "
+                        "(its 300 s fails rollouts on a heavily shared machine)")
     parser.add_argument("--out", type=Path, help="keep the main-job runs here (default: a "
                         "new temporary folder, kept)")
     parser.add_argument("--side-by-side", action="store_true",
@@ -255,8 +258,9 @@ def main() -> None:
               f"{e['sync_adapter_mb']:.1f} MB in {e['sync_adapter_s']:.3f} s", flush=True)
     if args.skip_main_job:
         return
-    variants = [("full", [])] + [
-        (f"lora r{r}", ["--model.lora", f"{{rank = {r}, alpha = {2 * r}}}",
+    common = ["--rollout.timeout_s", str(args.rollout_timeout_s)] if args.rollout_timeout_s else []
+    variants = [("full", common)] + [
+        (f"lora r{r}", [*common, "--model.lora", f"{{rank = {r}, alpha = {2 * r}}}",
                         "--trainer.lr", args.lora_lr]) for r in args.ranks]
     out = args.out or Path(tempfile.mkdtemp(prefix="forgerl-lora-bench-"))
     rows = main_jobs(variants, args.steps, args.eval_size, out, args.side_by_side)
