@@ -27,7 +27,7 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
     "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
-    "engines": 2_640,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
+    "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
     "gateway": 5_631,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;

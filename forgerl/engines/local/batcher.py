@@ -16,6 +16,7 @@ import torch
 
 from forgerl.cpu_share import CpuShare
 from forgerl.engines.kv_pool import KVPool, fetch, publish
+from forgerl.engines.local.adapters import EngineAdapters
 from forgerl.engines.local.kv_batch import _Batch, _fail, _KVCache, _Request
 from forgerl.engines.local.prefix_cache import KV, PrefixCache, common_prefix
 from forgerl.engines.local.routes import RouteRecorder, joined
@@ -25,7 +26,7 @@ from forgerl.engines.local.speculative import SpeculativeDecoder
 WAVE_MIN_SHARED = 16  # a newcomer waits one wave when a sibling offers this many more tokens
 
 
-class ContinuousBatcher(SpeculativeDecoder):
+class ContinuousBatcher(SpeculativeDecoder, EngineAdapters):
     """The decode loop's state and step, the base of `LocalEngine` (which sets every attribute
     below in its constructor and runs `_step` on its worker thread)."""
 
@@ -53,15 +54,18 @@ class ContinuousBatcher(SpeculativeDecoder):
             self.stats["decode_steps"] += 1
             self.stats["decode_rows"] += len(self._batch.rows)
             try:
-                self._batch = self._finish(self._decode(self._batch))
+                with self.adapters_of(self._batch.rows):
+                    self._batch = self._finish(self._decode(self._batch))
             except Exception as exc:
                 rows, self._batch = self._batch.rows, None
                 _fail(rows, exc)
+            self.collect()
             self.stats["decode_seconds"] += time.perf_counter() - start
         free = self.max_batch_size - (len(self._batch.rows) if self._batch else 0)
         newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         self.stats["queued_peak"] = max(self.stats["queued_peak"], len(self._waiting))
-        newcomers = [r for r in newcomers if not r.cancelled]  # skip consumers that left
+        newcomers = [r for r in newcomers  # skip consumers that left; stamp adapter versions
+                     if not r.cancelled and self.stamp(r)]
         if not newcomers:
             return
         start = time.perf_counter()
@@ -127,17 +131,18 @@ class ContinuousBatcher(SpeculativeDecoder):
         shared system prompt is prefilled once and then reused from the cache."""
         if not self.prefix_cache.max_tokens:
             return rows, []
-        wave: list[tuple[int, ...]] = []
+        wave: list[tuple[object, tuple[int, ...]]] = []
         now, later = [], []
         for req in rows:
             seq = tuple(req.prompt_ids + req.completion_ids)
-            hit = self.prefix_cache.longest(seq)[0]
-            sibling = min(max((common_prefix(seq, w) for w in wave), default=0), len(seq) - 1)
+            hit = self.prefix_cache.longest(seq, req.ns)[0]
+            sibling = min(max((common_prefix(seq, w) for ns, w in wave if ns == req.ns),
+                              default=0), len(seq) - 1)
             if sibling >= hit + WAVE_MIN_SHARED:
                 later.append(req)
             else:
                 now.append(req)
-                wave.append(seq)
+                wave.append((req.ns, seq))
         return now, later
 
     def _prefill_wave(self, rows: list[_Request]) -> _Batch:
@@ -148,7 +153,7 @@ class ContinuousBatcher(SpeculativeDecoder):
         no forward runs: the rows get their cached KV and that token as pending, and the next
         decode step computes its logits and samples (one forward per step instead of two)."""
         seqs = [tuple(r.prompt_ids + r.completion_ids) for r in rows]
-        hits = [self._lookup(s) for s in seqs]
+        hits = [self._lookup(s, r.ns) for s, r in zip(seqs, rows, strict=True)]
         past = max(n for n, _ in hits)
         reused = sum(n for n, _ in hits)
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs) - reused
@@ -176,14 +181,9 @@ class ContinuousBatcher(SpeculativeDecoder):
             mask[i, past - n : past] = 1
             mask[i, past + new - m :] = 1
         cache = _KVCache(self._stack_past(hits, past) if past else None)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self.adapters_of(rows):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True, logits_to_keep=1)
         if self.recorder:
             self.recorder.prefilled(rows, [len(s) - n for s, (n, _) in zip(seqs, hits,
                                                                          strict=True)], ids.shape)
@@ -193,10 +193,11 @@ class ContinuousBatcher(SpeculativeDecoder):
             self._keep(seq, batch, i)
         return batch
 
-    def _lookup(self, seq: tuple[int, ...]) -> tuple[int, KV | None]:
-        """The prefix cache's longest hit, or the KV pool's prefix when it is longer."""
-        n, kv = self.prefix_cache.lookup(seq)
-        if self.kv_pool is not None:
+    def _lookup(self, seq: tuple[int, ...], ns: object = None) -> tuple[int, KV | None]:
+        """The prefix cache's longest hit in namespace `ns` (a LoRA adapter version, None for
+        the base), or the KV pool's prefix when it is longer (the base only)."""
+        n, kv = self.prefix_cache.lookup(seq, ns)
+        if self.kv_pool is not None and ns is None:
             m, pooled = fetch(self.kv_pool, self.weight_version, seq, n)
             if pooled is not None:
                 self.stats["pool_hits"] += 1
@@ -209,10 +210,13 @@ class ContinuousBatcher(SpeculativeDecoder):
         publish the KV to the KV pool; nothing is copied out when both are off."""
         if not self.prefix_cache.max_tokens and self.kv_pool is None:
             return
+        ns = batch.rows[i].ns
+        if ns is not None and self.adapter_versions.get(ns[0]) != ns[1]:
+            return  # an adapter version that no newcomer gets any more
         kv = batch.row_kv(i)
         if self.prefix_cache.max_tokens:
-            self.prefix_cache.insert(seq, kv, self._routes(batch.rows[i]))
-        if self.kv_pool is not None:
+            self.prefix_cache.insert(seq, kv, self._routes(batch.rows[i]), ns)
+        if self.kv_pool is not None and ns is None:
             publish(self.kv_pool, self.weight_version, seq, kv)
 
     @staticmethod

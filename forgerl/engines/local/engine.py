@@ -22,6 +22,7 @@ from forgerl.cpu_share import CpuShare
 from forgerl.drafter import PREFIX, Drafter
 from forgerl.engines.base import TokenEvent
 from forgerl.engines.kv_pool import KVPool
+from forgerl.engines.local.adapters import AdapterLoad
 from forgerl.engines.local.batcher import ContinuousBatcher
 from forgerl.engines.local.kernels import ENGINE_SDPA, pack_linears
 from forgerl.engines.local.kv_batch import _fail, _Request
@@ -79,6 +80,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
     kv_pool: a `forgerl.engines.kv_pool.KVPool` shared with other instances (None: off); the
     engine publishes its KV there and fetches prefixes its own cache lacks; a weight update
     advances it to the new version (every older block is dropped).
+    LoRA adapters (`load_adapter`, `stream(..., adapter=name)`; adapters.py): rows of different
+    adapters decode in one batch; stats count "adapter_loads" (adapter versions loaded).
     """
 
     _closed_message = "LocalEngine is closed"
@@ -138,7 +141,8 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
                       "decode_rows": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
                       "cpu_shared_steps": 0, "spec_steps": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "spec_tokens": 0, "pool_hits": 0,
-                      "pool_hit_tokens": 0, "handoffs_stale": 0}
+                      "pool_hit_tokens": 0, "handoffs_stale": 0, "adapter_loads": 0}
+        self.adapter_versions = {}
         self._start_worker("forgerl-local-engine")
 
     # ---- public API (event-loop side) ---------------------------------------------------------
@@ -150,21 +154,23 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         return {"running": len(batch.rows) if batch is not None else 0,
                 "waiting": len(self._waiting) + self._inbox.qsize()}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       adapter: str | None = None) -> GenerateOutput:
         """Generate one completion; concurrent calls share decode steps.
 
         The last item of `stream(prompt_ids, params)`; cancelling the awaiting task aborts the
         request (its batch slot is freed at the next decode step). Raises ValueError for an
         empty prompt, ids outside [0, vocab_size), params out of range (`SamplingParams.check`),
-        or len(prompt_ids) + max_tokens > max_model_len; RuntimeError after close(). A closed
-        engine ends in-flight requests with "abort".
+        or len(prompt_ids) + max_tokens > max_model_len, an `adapter` not loaded; RuntimeError
+        after close(). A closed engine ends in-flight requests with "abort". adapter: the LoRA
+        adapter to decode under (`load_adapter`), None for the base.
         """
-        *_, out = [item async for item in self.stream(prompt_ids, params)]
+        *_, out = [item async for item in self.stream(prompt_ids, params, adapter)]
         assert isinstance(out, GenerateOutput)  # a stream that does not raise ends with it
         return out
 
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenEvent | GenerateOutput]:
         """Yield each token as a TokenEvent as soon as it is sampled, then the whole completion
         as a GenerateOutput (equal to the events concatenated); see `RolloutEngine.stream` for
@@ -178,11 +184,15 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
         `generate`.
         """
         self._check_request(prompt_ids, params)
+        if adapter is not None and adapter not in self.adapter_versions:
+            raise ValueError(f"LoRA adapter {adapter!r} is not loaded (have "
+                             f"{sorted(self.adapter_versions)})")
         loop = asyncio.get_running_loop()
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = _Request(list(prompt_ids), params, asyncio.Queue(), loop, generator)
+        req = _Request(list(prompt_ids), params, asyncio.Queue(), loop, generator,
+                       adapter=adapter)
         self._inbox.put(req)
         try:
             while True:
@@ -318,7 +328,9 @@ class LocalEngine(ContinuousBatcher, ThreadWorker):
 
     def _apply_update(self, update: WeightUpdate) -> None:
         """Copy new weights (or apply a delta) in place, restoring the old ones on failure;
-        re-prefill all rows."""
+        re-prefill all rows. An adapter load goes to `apply_adapter` (adapters.py)."""
+        if isinstance(update.weights, AdapterLoad):
+            return self.apply_adapter(update)
         try:
             if isinstance(update.weights, WeightDelta):  # all or nothing, against its base
                 apply_delta(self._params, update.weights, self.weight_version)

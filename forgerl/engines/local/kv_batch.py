@@ -30,7 +30,9 @@ class _Request:
     touches it (the worker goes through `push`). cancelled: set on the caller's side when the
     consumer goes away; the worker drops the row at its next step (a bool store is atomic).
     routes: None for a dense model, else chunks of the routed experts (tokens, layers, top_k)
-    uint8 of every token fed so far (`routes.RouteRecorder`).
+    uint8 of every token fed so far (`routes.RouteRecorder`). adapter: the LoRA adapter the row
+    decodes under (None: the base), adapter_version: its version, stamped when the row is first
+    admitted and kept to the end (`adapters.py`); a token's recorded version is then that one.
     """
 
     prompt_ids: list[int]
@@ -45,11 +47,20 @@ class _Request:
     cancelled: bool = False
     routes: list[torch.Tensor] | None = None
     draft_hidden: torch.Tensor | None = None  # (H,) last final hidden state (speculative.py)
+    adapter: str | None = None
+    adapter_version: int | None = None
+
+    @property
+    def ns(self) -> tuple[str, int] | None:
+        """The prefix-cache namespace of this row's KV: (adapter, version), None for the base."""
+        return None if self.adapter is None else (self.adapter, self.adapter_version)
 
     def record(self, token: int, logprob: float, version: int, sampled_at: float) -> None:
         """Append and stream one sampled token; set finish_reason when it stops the completion."""
         self.completion_ids.append(token)
         self.logprobs.append(logprob)
+        if self.adapter_version is not None:
+            version = self.adapter_version
         self.weight_versions.append(version)
         self.push(TokenEvent(token, logprob, version, sampled_at))
         if token in self.params.stop_token_ids:
