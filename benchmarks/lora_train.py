@@ -80,10 +80,16 @@ def main_jobs(variants: list[tuple[str, list[str]]], steps: int, eval_size: int,
         running.append((name, run_dir, proc, time.perf_counter()))
         if not side_by_side:
             proc.wait()
+    ended: dict[str, float] = {}
+    while len(ended) < len(running):  # each run's own end, whichever ends first
+        for name, _, proc, _ in running:
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.perf_counter()
+        time.sleep(1)
     for name, run_dir, proc, start in running:
-        if proc.wait() != 0:
+        if proc.returncode != 0:
             raise RuntimeError(f"{name}: forgerl train exited {proc.returncode}")
-        rows.append(job_numbers(name, run_dir, steps, time.perf_counter() - start))
+        rows.append(job_numbers(name, run_dir, steps, ended[name] - start))
     return rows
 
 
