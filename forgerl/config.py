@@ -37,6 +37,19 @@ class _Section(BaseModel):
                               use_attribute_docstrings=True)
 
 
+class LoraConfig(_Section):
+    """[model] lora: train one LoRA adapter on the frozen policy instead of all its weights
+    (forgerl/trainer/lora.py, docs/lora-training.md)."""
+
+    rank: int = Field(16, ge=1, le=4096)
+    """The adapter's rank r: A is (r, in_features), B is (out_features, r)."""
+    alpha: float = Field(32.0, gt=0)
+    """The update is scaled by alpha / rank (peft's lora_alpha)."""
+    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """The Linear layers that get the adapter: those whose module name's last part is one of
+    these (e.g. model.layers.3.self_attn.q_proj); each must name a Linear of the model."""
+
+
 class ModelConfig(_Section):
     """[model]: which policy to load and its context length."""
 
@@ -46,6 +59,9 @@ class ModelConfig(_Section):
     Mixtral (8 experts, top-2) with that tokenizer; else a local HF model folder."""
     max_model_len: int = Field(2048, ge=64, le=1_048_576)
     """Context length in tokens (prompt + completion) that the engine and gateway enforce."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (e.g. `{rank = 16, alpha = 32}`) on the frozen weights; absent = full
+    fine-tuning. Local engine, one trainer worker, no drafter or packed weights."""
 
 
 class LocalEngineConfig(_Section):
@@ -766,6 +782,16 @@ class Config(_Section):
                              f"({self.engine.prefix_cache_tokens}) >= model.max_model_len "
                              f"({self.model.max_model_len}): the decode process caches the "
                              "prompt's KV")
+        if self.model.lora is not None and (unsupported := [name for name, on in (
+                (f"engine.type = {self.engine.type!r}", self.engine.type != "local"),
+                ("cluster.backend = 'ray'", self.cluster.backend == "ray"),
+                (f"trainer.workers = {self.trainer.workers}", self.trainer.workers > 1),
+                ("engine.speculative_tokens > 0", getattr(self.engine, "speculative_tokens", 0)),
+                ("engine.disaggregated", getattr(self.engine, "disaggregated", False)),
+                ("engine.packed_weights", getattr(self.engine, "packed_weights", False)),
+                ("[[policies]]", len(self.policies) > 1)) if on]):
+            raise ValueError(f"model.lora is not supported with {', '.join(unsupported)}: "
+                             "LoRA training runs local engines and one trainer in this process")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"domains: names must be unique, got {names}")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 1_295,  # +25 (issue 47): runner.infra_cause, the per-episode kill of escapees;
     # +550 (issue 48): the sandbox (namespaces, cgroups, gateway relay, its PID 1 sandbox_init.py)
-    "controller": 1_536,  # +80 (issue 48): environment episodes, their start/stop, env_seconds,
+    "controller": 1_551,  # +80 (issue 48): environment episodes, their start/stop, env_seconds,
     # generation_seconds, the episode timeout; +25: command agents in sandboxes ([sandbox] agents,
     # Harbor), verifier statuses, sandboxes_peak; +5: unknown [tasks] params keys are an error,
     # [agent] without a command for tool-agent sources;
@@ -42,11 +42,11 @@ BUDGETS: dict[str, int] = {
     "tasks": 1_600,  # new (issue 48): the environment seam, the tool agent, one adapter per
     # standard (Harbor, ORS, OpenEnv, verifiers, NeMo-Gym, Gymnasium)
     "scheduler": 440,
-    "trainer": 2_241,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
+    "trainer": 2_366,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "tinker": 750,
-    "core": 2_655,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
+    "core": 2_675,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),

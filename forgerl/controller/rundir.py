@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from forgerl.config import Config, ConfigError
-from forgerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from forgerl.trainer.checkpoint import ADAPTER_FILE, latest_checkpoint, load_checkpoint
 
 log = logging.getLogger("forgerl")
 
@@ -60,8 +60,17 @@ def resume(run_dir: Path, trainer: Any, model_path: str) -> dict | None:
     `model.path` when the checkpoint is of another model."""
     if (ckpt := latest_checkpoint(run_dir)) is None:
         return None
+    if (ckpt / ADAPTER_FILE).is_file() != (trainer.lora is not None):
+        saved = "a LoRA adapter" if trainer.lora is None else "all weights (no LoRA)"
+        raise ConfigError(f"model.lora: the checkpoint {ckpt} holds {saved}; resume with the "
+                          "run's [model] lora or pass another --run_dir")
     try:
-        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        trainer.step, extra = load_checkpoint(ckpt, trainer.model, trainer.optimizer,
+                                              trainer.lora)
+    except ValueError as e:  # a LoRA adapter of another rank, alpha or targets
+        if trainer.lora is None:
+            raise
+        raise ConfigError(f"model.lora: {e}; resume with the run's [model] lora") from e
     except RuntimeError as e:  # torch's multi-line "Error(s) in loading state_dict ..."
         if "state_dict" not in str(e):
             raise

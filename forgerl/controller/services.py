@@ -193,7 +193,7 @@ class Services(Rollouts):
         await asyncio.to_thread(lambda: save_checkpoint(
             self.run_dir, self.trainer.model, self.trainer.optimizer, self.trainer.step, extra,
             self.config.trainer.keep_checkpoints, self.trainer.checkpoint_state(),
-            getattr(self.trainer, "drafter_state", lambda: None)()))
+            getattr(self.trainer, "drafter_state", lambda: None)(), self.trainer.lora))
         for policy in self.policies.values():
             await policy.checkpoint(self.config.trainer.keep_checkpoints, self.trainer.step)
 

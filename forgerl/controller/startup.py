@@ -109,6 +109,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     from forgerl.gateway.renderers.templates import build_renderer  # lazy: transformers
     from forgerl.models import load_policy  # lazy: torch, transformers
     from forgerl.trainer.data_parallel import build_trainer  # lazy: torch
+    from forgerl.trainer.lora import PolicyAdapter, check_targets  # lazy: torch
 
     tasks, eval_tasks = await task_sets  # before anything is opened: it may raise
     # before any parallel op here: only the engine's and the trainer's threads run OpenMP teams
@@ -117,6 +118,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     model, tokenizer, system = load_policy(config.model.path)
     warn_positions(config.model.max_model_len, model.config)
     models = load_models(config, tokenizer)  # [[policies]] after the first: may refuse too
+    if config.model.lora is not None:  # its targets are refused before anything is written
+        check_targets(model, config.model.lora)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
                               eos_ids=eos_ids(model)).bind(gc.chat_template_kwargs)
@@ -131,6 +134,9 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         for section in (config.agent, *(d.agent for d in config.domains)):
             check_agent_command(section)
     trainer = build_trainer(config, model)
+    if config.model.lora is not None:  # on the trainer's device, before the resume loads it
+        trainer.attach_lora(PolicyAdapter.wrap(trainer.model, config.model.lora, config.seed,
+                                               config.model.path))
     pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
     scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
@@ -299,8 +305,9 @@ async def _start_engines(config: Config, trainer: Any, run_dir: Path,
         from forgerl.gateway.router import Router  # lazy: torch, as the engines
         engine = Router(engines, ec.router, ec.prefix_cache_tokens, ec.max_batch_size,
                         kv_pool=getattr(engines[0], "kv_pool", None))
-    if cluster is not None or ec.type != "local":
-        # actors, servers and vLLM start from the config's weights: send the trainer's
+    if cluster is not None or ec.type != "local" or trainer.lora is not None:
+        # actors, servers and vLLM start from the config's weights, local engines from the
+        # base's (a LoRA run's adapter is merged in): send the trainer's
         await engine.update_weights(trainer.state_dict_for_sync(), trainer.step)
     engine.weight_version = trainer.step
     return engine, cluster

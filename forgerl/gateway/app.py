@@ -199,7 +199,7 @@ def add_model_routes(app: FastAPI, gateway: core.Gateway) -> None:
              for name in [gateway.model_name, *gateway.policies,
                           *sorted(gateway.untrained_models)]}
 
-    @app.api_route("/", methods=["GET", "HEAD"], operation_id="root")
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> dict[str, str]:
         """Reachability check on the base URL (Claude Code sends `HEAD /` before its calls)."""
         return {"status": "ok", "model": gateway.model_name}

@@ -3,7 +3,9 @@
 Layout: `RUN_DIR/checkpoints/step_00000012/` holds the model (`save_pretrained`, safetensors),
 `optimizer.pt` (torch optimizer state_dict) and `trainer_state.json` ({"step", "extra"}; extra
 carries e.g. the scheduler cursor so buffered rollouts are not lost on resume, CASES.md C12)
-and, with a speculative-decoding drafter, `drafter.pt` (its weights and AdamW state).
+and, with a speculative-decoding drafter, `drafter.pt` (its weights and AdamW state). A LoRA
+run ([model] lora) saves its adapter in peft's format (adapter_config.json,
+adapter_model.safetensors) instead of the model, and `optimizer.pt` is the adapter's AdamW.
 A checkpoint is written into a temporary folder and renamed into place, so a crash mid-save
 never leaves a partial checkpoint; only then are older checkpoints removed (the last complete
 one always survives).
@@ -20,9 +22,12 @@ if TYPE_CHECKING:  # torch is imported where used: `checkpoint_step` alone stays
     import torch
     from transformers import PreTrainedModel
 
+    from forgerl.trainer.lora import PolicyAdapter
+
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 DRAFTER_FILE = "drafter.pt"
+ADAPTER_FILE = "adapter_config.json"
 _PREFIX = "step_"
 
 
@@ -35,6 +40,7 @@ def save_checkpoint(
     keep: int = 1,
     states: tuple[dict, dict] | None = None,
     drafter: dict | None = None,
+    adapter: PolicyAdapter | None = None,
 ) -> Path:
     """Write checkpoint `step` under `run_dir/checkpoints/` and return its folder.
 
@@ -44,6 +50,7 @@ def save_checkpoint(
     `states`: (model, optimizer) state dicts to write instead of `model`'s and `optimizer`'s
     own (`Trainer.checkpoint_state`: gathered in full from a sharded trainer). `drafter`: the
     draft head's state (`Trainer.drafter_state`), saved as DRAFTER_FILE (`load_drafter`).
+    `adapter`: a LoRA run's adapter (`Trainer.lora`), saved instead of the model's weights.
     Size: the model's weights plus about twice that for AdamW's moments (SmolLM2-135M fp32:
     0.54 GB + 1.08 GB).
     """
@@ -58,7 +65,10 @@ def save_checkpoint(
     tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     model_state, optimizer_state = states or (None, optimizer.state_dict())
-    model.save_pretrained(tmp, state_dict=model_state)
+    if adapter is not None:
+        adapter.save(tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=model_state)
     torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
     if drafter is not None:
         torch.save(drafter, tmp / DRAFTER_FILE)
@@ -87,20 +97,34 @@ def checkpoint_step(run_dir: str | Path) -> int:
 
 
 def load_checkpoint(
-    ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    adapter: PolicyAdapter | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Load weights and optimizer state in place from `ckpt_dir`; return (step, extra).
 
     Weights come from every `*.safetensors` file in the folder (sharded or not); keys missing
     from the files must be tied weights (e.g. an lm_head tied to the embeddings), else
-    ValueError. Raises FileNotFoundError when the folder is not a checkpoint.
+    ValueError. With `adapter` (a LoRA run) the folder's peft adapter is loaded into it
+    instead (`PolicyAdapter.load`; ValueError for another rank, alpha or targets). Raises
+    FileNotFoundError when the folder is not a checkpoint.
     """
-    # lazy: torch only here, so `checkpoint_step` alone stays light
-    import safetensors.torch
-    import torch
+    import torch  # lazy: torch only here, so `checkpoint_step` alone stays light
 
     ckpt_dir = Path(ckpt_dir)
     state = json.loads((ckpt_dir / STATE_FILE).read_text())
+    if adapter is not None:
+        adapter.load(ckpt_dir)
+    else:
+        _load_weights(ckpt_dir, model)
+    opt_state = torch.load(ckpt_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt_state)
+    return int(state["step"]), dict(state["extra"])
+
+
+def _load_weights(ckpt_dir: Path, model: torch.nn.Module) -> None:
+    """The model's weights from checkpoint `ckpt_dir`, in place (see `load_checkpoint`)."""
+    import safetensors.torch  # lazy: as in load_checkpoint
+
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt_dir.glob("*.safetensors")):
         weights.update(safetensors.torch.load_file(f))
@@ -118,9 +142,6 @@ def load_checkpoint(
             f"checkpoint {ckpt_dir} does not match the model: missing {sorted(untied_missing)}, "
             f"unexpected {sorted(result.unexpected_keys)}"
         )
-    opt_state = torch.load(ckpt_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(opt_state)
-    return int(state["step"]), dict(state["extra"])
 
 
 def load_drafter(ckpt_dir: str | Path) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from forgerl.drafter import PREFIX, Drafter, drafter_loss
 from forgerl.models import engine_dtype, router_modules
 from forgerl.trainer.advantages import composite_rewards, group_members, reward_advantages
 from forgerl.trainer.attention import attn_implementation
+from forgerl.trainer.lora import PolicyAdapter
 from forgerl.trainer.losses import LossFn, cispo_loss, nll_loss
 from forgerl.trainer.prefix_tree import TreeBatch, TreeRow, build_tree_batch
 from forgerl.trainer.routing_replay import replay_routes, routes_tensor
@@ -161,6 +162,7 @@ class Trainer:
                 self.logprob_chunk_tokens = 0
         set_activation_checkpointing(self.model, activation_checkpointing,
                                      checkpoint_every_layers)
+        self._checkpointing = (activation_checkpointing, checkpoint_every_layers)
         # the fused AdamW kernel makes no transient tensors; the per-tensor one allocates a
         # parameter-sized temporary per op, which glibc returns to the OS and faults back in
         # every step
@@ -183,6 +185,20 @@ class Trainer:
         self.step = 0
         self.drafter: Drafter | None = None
         self._hidden: Tensor | None = None
+        self.lora: PolicyAdapter | None = None
+
+    def attach_lora(self, adapter: PolicyAdapter) -> None:
+        """Train `adapter` (`forgerl.trainer.lora`: a LoRA adapter on this trainer's model,
+        whose base is frozen) instead of the model: AdamW, with the same settings, over the
+        adapter's A and B only; every policy forward under `adapter.active()` (activation
+        checkpointing's recompute too, which may run on another thread); `state_dict_for_sync`
+        gives the merged weights of the adapted Linears and checkpoints hold the adapter."""
+        self.lora = adapter
+        defaults = {k: v for k, v in self.optimizer.defaults.items()
+                    if k in ("lr", "betas", "eps", "weight_decay", "fused")}
+        self.optimizer = torch.optim.AdamW(adapter.parameters(), **defaults)
+        set_activation_checkpointing(self.model, *self._checkpointing,
+                                     context=adapter.active)
 
     def attach_drafter(self, drafter: Drafter, lr: float = 1e-3, top_k: int = 16) -> None:
         """Train `drafter` (an MTP head, `forgerl.drafter`) in every later step: per tree row,
@@ -398,6 +414,10 @@ class Trainer:
             entropy_sums=torch.zeros(len(samples), dtype=torch.float64),
         )
 
+    def _adapter(self) -> contextlib.AbstractContextManager:
+        """The LoRA adapter active on this thread (`attach_lora`), or nothing."""
+        return self.lora.active() if self.lora else contextlib.nullcontext()
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         """torch.autocast in `autocast_dtype` on the trainer's device, or nothing."""
         if self.autocast_dtype is None:
@@ -426,7 +446,7 @@ class Trainer:
             # the backward too: activation checkpointing recomputes layers, with this attention
             # and these routes
             with attn_implementation(self.model, self.attn_implementation), replay_routes(
-                    self.model, row.routes) as n_replayed:
+                    self.model, row.routes) as n_replayed, self._adapter():
                 replayed += n_replayed
                 with self._autocast():
                     policy_logprobs, entropy = forward_logprobs_entropy(
@@ -493,8 +513,9 @@ class Trainer:
                       if d and n}
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        """(model state dict, optimizer state dict) to save in a checkpoint."""
-        return self.model.state_dict(), self.optimizer.state_dict()
+        """(model state dict, optimizer state dict) to save in a checkpoint; with a LoRA
+        adapter the model's part is empty (the adapter is saved in peft's format)."""
+        return ({} if self.lora else self.model.state_dict()), self.optimizer.state_dict()
 
     def drafter_state(self) -> dict | None:
         """{"weights", "optimizer"} state dicts of the drafter to checkpoint; None without one."""
@@ -511,8 +532,11 @@ class Trainer:
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """The model's weights for weight sync: {name: detached tensor} (shares storage, on the
-        trainer's device; `LocalEngine.update_weights` copies across devices)."""
-        weights = {k: v.detach() for k, v in self.model.state_dict().items()}
+        trainer's device; `LocalEngine.update_weights` copies across devices). With a LoRA
+        adapter (`attach_lora`): only the adapted Linears' merged weights (`PolicyAdapter.merged`),
+        new tensors."""
+        weights = (self.lora.merged() if self.lora
+                   else {k: v.detach() for k, v in self.model.state_dict().items()})
         if self.drafter is not None:  # the engine's drafter follows the trainer's
             weights |= {PREFIX + k: v.detach() for k, v in self.drafter.state_dict().items()}
         return weights
@@ -543,21 +567,25 @@ def _drop_nonfinite_tokens(samples: list[TrainingSample]) -> tuple[list[Training
     return out, dropped
 
 
-def set_activation_checkpointing(model: torch.nn.Module, mode: str, every: int) -> None:
+def set_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
+                                 context: Callable[[], contextlib.AbstractContextManager] | None
+                                 = None) -> None:
     """Activation checkpointing of `model`'s decoder layers: "off", "full" (every layer) or
     "selective" (layers 0, every, 2·every, ...). Non-reentrant `torch.utils.checkpoint`, so
     the tree mask and position ids reach the recompute unchanged; active only in train mode
-    with gradients (the engine's eval copy never recomputes). ValueError: an unknown mode, or
-    a model that does not support it."""
+    with gradients (the engine's eval copy never recomputes). `context()`: entered around each
+    recompute (a LoRA adapter's `active`: the backward may run on another thread). ValueError:
+    an unknown mode, or a model that does not support it."""
     if mode not in ("off", "full", "selective"):
         raise ValueError(f"activation_checkpointing must be off, full or selective, got {mode!r}")
     if mode == "off":
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    model.activation_checkpointing_enable(
-        {"use_reentrant": False}, every_n_layers=1 if mode == "full" else every
-    )
+    kwargs: dict = {"use_reentrant": False}
+    if context is not None:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), context())
+    model.activation_checkpointing_enable(kwargs, every_n_layers=1 if mode == "full" else every)
     model.disable_input_require_grads()  # only reentrant checkpointing needs grad-carrying inputs
 
 
