@@ -328,7 +328,7 @@ def test_controller_syncs_with_the_configured_kind(tiny_model):
         engine = LocalEngine(tiny_model, max_model_len=64, prefix_cache_tokens=0)
         model = tiny_model.train()
         trainer = SimpleNamespace(step=0, state_dict_for_sync=lambda: model.state_dict())
-        services = SimpleNamespace(engine=engine, trainer=trainer, weight_sync=None,
+        services = SimpleNamespace(engine=engine, trainer=trainer, weight_sync=None, policies={},
                                    config=Config(trainer={"weight_sync": "delta"}))
         steps = _optimizer_steps(model, 1e-3)
         try:
