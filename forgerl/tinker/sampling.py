@@ -10,6 +10,7 @@ conventions; the logprob is that of the distribution sampled from).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -65,6 +66,10 @@ def _params(service: TinkerService, prompt: list[int], num_samples: int, params:
     sp = SamplingParams(temperature=float(params.get("temperature", 1.0)),
                         top_p=float(params.get("top_p", 1.0)),
                         top_k=max(int(params.get("top_k", -1)), 0), max_tokens=max_tokens)
+    try:
+        sp.check()  # the same bounds for the worker and the engine, a user error
+    except ValueError as exc:
+        raise TinkerError(f"sampling_params: {exc}") from None
     service.check_ids(prompt)
     return sp, stop_ids, stop_strs
 
@@ -130,22 +135,24 @@ class EngineSampler:
 
     def __init__(self, service: TinkerService, engine: Any) -> None:
         self.service, self.engine = service, engine
-        self._loads: OrderedDict[str, asyncio.Task[str]] = OrderedDict()
+        self._loads: OrderedDict[str, asyncio.Task[str]] = OrderedDict()  # snapshot → adapter
+        self._ids = itertools.count()
 
     async def _adapter(self, path: str | None) -> str | None:
         if path is None:
             return None
-        if path not in self._loads:
+        key = self.service.snapshot(path)  # a re-saved path is a new adapter (C23)
+        if key not in self._loads:
             folder = self.service.folder(path)
             if len(self._loads) >= SAMPLER_SLOTS:
                 _, task = self._loads.popitem(last=False)
                 await self.engine.remove_adapter(await task)
             alpha = json.loads((folder / "adapter_config.json").read_text())["lora_alpha"]
             tensors = load_file(str(folder / "adapter_model.safetensors"))
-            name = f"sampler{len(self._loads)}-{path}"
-            self._loads[path] = asyncio.ensure_future(self._load(name, tensors, alpha))
-        self._loads.move_to_end(path)
-        return await self._loads[path]
+            name = f"sampler{next(self._ids)}-{path}"
+            self._loads[key] = asyncio.ensure_future(self._load(name, tensors, alpha))
+        self._loads.move_to_end(key)
+        return await self._loads[key]
 
     async def _load(self, name: str, tensors: dict, alpha: float) -> str:
         await self.engine.load_adapter(name, tensors, 1, alpha)

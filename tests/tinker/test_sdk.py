@@ -145,3 +145,40 @@ def test_bad_requests_get_clear_errors(server):
         assert r.status_code in (400, 404) and r.json()["error"], (path, r.text)
     r = httpx.post(server.url + "/api/v1/forward_backward", content=b"\xff\x00garbage")
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["error"]
+
+
+def test_resaved_sampler_path_serves_the_new_weights_and_bad_input_is_a_user_error(server):
+    """A snapshot saved again under the same name is sampled with its new weights (no stale
+    cached adapter); a failed load keeps the run's weights; a bad optim_step body or sampling
+    bound is a 400/user error, not a 500 the SDK retries."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    prompt = types.ModelInput.from_ints(TOKENS[:5])
+    params = types.SamplingParams(max_tokens=6, seed=3, stop=[])
+
+    def logprobs(path: str) -> np.ndarray:
+        sampler = client.create_sampling_client(model_path=path).result()
+        seq = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        return np.array(seq.logprobs)
+    first = logprobs(trainer.save_weights_for_sampler("same").result().path)
+    for _ in range(3):
+        trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    resaved = logprobs(trainer.save_weights_for_sampler("same").result().path)
+    fresh = logprobs(trainer.save_weights_for_sampler("fresh").result().path)
+    assert np.allclose(resaved, fresh, atol=1e-6) and not np.allclose(resaved, first, atol=1e-3)
+
+    before = {k: v.clone() for k, v in server.service.lora.state_dict(trainer.model_id).items()}
+    sampler_path = f"tinker://{trainer.model_id}/sampler_weights/same"
+    with pytest.raises(Exception, match="has no optimizer state"):
+        trainer.load_state_with_optimizer(sampler_path).result()
+    after = server.service.lora.state_dict(trainer.model_id)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    r = httpx.post(server.url + "/api/v1/optim_step",
+                   json={"model_id": trainer.model_id, "adam_params": {"learning_rate": None}})
+    assert r.status_code == 400 and "learning_rate" in r.json()["error"], r.text
+    with pytest.raises(Exception, match="sampling_params: temperature"):
+        client.create_sampling_client(base_model=TINY).result().sample(
+            prompt, num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
