@@ -3,6 +3,8 @@ losses, checkpoints, sampling, two runs at once, and errors."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from forgerl.models import build_tiny_model
+from forgerl.tinker.service import SAMPLER_SLOTS
 from tests.tinker.conftest import TINY
 
 TOKENS = [5, 40, 72, 101, 108, 108, 111, 33, 9, 200, 31, 17]
@@ -182,3 +185,29 @@ def test_resaved_sampler_path_serves_the_new_weights_and_bad_input_is_a_user_err
         client.create_sampling_client(base_model=TINY).result().sample(
             prompt, num_samples=1,
             sampling_params=types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
+
+
+def test_more_concurrent_samplers_than_slots_all_answer(server):
+    """SAMPLER_SLOTS + 3 snapshots sampled at once: none fails because another request's load
+    removed its adapter (the engine path said "LoRA adapter ... was removed"); each answers as it
+    does alone."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    paths = []
+    for i in range(SAMPLER_SLOTS + 3):
+        trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        paths.append(trainer.save_weights_for_sampler(f"s{i}").result().path)
+    prompt, params = types.ModelInput.from_ints(TOKENS[:5]), types.SamplingParams(
+        max_tokens=24, seed=3, stop=[])
+
+    async def sample_all() -> list:
+        samplers = [await client.create_sampling_client_async(model_path=p) for p in paths]
+        return await asyncio.gather(*(s.sample_async(prompt, num_samples=2, sampling_params=params)
+                                      for s in samplers))
+    together = asyncio.run(sample_all())
+    for path, out in zip(paths, together, strict=True):
+        alone = client.create_sampling_client(model_path=path).result().sample(
+            prompt, num_samples=2, sampling_params=params).result()
+        assert [s.tokens for s in out.sequences] == [s.tokens for s in alone.sequences]
+        assert np.allclose(out.sequences[0].logprobs, alone.sequences[0].logprobs, atol=1e-5)
