@@ -35,14 +35,11 @@ def check_targets(model: nn.Module, targets: Sequence[str], field: str = "model.
     weight the chunked logprobs read directly and which may be tied to the input embeddings)."""
     linears = {name.split(".")[-1]: m for name, m in model.named_modules()
                if isinstance(m, nn.Linear)}
-    if not targets:
-        raise ConfigError(f"{field}: give at least one Linear layer name")
-    out = model.get_output_embeddings()
-    for target in targets:
+    for target in targets or [""]:  # none: as a target naming nothing
         if target not in linears:
             raise ConfigError(f"{field}: {target!r} names no Linear layer of this "
                               f"model (its Linear layers: {', '.join(sorted(linears))})")
-        if linears[target] is out and not head:
+        if linears[target] is model.get_output_embeddings() and not head:
             raise ConfigError(f"{field}: {target!r} is the output head, which LoRA "
                               "training does not adapt")
 
