@@ -133,6 +133,10 @@ class TinkerService:
         self.run(model_id)
         if not data:
             raise TinkerError("forward_backward needs at least one datum")
+        for datum in data:  # a bad datum fails the call before any gradient is added
+            shape = torch.zeros(len(self._targets(datum)))
+            self.check_ids([*datum.tokens, *self._targets(datum)])
+            tinker_loss(loss_fn, shape, datum.inputs, config)
         outputs, total = [], 0.0
         for datum in data:
             targets = self._targets(datum)

@@ -211,3 +211,20 @@ def test_more_concurrent_samplers_than_slots_all_answer(server):
             prompt, num_samples=2, sampling_params=params).result()
         assert [s.tokens for s in out.sequences] == [s.tokens for s in alone.sequences]
         assert np.allclose(out.sequences[0].logprobs, alone.sequences[0].logprobs, atol=1e-5)
+
+
+def test_a_bad_datum_adds_no_gradient_of_the_good_ones(server):
+    """forward_backward([good, bad]) fails as a whole: the good datum's gradient was added
+    before the bad one was seen, and the next optim_step stepped on it (grad_norm > 0)."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    assert trainer.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics[
+        "optim/grad_norm"] > 0  # a good datum does add a gradient
+    bad = datum(TOKENS, weights=np.ones(3, np.float32))  # 3 weights for 11 targets
+    with pytest.raises(Exception, match="has 3 values for 11 target tokens"):
+        trainer.forward_backward([datum(TOKENS), bad], "cross_entropy").result()
+    with pytest.raises(Exception, match="out of the vocabulary"):
+        trainer.forward_backward([datum(TOKENS), datum([1, 2, 9999, 3])], "cross_entropy").result()
+    assert trainer.optim_step(types.AdamParams(learning_rate=0.05)).result().metrics[
+        "optim/grad_norm"] == 0.0
