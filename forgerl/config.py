@@ -423,9 +423,10 @@ class PolicyConfig(_Section):
     weight versions and local engine; [model]'s other fields, [engine] and [trainer] apply to
     each. The first is the run's main policy: it sets [model] path and [gateway] model_name."""
 
-    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
     """The model name its agent asks for (OpenAI / Anthropic `model`); a call is recorded under
-    it (`completions.policy`) and its metrics are `policy_<name>_...`."""
+    it (`completions.policy`), its metrics are `policy_<name>_...` and its checkpoints are in
+    run_dir/policies/<name> (so it does not start with a dot: ".." would be run_dir's own)."""
     path: str = "smollm2"
     """Its model, as [model] path. Every policy must share the first one's tokenizer."""
 

@@ -45,7 +45,7 @@ BUDGETS: dict[str, int] = {
     "trainer": 2_366,  # +40 (issue 46): a sample chain per trace, [reward] traces, rtg per trace;
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
-    "tinker": 750,
+    "tinker": 775,  # +25 (issue 50 breaker): sampler cache keyed by save, in-use samplers kept
     "core": 2_675,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;

@@ -119,7 +119,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     warn_positions(config.model.max_model_len, model.config)
     models = load_models(config, tokenizer)  # [[policies]] after the first: may refuse too
     if config.model.lora is not None:  # its targets are refused before anything is written
-        check_targets(model, config.model.lora)
+        check_targets(model, config.model.lora.targets)
     gc = config.gateway  # the renderer may refuse the tokenizer: before anything is written
     renderer = build_renderer(tokenizer, gc.renderer, gc.tool_parser, default_system=system,
                               eos_ids=eos_ids(model)).bind(gc.chat_template_kwargs)

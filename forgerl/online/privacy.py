@@ -71,10 +71,12 @@ class PrivatePool:
         return self.pool.create_trajectory(task_index, 0)
 
     def changed(self, completion: Completion) -> bool:
-        """Whether the scrubber changes the call's prompt, completion or request notes."""
+        """Whether the scrubber changes the call's prompt + completion (one text: personal data
+        the prompt begins and the completion ends, "jane@exam" + "ple.com", is caught too) or
+        its request notes."""
         if self.scrub is None:
             return False
-        texts = (self.decode(completion.prompt_ids), self.decode(completion.completion_ids),
+        texts = (self.decode([*completion.prompt_ids, *completion.completion_ids]),
                  json.dumps(completion.request, ensure_ascii=False))
         return any(self.scrub(t) != t for t in texts)
 

@@ -19,6 +19,7 @@ from forgerl.models import load_policy
 from forgerl.tinker.app import build_app
 from forgerl.tinker.sampling import EngineSampler
 from forgerl.tinker.service import TinkerService
+from forgerl.trainer.lora import check_targets
 
 
 def build_service(config: Config) -> tuple[TinkerService, object, LocalEngine]:
@@ -29,6 +30,7 @@ def build_service(config: Config) -> tuple[TinkerService, object, LocalEngine]:
     if ec.type != "local":
         raise ConfigError("engine.type: forgerl serve samples with the local engine (\"local\")")
     model, tokenizer, _ = load_policy(config.model.path)
+    check_targets(model, config.serve.lora_targets, "serve.lora_targets", head=True)
     engine = LocalEngine(model, config.model.max_model_len, ec.max_batch_size,
                          prefix_cache_tokens=ec.prefix_cache_tokens)  # before MultiLoRA hooks
     eos = tokenizer.eos_token_id

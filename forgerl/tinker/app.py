@@ -238,9 +238,10 @@ def build_app(service: TinkerService, tokenizer: Any = None,
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        body = await request.json()
-        adam = tt.AdamParams.model_validate(body.get("adam_params") or {})
-        model_id = tt.OptimStepRequest.model_validate(body).model_id
+        req = await _parse(request, tt.OptimStepRequest)  # a bad body: a 400, not a retried 500
+        adam, model_id = req.optim_params, req.model_id
+        if not isinstance(adam, tt.AdamParams):
+            raise TinkerError(f"only AdamParams are served, got {type(adam).__name__}")
         return jobs.submit(lambda: _json({"metrics": service.optim_step(
             model_id, adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay,
             adam.grad_clip_norm)}), model_id=model_id)

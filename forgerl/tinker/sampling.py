@@ -10,8 +10,9 @@ conventions; the logprob is that of the distribution sampled from).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -65,6 +66,10 @@ def _params(service: TinkerService, prompt: list[int], num_samples: int, params:
     sp = SamplingParams(temperature=float(params.get("temperature", 1.0)),
                         top_p=float(params.get("top_p", 1.0)),
                         top_k=max(int(params.get("top_k", -1)), 0), max_tokens=max_tokens)
+    try:
+        sp.check()  # the same bounds for the worker and the engine, a user error
+    except ValueError as exc:
+        raise TinkerError(f"sampling_params: {exc}") from None
     service.check_ids(prompt)
     return sp, stop_ids, stop_strs
 
@@ -123,29 +128,30 @@ def sample(service: TinkerService, path: str | None, prompt: list[int], num_samp
 
 class EngineSampler:
     """Sampling through a `LocalEngine` (forgerl/engines/local): each sampler snapshot is loaded
-    as an engine adapter (version 1; at most SAMPLER_SLOTS at once, the oldest removed), and
+    as an engine adapter (version 1; past SAMPLER_SLOTS the oldest idle one is removed, never one
+    a request samples from), and
     the `num_samples` rows of every request join the engine's continuous batch, beside the rows
     of other samplers and adapters (per-row LoRA, grouped matmuls). No prompt logprobs (those
     requests go to `sample`)."""
 
     def __init__(self, service: TinkerService, engine: Any) -> None:
         self.service, self.engine = service, engine
-        self._loads: OrderedDict[str, asyncio.Task[str]] = OrderedDict()
+        self._loads: OrderedDict[str, asyncio.Task[str]] = OrderedDict()  # snapshot → adapter
+        self._ids = itertools.count()
+        self._users: Counter[str | None] = Counter()  # snapshot → requests sampling from it
 
-    async def _adapter(self, path: str | None) -> str | None:
-        if path is None:
-            return None
-        if path not in self._loads:
+    async def _adapter(self, path: str, key: str) -> str:
+        if key not in self._loads:
             folder = self.service.folder(path)
-            if len(self._loads) >= SAMPLER_SLOTS:
-                _, task = self._loads.popitem(last=False)
-                await self.engine.remove_adapter(await task)
+            idle = [k for k in self._loads if not self._users[k]]  # one in use stays loaded
+            if len(self._loads) >= SAMPLER_SLOTS and idle:
+                await self.engine.remove_adapter(await self._loads.pop(idle[0]))
             alpha = json.loads((folder / "adapter_config.json").read_text())["lora_alpha"]
             tensors = load_file(str(folder / "adapter_model.safetensors"))
-            name = f"sampler{len(self._loads)}-{path}"
-            self._loads[path] = asyncio.ensure_future(self._load(name, tensors, alpha))
-        self._loads.move_to_end(path)
-        return await self._loads[path]
+            name = f"sampler{next(self._ids)}-{path}"
+            self._loads[key] = asyncio.ensure_future(self._load(name, tensors, alpha))
+        self._loads.move_to_end(key)
+        return await self._loads[key]
 
     async def _load(self, name: str, tensors: dict, alpha: float) -> str:
         await self.engine.load_adapter(name, tensors, 1, alpha)
@@ -155,12 +161,17 @@ class EngineSampler:
                      decode: Callable[[list[int]], str] | None = None) -> list[Sequence_]:
         """As `sample` (no prompt logprobs); stop strings cut the completion after sampling."""
         sp, stop_ids, stop_strs = _params(self.service, prompt, num_samples, params, decode)
-        adapter = await self._adapter(path)
-        seed = params.get("seed")
-        outs = await asyncio.gather(*(self.engine.generate(prompt, replace(
-            sp, stop_token_ids=tuple(sorted(stop_ids)),
-            seed=None if seed is None else seed + i), adapter=adapter)
-            for i in range(num_samples)))
+        key = None if path is None else self.service.snapshot(path)  # re-saved: new (C23)
+        self._users[key] += 1  # before any await: no other request evicts it meanwhile
+        try:
+            adapter = None if path is None or key is None else await self._adapter(path, key)
+            seed = params.get("seed")
+            outs = await asyncio.gather(*(self.engine.generate(prompt, replace(
+                sp, stop_token_ids=tuple(sorted(stop_ids)),
+                seed=None if seed is None else seed + i), adapter=adapter)
+                for i in range(num_samples)))
+        finally:
+            self._users[key] -= 1
         return [_cut(Sequence_(o.completion_ids, o.logprobs,
                                "stop" if o.finish_reason == "stop" else "length"),
                      stop_strs, decode) for o in outs]

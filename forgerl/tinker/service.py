@@ -103,7 +103,8 @@ class TinkerService:
         self.eos_ids, self.max_model_len = tuple(eos_ids), max_model_len
         self.alpha, self.targets = lora_alpha, list(targets)
         self.runs: dict[str, _Run] = {}
-        self._loaded: OrderedDict[str, str] = OrderedDict()  # sampler path → adapter name
+        self._loaded: OrderedDict[str, str] = OrderedDict()  # snapshot key → adapter name
+        self._saves: dict[str, int] = {}  # path → times saved here (a re-save is a new snapshot)
         self._ids = itertools.count()
 
     # ---- training runs -----------------------------------------------------------------------
@@ -132,6 +133,10 @@ class TinkerService:
         self.run(model_id)
         if not data:
             raise TinkerError("forward_backward needs at least one datum")
+        for datum in data:  # a bad datum fails the call before any gradient is added
+            shape = torch.zeros(len(self._targets(datum)))
+            self.check_ids([*datum.tokens, *self._targets(datum)])
+            tinker_loss(loss_fn, shape, datum.inputs, config)
         outputs, total = [], 0.0
         for datum in data:
             targets = self._targets(datum)
@@ -202,7 +207,14 @@ class TinkerService:
         }, indent=1))
         if kind == "weights":
             torch.save(run.optimizer.state_dict(), folder / "optimizer.pt")
-        return f"tinker://{model_id}/{kind}/{name}"
+        path = f"tinker://{model_id}/{kind}/{name}"
+        self._saves[path] = self._saves.get(path, 0) + 1
+        return path
+
+    def snapshot(self, path: str) -> str:
+        """A key of the weights now at `path`: it changes when `path` is saved again, so a
+        sampler cache keyed by it never serves an overwritten snapshot's old weights."""
+        return f"{path}#{self._saves.get(path, 0)}"
 
     def folder(self, path: str) -> Path:
         """The checkpoint folder of a tinker:// path; TinkerError when it is not one of ours."""
@@ -219,13 +231,13 @@ class TinkerService:
         rank), with its optimizer state when `optimizer`; returns the model id."""
         folder = self.folder(path)
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
+        if optimizer and not (folder / "optimizer.pt").is_file():  # before touching the run
+            raise TinkerError(f"{path!r} has no optimizer state (a sampler checkpoint)")
         model_id = model_id or self.create(rank, model_id=new_id)
         if self.run(model_id).rank != rank:
             raise TinkerError(f"checkpoint rank {rank} != run rank {self.run(model_id).rank}")
         self.lora.load_state_dict(model_id, load_file(str(folder / "adapter_model.safetensors")))
         if optimizer:
-            if not (folder / "optimizer.pt").is_file():
-                raise TinkerError(f"{path!r} has no optimizer state (a sampler checkpoint)")
             self.runs[model_id].optimizer.load_state_dict(torch.load(folder / "optimizer.pt"))
         return model_id
 
@@ -233,9 +245,10 @@ class TinkerService:
         """The adapter holding the sampler snapshot at `path` (None: the base model)."""
         if path is None:
             return None
-        if path in self._loaded:
-            self._loaded.move_to_end(path)
-            return self._loaded[path]
+        key = self.snapshot(path)
+        if key in self._loaded:
+            self._loaded.move_to_end(key)
+            return self._loaded[key]
         folder = self.folder(path)
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
         if len(self._loaded) >= SAMPLER_SLOTS:
@@ -243,5 +256,5 @@ class TinkerService:
         name = f"sampler{next(self._ids)}"
         self.lora.add(name, rank, self.alpha)
         self.lora.load_state_dict(name, load_file(str(folder / "adapter_model.safetensors")))
-        self._loaded[path] = name
+        self._loaded[key] = name
         return name

@@ -13,6 +13,7 @@ base model's speed; its version stamp clears the prefix cache at each sync as fo
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -27,19 +28,19 @@ ADAPTER = "policy"
 """The adapter's name in the MultiLoRA."""
 
 
-def check_targets(model: nn.Module, config: LoraConfig) -> None:
-    """Raise ConfigError naming model.lora.targets when a target names no nn.Linear of `model`
-    (a module name's last part), or names its output head (whose weight the chunked logprobs
-    read directly and which may be tied to the input embeddings)."""
+def check_targets(model: nn.Module, targets: Sequence[str], field: str = "model.lora.targets",
+                  head: bool = False) -> None:
+    """Raise ConfigError naming `field` when `targets` is empty or a target names no nn.Linear
+    of `model` (a module name's last part), or (unless `head`) names its output head (whose
+    weight the chunked logprobs read directly and which may be tied to the input embeddings)."""
     linears = {name.split(".")[-1]: m for name, m in model.named_modules()
                if isinstance(m, nn.Linear)}
-    head = model.get_output_embeddings()
-    for target in config.targets:
+    for target in targets or [""]:  # none: as a target naming nothing
         if target not in linears:
-            raise ConfigError(f"model.lora.targets: {target!r} names no Linear layer of this "
+            raise ConfigError(f"{field}: {target!r} names no Linear layer of this "
                               f"model (its Linear layers: {', '.join(sorted(linears))})")
-        if linears[target] is head:
-            raise ConfigError(f"model.lora.targets: {target!r} is the output head, which LoRA "
+        if linears[target] is model.get_output_embeddings() and not head:
+            raise ConfigError(f"{field}: {target!r} is the output head, which LoRA "
                               "training does not adapt")
 
 
@@ -57,7 +58,7 @@ class PolicyAdapter:
              base: str | None = None) -> PolicyAdapter:
         """Hook `model`'s target Linears (in place, base frozen) and add the adapter on their
         device (A from `seed`, B = 0: the policy starts as the base). Raises as `check_targets`."""
-        check_targets(model, config)
+        check_targets(model, config.targets)
         lora = MultiLoRA(model, config.targets)
         lora.add(ADAPTER, config.rank, config.alpha, seed)
         return cls(lora, config, base)

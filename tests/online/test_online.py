@@ -32,11 +32,12 @@ from forgerl.gateway.conversation import Message
 from forgerl.gateway.renderers.templates import build_renderer
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 from forgerl.online.canary import CanaryEngine
-from forgerl.online.privacy import regex_scrub
+from forgerl.online.privacy import PrivatePool, regex_scrub
 from forgerl.online.serve import start_online
 from forgerl.online.service import HeldOut
 from forgerl.trainer.samples import TrainingSample
 from forgerl.trainer.trainer import Trainer
+from forgerl.types import Completion
 
 ADMIN = "sk-admin-test"
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "online.py"
@@ -331,3 +332,24 @@ def test_stale_traffic_is_dropped(tmp_path):
         assert len(pool.task_indices("trained")) == 3 and pool.task_indices("finished") == []
     finally:
         pool.close()
+
+
+def test_personal_data_split_between_prompt_and_completion_never_stored(tmp_path):
+    """A prompt that begins an e-mail address and a completion that ends it ("jane.doe@exam" +
+    "ple.com": neither half is an address on its own) is a changed call: not stored."""
+    tok = build_byte_tokenizer()
+    pool = SQLitePool(tmp_path / "pool.sqlite")
+    private = PrivatePool(pool, tok.decode)
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def call(prompt: str, completion: str) -> int:
+        done = ids(completion)
+        return private.add_completion(private.open(True, 0), Completion(
+            ids(prompt), done, [0.0] * len(done), [0] * len(done), 0, "length"))
+    assert call("write to jane.doe@exam", "ple.com today") == -1
+    assert call("write to me", " tomorrow") == 0  # a clean call is stored
+    pool.close()
+    assert private.counters["scrub_dropped_calls"] == 1
+    text = "".join(tok.decode(c.prompt_ids + c.completion_ids)
+                   for t in stored(tmp_path).values() for c in t.completions)
+    assert text == "write to me tomorrow"

@@ -293,3 +293,14 @@ async def test_a_policy_with_another_tokenizer_is_refused_before_the_run_is_writ
         async with start_services(config, make_agent([])):
             pass
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden"])
+def test_a_policy_name_that_is_a_dot_path_is_refused(tmp_path, name):
+    """run_dir/policies/<name> holds a policy's checkpoints: ".." was run_dir itself, where the
+    first policy's checkpoints are (one would overwrite or resume the other's)."""
+    toml = tmp_path / "config.toml"
+    toml.write_text(f'[[policies]]\nname = "solver"\npath = "tiny"\n'
+                    f'[[policies]]\nname = "{name}"\npath = "tiny"\n')
+    with pytest.raises(ConfigError, match=r"^policies\.1\.name: String should match pattern"):
+        load_config(toml, [])

@@ -3,6 +3,8 @@ losses, checkpoints, sampling, two runs at once, and errors."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from forgerl.models import build_tiny_model
+from forgerl.tinker.service import SAMPLER_SLOTS
 from tests.tinker.conftest import TINY
 
 TOKENS = [5, 40, 72, 101, 108, 108, 111, 33, 9, 200, 31, 17]
@@ -145,3 +148,83 @@ def test_bad_requests_get_clear_errors(server):
         assert r.status_code in (400, 404) and r.json()["error"], (path, r.text)
     r = httpx.post(server.url + "/api/v1/forward_backward", content=b"\xff\x00garbage")
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["error"]
+
+
+def test_resaved_sampler_path_serves_the_new_weights_and_bad_input_is_a_user_error(server):
+    """A snapshot saved again under the same name is sampled with its new weights (no stale
+    cached adapter); a failed load keeps the run's weights; a bad optim_step body or sampling
+    bound is a 400/user error, not a 500 the SDK retries."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    prompt = types.ModelInput.from_ints(TOKENS[:5])
+    params = types.SamplingParams(max_tokens=6, seed=3, stop=[])
+
+    def logprobs(path: str) -> np.ndarray:
+        sampler = client.create_sampling_client(model_path=path).result()
+        seq = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        return np.array(seq.logprobs)
+    first = logprobs(trainer.save_weights_for_sampler("same").result().path)
+    for _ in range(3):
+        trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    resaved = logprobs(trainer.save_weights_for_sampler("same").result().path)
+    fresh = logprobs(trainer.save_weights_for_sampler("fresh").result().path)
+    assert np.allclose(resaved, fresh, atol=1e-6) and not np.allclose(resaved, first, atol=1e-3)
+
+    before = {k: v.clone() for k, v in server.service.lora.state_dict(trainer.model_id).items()}
+    sampler_path = f"tinker://{trainer.model_id}/sampler_weights/same"
+    with pytest.raises(Exception, match="has no optimizer state"):
+        trainer.load_state_with_optimizer(sampler_path).result()
+    after = server.service.lora.state_dict(trainer.model_id)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    r = httpx.post(server.url + "/api/v1/optim_step",
+                   json={"model_id": trainer.model_id, "adam_params": {"learning_rate": None}})
+    assert r.status_code == 400 and "learning_rate" in r.json()["error"], r.text
+    with pytest.raises(Exception, match="sampling_params: temperature"):
+        client.create_sampling_client(base_model=TINY).result().sample(
+            prompt, num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
+
+
+def test_more_concurrent_samplers_than_slots_all_answer(server):
+    """SAMPLER_SLOTS + 3 snapshots sampled at once: none fails because another request's load
+    removed its adapter (the engine path said "LoRA adapter ... was removed"); each answers as it
+    does alone."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    paths = []
+    for i in range(SAMPLER_SLOTS + 3):
+        trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        paths.append(trainer.save_weights_for_sampler(f"s{i}").result().path)
+    prompt, params = types.ModelInput.from_ints(TOKENS[:5]), types.SamplingParams(
+        max_tokens=24, seed=3, stop=[])
+
+    async def sample_all() -> list:
+        samplers = [await client.create_sampling_client_async(model_path=p) for p in paths]
+        return await asyncio.gather(*(s.sample_async(prompt, num_samples=2, sampling_params=params)
+                                      for s in samplers))
+    together = asyncio.run(sample_all())
+    for path, out in zip(paths, together, strict=True):
+        alone = client.create_sampling_client(model_path=path).result().sample(
+            prompt, num_samples=2, sampling_params=params).result()
+        assert [s.tokens for s in out.sequences] == [s.tokens for s in alone.sequences]
+        assert np.allclose(out.sequences[0].logprobs, alone.sequences[0].logprobs, atol=1e-5)
+
+
+def test_a_bad_datum_adds_no_gradient_of_the_good_ones(server):
+    """forward_backward([good, bad]) fails as a whole: the good datum's gradient was added
+    before the bad one was seen, and the next optim_step stepped on it (grad_norm > 0)."""
+    client = tinker.ServiceClient(base_url=server.url)
+    trainer = client.create_lora_training_client(base_model=TINY, rank=4).result()
+    trainer.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    assert trainer.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics[
+        "optim/grad_norm"] > 0  # a good datum does add a gradient
+    bad = datum(TOKENS, weights=np.ones(3, np.float32))  # 3 weights for 11 targets
+    with pytest.raises(Exception, match="has 3 values for 11 target tokens"):
+        trainer.forward_backward([datum(TOKENS), bad], "cross_entropy").result()
+    with pytest.raises(Exception, match="out of the vocabulary"):
+        trainer.forward_backward([datum(TOKENS), datum([1, 2, 9999, 3])], "cross_entropy").result()
+    assert trainer.optim_step(types.AdamParams(learning_rate=0.05)).result().metrics[
+        "optim/grad_norm"] == 0.0

@@ -15,6 +15,9 @@ import pytest
      "engine.type: forgerl serve samples with the local engine"),
     ("[serve]\nlora_alpha = 0.0\n", [], "serve.lora_alpha"),
     ("", ["--port", "70000"], "serve.port"),
+    ('[serve]\nlora_targets = ["q_proj", "qkv"]\n', [],  # was served, "qkv" adapting nothing
+     "serve.lora_targets: 'qkv' names no Linear layer"),
+    ("[serve]\nlora_targets = []\n", [], "serve.lora_targets: '' names no Linear layer"),
 ])
 def test_bad_serve_input_is_one_line(tmp_path: Path, config: str | None, args: list[str],
                                      message: str) -> None:

@@ -55,12 +55,12 @@ def test_default_is_full_fine_tuning_and_targets_must_name_linears():
     assert (lora.rank, lora.alpha, lora.targets) == (8, 16.0, ["q_proj", "k_proj", "v_proj",
                                                                 "o_proj"])
     model = build_tiny_model()
-    check_targets(model, LoraConfig(targets=["q_proj", "down_proj"]))  # both exist
+    check_targets(model, ["q_proj", "down_proj"])  # both exist
     with pytest.raises(ConfigError, match=r"^model.lora.targets: 'qkv' names no Linear layer of "
                        r"this model \(its Linear layers: down_proj, gate_proj, k_proj"):
-        check_targets(model, LoraConfig(targets=["q_proj", "qkv"]))
+        check_targets(model, ["q_proj", "qkv"])
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: 'lm_head' is the output head"):
-        check_targets(model, LoraConfig(targets=["lm_head"]))
+        check_targets(model, ["lm_head"])
 
 
 def _lora_trainer(rank: int = 4, checkpointing: str = "off", build=build_tiny_model,
