@@ -116,10 +116,11 @@ class DisaggregatedEngine:
         for end in (prefill_end, decode_end, handoff_in, handoff_out):
             end.close()
         for name, conn in (("prefill", self._prefill), ("decode", self._decode)):
-            if not conn.poll(START_TIMEOUT_S) or _recv_or_close(conn) != ("ready",):
+            if not conn.poll(START_TIMEOUT_S) or (msg := _recv_or_close(conn))[0] != "ready":
                 self._kill()
                 raise RuntimeError(f"DisaggregatedEngine: the {name} worker did not start "
                                    f"(exit code {self._procs[name].exitcode})")
+            self.stats.update(*msg[1:])  # the decode engine's counters, all keys from the start
         self._reader = threading.Thread(target=self._read, name="forgerl-pd-reader", daemon=True)
         self._reader.start()
 
@@ -394,7 +395,7 @@ async def _decode_serve(engine: LocalEngine, conn: Connection, handoff: Connecti
     tasks: dict[int, asyncio.Task] = {}
     cancelled: set[int] = set()
     stats = dict(HANDOFF_STATS)
-    conn.send(("ready",))
+    conn.send(("ready", stats | engine.stats))
     while (msg := await inbox.get())[0] != "close":
         kind, rid = msg[0], msg[1]
         if kind == "cancel":
