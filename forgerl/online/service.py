@@ -194,7 +194,7 @@ class OnlineService:
         for index in self.pool.finished_group_task_indices():
             done = [t for t in self.pool.get_group(index).trajectories if t.status == "finished"]
             versions = {v for t in done for c in t.completions for v in c.weight_versions}
-            if (not done or not versions or versions & self.rejected
+            if (not versions or versions & self.rejected
                     or self.trainer.step - min(versions) > self.config.max_off_policy_steps):
                 stale.append(index)
             else:
