@@ -279,8 +279,9 @@ class OnlineService:
         """Write the served weights to RUN_DIR/online_served.pt (atomically: a temporary file,
         then a rename), then their version to the pool's meta `online_served_version`."""
         path = self.log_path.parent / SERVED
-        torch.save({"version": version, "state": self.incumbent_state}, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"version": version, "state": self.incumbent_state}, tmp)
+        os.replace(tmp, path)
         self.pool.set_meta("online_served_version", version)
 
     def _reset(self) -> None:
