@@ -106,13 +106,16 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 _ADDED_COLUMNS = {
-    "trace": "INTEGER NOT NULL DEFAULT 0",
-    "train": "INTEGER NOT NULL DEFAULT 1",
-    "request": "TEXT NOT NULL DEFAULT '{}'",
-    "routed_experts": "BLOB",  # `Routes.to_blob`; NULL for a dense model
-    "policy": "TEXT NOT NULL DEFAULT ''",
+    "completions": {
+        "trace": "INTEGER NOT NULL DEFAULT 0",
+        "train": "INTEGER NOT NULL DEFAULT 1",
+        "request": "TEXT NOT NULL DEFAULT '{}'",
+        "routed_experts": "BLOB",  # `Routes.to_blob`; NULL for a dense model
+        "policy": "TEXT NOT NULL DEFAULT ''",
+    },
+    "trajectories": {"policy_rewards": "TEXT"},
 }
-"""Columns of `completions` newer than the first schema: a pool file written before them gets
+"""Columns, per table, newer than the first schema: a pool file written before them gets
 them added (with their defaults) when it is opened, so an older run resumes."""
 
 
@@ -166,13 +169,11 @@ class SQLitePool:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
-            have = {r[1] for r in db.execute("PRAGMA table_info(completions)")}
-            for name, decl in _ADDED_COLUMNS.items():
-                if name not in have:
-                    db.execute(f"ALTER TABLE completions ADD COLUMN {name} {decl}")
-            if "policy_rewards" not in {r[1] for r in db.execute(
-                    "PRAGMA table_info(trajectories)")}:  # pools written before policies
-                db.execute("ALTER TABLE trajectories ADD COLUMN policy_rewards TEXT")
+            for table, columns in _ADDED_COLUMNS.items():
+                have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+                for name, decl in columns.items():
+                    if name not in have:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     # ---- plumbing -----------------------------------------------------------------------------
 

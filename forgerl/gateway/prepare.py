@@ -105,11 +105,11 @@ def refuse_surely_too_long(renderer: Renderer, texts: Iterable[str], max_model_l
 
 
 def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: int,
-                       model_name: str | Sequence[str], strict_model: bool) -> tuple[Tool, ...]:
+                       model_names: Sequence[str], strict_model: bool) -> tuple[Tool, ...]:
     """The tools to render for `conv`, after the checks that need no rendering.
 
-    Raises GatewayError 404 `model_not_found` (a model not `model_name`, or not one of those
-    names, when `strict_model`), 400 `context_length_exceeded` for a request whose text alone
+    Raises GatewayError 404 `model_not_found` (a model not one of `model_names` when
+    `strict_model`), 400 `context_length_exceeded` for a request whose text alone
     must exceed max_model_len (`surely_rendered`, `refuse_surely_too_long`; C09), 400 for
     top_logprobs > 0 (engines return only the sampled token's logprob), an empty stop
     string, a tool that is not valid (`tool_problem`: 400 `invalid_tool` naming it,
@@ -117,10 +117,9 @@ def check_conversation(conv: Conversation, renderer: Renderer, max_model_len: in
     conversation that made calls (C22), or a tool_choice that forces a tool without tools /
     names an undeclared one.
     """
-    names = [model_name] if isinstance(model_name, str) else list(model_name)
-    if strict_model and conv.model not in names:
+    if strict_model and conv.model not in model_names:
         raise GatewayError(404, f"model {conv.model!r} does not exist; serving "
-                           f"{', '.join(map(repr, names))}", "model_not_found",
+                           f"{', '.join(map(repr, model_names))}", "model_not_found",
                            conv.param("model"))
     if conv.top_logprobs > 0:
         raise unsupported(conv.param("top_logprobs"), f"{conv.top_logprobs} alternatives per "

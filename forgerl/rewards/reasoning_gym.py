@@ -24,6 +24,8 @@ import json
 from collections.abc import Callable
 from types import ModuleType
 
+from forgerl.rewards.scoring import as_reward
+
 
 def make_tasks(dataset: str, size: int, seed: int, **params: object) -> list[dict]:
     """`size` tasks of the reasoning-gym `dataset` with config `params`, deterministic in `seed`.
@@ -80,9 +82,7 @@ def score(task: dict, answer: str | None) -> float | dict[str, float]:
     if answer is None:
         return 0.0
     if task["dataset"].endswith(".py"):
-        value = _user_file(task["dataset"]).score(task, answer)
-        return ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
-                else float(value))
+        return as_reward(_user_file(task["dataset"]).score(task, answer))
     name = task["metadata"].get("source_dataset") or task["dataset"]
     entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
     return float(_scorer(name)(answer, entry))

@@ -150,13 +150,17 @@ def status_counts(results: Sequence[ScoreResult]) -> dict[str, int]:
     return {"reward_timeouts": counts["timeout"], "reward_errors": counts["error"]}
 
 
+def as_reward(value: Any) -> float | dict[str, float]:
+    """A verifier's value as a reward: a float, or a dict of one float per policy name."""
+    return ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
+            else float(value))
+
+
 def _child(conn: Connection, fn: Callable[..., float], item: tuple) -> None:
     """Worker body: own process group (so a killed verifier takes its children along)."""
     os.setpgrp()
     try:
-        value = fn(*item)  # a float, or a dict of rewards per policy
-        reward = ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
-                  else float(value))
+        reward = as_reward(fn(*item))
         finite = all(map(math.isfinite, reward.values() if isinstance(reward, dict) else [reward]))
         conn.send(("ok", reward) if finite else ("error", f"reward {reward}"))
     except BaseException as exc:  # the verifier's fault, reported to the parent
