@@ -133,13 +133,13 @@ class TinkerService:
         self.run(model_id)
         if not data:
             raise TinkerError("forward_backward needs at least one datum")
+        all_targets = []
         for datum in data:  # a bad datum fails the call before any gradient is added
-            shape = torch.zeros(len(self._targets(datum)))
-            self.check_ids([*datum.tokens, *self._targets(datum)])
-            tinker_loss(loss_fn, shape, datum.inputs, config)
+            all_targets.append(targets := self._targets(datum))
+            self.check_ids([*datum.tokens, *targets])
+            tinker_loss(loss_fn, torch.zeros(len(targets)), datum.inputs, config)
         outputs, total = [], 0.0
-        for datum in data:
-            targets = self._targets(datum)
+        for datum, targets in zip(data, all_targets, strict=True):
             with torch.set_grad_enabled(backward):
                 logprobs = self._logprobs(model_id, datum.tokens, targets)
                 loss = tinker_loss(loss_fn, logprobs, datum.inputs, config)
