@@ -291,7 +291,10 @@ def test_two_writer_processes_keep_turns_dense_and_lose_nothing(where):
                for k in (1, 2)]
     assert [w.stdout.readline() for w in writers] == ["ready\n"] * 2
     for w in writers:
-        assert w.communicate("go\n", timeout=120)[0] == "done\n" and w.returncode == 0
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    for w in writers:
+        assert w.communicate(timeout=120)[0] == "done\n" and w.returncode == 0
     stored = [pool.get_trajectory(f"s{t}").completions for t in range(3)]
     assert sum(len(c) for c in stored) == 2 * (15 + 2 * 15)  # per writer: 15 single, 15 x 2
     turns = pool._read("SELECT trajectory_id, turn FROM completions ORDER BY trajectory_id, turn")
