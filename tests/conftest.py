@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a SQLite path.
+"""Shared fixtures: the tiny random Llama-style model, the byte tokenizer, a SQLite path, a
+PostgreSQL database URL (`pg_url`, tests/pg.py).
 
 `pytest --prefix-cache off` runs the suite with the engine's prefix (KV reuse) cache disabled:
 every LocalEngine built in this process gets prefix_cache_tokens=0, and tests marked
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from forgerl.models import build_byte_tokenizer, build_tiny_model
+from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures: a real PostgreSQL server)
 
 # CI (CI=true) draws every property test's examples from a fixed seed, so a landing is judged on
 # the code, not on the draw; a developer's run draws new examples each time.

@@ -1,10 +1,12 @@
-"""SQLitePool: exact round-trips, WAL mode, task lifecycle and crash durability.
+"""The data pool on both backends (SQLitePool, PostgresPool on a real server): exact
+round-trips, task lifecycle, crash durability, concurrent writer processes; SQLite's WAL mode.
 
 Pins: every field of `Completion` / `Trajectory` comes back bit-exact (float64 logprobs, int ids,
 per-token weight versions, sampling params); the file is in WAL mode with synchronous=FULL;
-writes after a trajectory ended are refused; trained marks are exactly-once; and a writer process
-killed with SIGKILL mid-loop leaves a file that passes `integrity_check` with every completion it
-reported committed intact (the durability half of CASES.md C12).
+writes after a trajectory ended are refused; trained marks are exactly-once; a writer process
+killed with SIGKILL mid-loop leaves every completion it reported committed intact (the durability
+half of CASES.md C12; SQLite's file also passes `integrity_check`); and two processes writing the
+same trajectories at once leave dense turn indices and lose nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from forgerl.datapool import open_pool
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.types import Completion, Routes, SamplingParams
 
@@ -47,8 +50,16 @@ def make_completion(i: int) -> Completion:
     )
 
 
-def test_completion_and_trajectory_round_trip_exactly(db_path):
-    pool = SQLitePool(db_path)
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request: pytest.FixtureRequest, db_path: Path) -> str:
+    """Where a pool lives: the SQLite file, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return str(db_path)
+    return request.getfixturevalue("pg_url")
+
+
+def test_completion_and_trajectory_round_trip_exactly(where):
+    pool = open_pool(where)
     pool.add_task(3, {"question": "2+2?", "answer": 4})
     tid = pool.create_trajectory(3, rollout_index=1, trajectory_id="traj-a")
     assert tid == "traj-a"
@@ -57,7 +68,7 @@ def test_completion_and_trajectory_round_trip_exactly(db_path):
     pool.finish_trajectory(tid, "finished", reward=0.1 + 0.2, turn_rewards=[0.1, -1e-300, 0, 2])
     pool.close()
 
-    pool = SQLitePool(db_path)  # a fresh connection reads what the first one committed
+    pool = open_pool(where)  # a fresh connection reads what the first one committed
     traj = pool.get_trajectory(tid)
     assert traj.completions == sent
     assert traj.completions[0].logprobs[0] == -1 / 3.0  # bit-exact float64
@@ -81,8 +92,8 @@ def test_wal_mode_and_full_sync(db_path):
     pool.close()
 
 
-def test_errors_and_lifecycle(db_path):
-    pool = SQLitePool(db_path)
+def test_errors_and_lifecycle(where):
+    pool = open_pool(where)
     with pytest.raises(KeyError):
         pool.get_task(0)
     pool.add_task(0, {"q": 1})
@@ -134,8 +145,8 @@ def test_errors_and_lifecycle(db_path):
         pool.get_task(0)
 
 
-def test_reset_commit_and_revert(db_path):
-    pool = SQLitePool(db_path)
+def test_reset_commit_and_revert(where):
+    pool = open_pool(where)
     for i in range(3):
         pool.add_task(i, {"i": i})
     done = pool.create_trajectory(1, 0)
@@ -171,11 +182,11 @@ def test_reset_commit_and_revert(db_path):
     pool.close()
 
 
-def test_an_infra_abort_is_kept_final_and_run_again(db_path):
+def test_an_infra_abort_is_kept_final_and_run_again(where):
     """C24: "aborted_infra" is a final status that keeps the trajectory's completions and error
     (nothing lost), refuses later writes, counts in stats, and leaves its rollout index to be
     run again by a redispatch pass or a resume."""
-    pool = SQLitePool(db_path)
+    pool = open_pool(where)
     pool.add_task(0, {"q": 0})
     killed, ok = pool.create_trajectory(0, 0), pool.create_trajectory(0, 1)
     pool.add_completion(killed, make_completion(3))
@@ -192,8 +203,8 @@ def test_an_infra_abort_is_kept_final_and_run_again(db_path):
     pool.close()
 
 
-def test_concurrent_threads_get_distinct_turns(db_path):
-    pool = SQLitePool(db_path)
+def test_concurrent_threads_get_distinct_turns(where):
+    pool = open_pool(where)
     tid = pool.create_trajectory(0, 0)
     turns: list[int] = []
 
@@ -213,9 +224,9 @@ def test_concurrent_threads_get_distinct_turns(db_path):
 
 CHILD = """
 import sys
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool import open_pool
 from tests.datapool.test_sqlite import make_completion
-pool = SQLitePool(sys.argv[1])
+pool = open_pool(sys.argv[1])
 tid = pool.create_trajectory(0, 0, trajectory_id="t")
 i = 0
 while True:
@@ -225,8 +236,8 @@ while True:
 """
 
 
-def test_sigkill_mid_write_loses_no_committed_completion(db_path):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db_path)], cwd=REPO,
+def test_sigkill_mid_write_loses_no_committed_completion(where):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, where], cwd=REPO,
                              stdout=subprocess.PIPE, text=True)
     reported = 0
     while reported < 200:
@@ -237,14 +248,66 @@ def test_sigkill_mid_write_loses_no_committed_completion(db_path):
         reported = int(line)
     assert child.returncode == -signal.SIGKILL
 
-    raw = sqlite3.connect(db_path)
-    assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    raw.close()
-    pool = SQLitePool(db_path)
+    if not where.startswith("postgresql://"):
+        raw = sqlite3.connect(where)
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        raw.close()
+    pool = open_pool(where)
     completions = pool.get_trajectory("t").completions
     # Committed before the print, so at most one commit can be unreported.
     assert reported <= len(completions) <= reported + 1
     assert completions == [make_completion(i) for i in range(len(completions))]
+    pool.close()
+
+
+WRITER = """
+import sys
+from forgerl.datapool import open_pool
+from tests.datapool.test_sqlite import make_completion
+pool, k = open_pool(sys.argv[1]), int(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()  # both writers start together
+for j in range(30):
+    c = make_completion(1000 * k + j)
+    if j % 2:  # a group commit of two calls on two of the shared trajectories
+        got = pool.record_calls([(f"s{j % 3}", [c], [["tool_error"]]), (f"s{(j + 1) % 3}", [c], [[]])])
+        assert all(isinstance(turns, list) for turns in got), got
+    else:
+        pool.add_completion(f"s{j % 3}", c)
+    pool.create_trajectory(k, j, trajectory_id=f"own-{k}-{j}")
+print("done", flush=True)
+"""
+
+
+def test_two_writer_processes_keep_turns_dense_and_lose_nothing(where):
+    """Two processes write completions (single and group commits) to the same three
+    trajectories and create trajectories at once: every write lands exactly once, each
+    trajectory's turns are 0..n-1, and every created trajectory got its own seq."""
+    pool = open_pool(where)
+    for t in range(3):
+        pool.create_trajectory(-1, t, trajectory_id=f"s{t}")
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, where, str(k)], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for k in (1, 2)]
+    assert [w.stdout.readline() for w in writers] == ["ready\n"] * 2
+    for w in writers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    for w in writers:
+        assert w.communicate(timeout=120)[0] == "done\n" and w.returncode == 0
+    stored = [pool.get_trajectory(f"s{t}").completions for t in range(3)]
+    assert sum(len(c) for c in stored) == 2 * (15 + 2 * 15)  # per writer: 15 single, 15 x 2
+    turns = pool._read("SELECT trajectory_id, turn FROM completions ORDER BY trajectory_id, turn")
+    for t in range(3):
+        assert [turn for tid, turn in turns if tid == f"s{t}"] == list(range(len(stored[t])))
+    expected = sorted(
+        c.logprobs[0] for k in (1, 2) for j in range(30)
+        for c in [make_completion(1000 * k + j)] * (1 + j % 2))
+    assert sorted(c.logprobs[0] for cs in stored for c in cs) == expected  # bit-exact
+    seqs = pool._read("SELECT seq FROM trajectories ORDER BY seq")
+    assert [s for (s,) in seqs] == list(range(3 + 60))
+    assert sum(e.kind == "tool_error" for t in range(3)
+               for e in pool.get_trajectory(f"s{t}").events) == 2 * 15
     pool.close()
 
 
@@ -283,10 +346,10 @@ def test_pool_written_before_traces_gets_the_new_columns(db_path):
     pool.close()
 
 
-def test_routed_experts_round_trip_as_one_blob(db_path):
+def test_routed_experts_round_trip_as_one_blob(where):
     """A MoE turn's routes come back equal (a uint8 blob behind a 4-byte header); a dense
     turn's are NULL."""
-    pool = SQLitePool(db_path)
+    pool = open_pool(where)
     pool.add_task(0, {})
     tid = pool.create_trajectory(0, rollout_index=0, trajectory_id="moe")
     moe = make_completion(1)

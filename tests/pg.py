@@ -1,0 +1,94 @@
+"""A real PostgreSQL server for the tests: ONE per pytest process (each xdist worker starts its
+own, on its own port and folder), and a fresh database per test (`pg_url`).
+
+The server is the machine's PostgreSQL binaries (/usr/lib/postgresql/<version>/bin, Debian's
+`postgresql` package; scripts/setup.sh installs it), run from a temp folder: initdb and the
+server refuse root, so as root they run as the `postgres` user (runuser), which owns the folder.
+It listens on 127.0.0.1 on a free port with trust authentication, fsync on, and is stopped with
+`pg_ctl stop -m immediate`. Without the binaries the PostgreSQL tests are skipped with the
+reason, except under CI=true, where they fail (CI must run them).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ABSENT = "PostgreSQL server binaries absent (apt-get install postgresql)"
+_databases = itertools.count()
+
+
+def pg_bin() -> Path | None:
+    """The newest installed PostgreSQL server's bin folder, or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(Path(p).parts[-3]))
+    return Path(found[-1]).parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], as_postgres: bool) -> None:
+    if as_postgres:
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """Start the server; yields its base URL "postgresql://postgres@127.0.0.1:PORT"."""
+    bin_dir = pg_bin()
+    if bin_dir is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
+        pytest.skip(ABSENT)
+    root = os.geteuid() == 0
+    folder = Path(tempfile.mkdtemp(prefix="forgerl-pg-"))
+    if root:
+        shutil.chown(folder, "postgres", "postgres")
+    data, log = folder / "data", folder / "server.log"
+    _run([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-N",
+          "-E", "UTF8", "--locale=C"], root)
+    for attempt in range(5):  # another worker may take the free port before the server binds
+        port = _free_port()
+        options = (f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=on"
+                   " -c max_connections=200")
+        try:
+            _run([str(bin_dir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
+                  "-l", str(log), "-o", options], root)
+            break
+        except RuntimeError:
+            if attempt == 4:
+                raise RuntimeError(f"PostgreSQL did not start: {log.read_text()[-2000:]}")
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        _run([str(bin_dir / "pg_ctl"), "stop", "-m", "immediate", "-D", str(data)], root)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_url(pg_server: str) -> Iterator[str]:
+    """A fresh, empty database on the session's server; its URL. Dropped after the test."""
+    import psycopg  # lazy: only the PostgreSQL tests need it
+
+    name = f"t{os.getpid()}_{next(_databases)}"
+    with psycopg.connect(f"{pg_server}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield f"{pg_server}/{name}"
+    with psycopg.connect(f"{pg_server}/postgres", autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
