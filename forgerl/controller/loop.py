@@ -22,7 +22,7 @@ from forgerl.config import Config, ConfigError
 from forgerl.controller.memory import peak_rss_gib, release_heap, share_malloc_arena
 from forgerl.controller.progress import StepClock
 from forgerl.controller.rollouts import Agent
-from forgerl.controller.scale import serve_scaled
+from forgerl.controller.scale import serve_one, serve_scaled
 from forgerl.controller.startup import start_services
 from forgerl.tasks.sources import PLAYED_BY_TOOL_AGENT
 from forgerl.trainer.checkpoint import checkpoint_step
@@ -98,12 +98,4 @@ def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
 async def serve_gateway(config: Config) -> None:
     """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions);
     `[gateway] processes` > 1: that many gateway processes behind one front (scale.py)."""
-    if config.gateway.processes > 1:
-        return await serve_scaled(config)
-    async with start_services(config, training=False) as s:
-        gc = config.gateway
-        print(f"ForgeRL gateway at {s.server.base_url} (model {gc.model_name!r})"
-              + ("" if gc.admin_key else f"; admin key in {s.run_dir / 'admin_key'}")
-              + (f"; metrics at {s.server.base_url.removesuffix('/v1')}/metrics"
-                 if gc.metrics else ""), flush=True)
-        await asyncio.Event().wait()
+    await (serve_scaled(config) if config.gateway.processes > 1 else serve_one(config))

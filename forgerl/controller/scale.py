@@ -1,7 +1,7 @@
 """`forgerl gateway` with `[gateway] processes = N > 1`: N gateway workers behind one front.
 
 Data flow: `serve_scaled` (this process: the supervisor and the front, gateway/front.py) --spawns-->
-N workers (`worker`, reading RUN_DIR/gateway-I/worker.json), each `serve_gateway`
+N workers (`worker`, reading RUN_DIR/gateway-I/worker.json), each `serve_one`
 of a one-process config (its own engine, RUN_DIR/gateway-I for its request log and lock, the
 run's pool and admin key) on a free loopback port --> the front on `[gateway] host:port`.
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from forgerl.config import Config, ConfigError
 from forgerl.controller.rundir import admin_key, open_run_dir
+from forgerl.controller.startup import start_services
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.gateway.front import Front
 
@@ -64,6 +65,17 @@ async def _spawn(config: Config, run_dir: Path, index: int, key: str
     await proc.wait()
     raise ConfigError(f"gateway.processes: worker {index} exited with code {proc.returncode} "
                       "before it listened (its error is above)")
+
+
+async def serve_one(config: Config) -> None:
+    """One gateway process (`[gateway] processes = 1`, and each worker) until cancelled."""
+    async with start_services(config, training=False) as s:
+        gc = config.gateway
+        print(f"ForgeRL gateway at {s.server.base_url} (model {gc.model_name!r})"
+              + ("" if gc.admin_key else f"; admin key in {s.run_dir / 'admin_key'}")
+              + (f"; metrics at {s.server.base_url.removesuffix('/v1')}/metrics"
+                 if gc.metrics else ""), flush=True)
+        await asyncio.Event().wait()
 
 
 async def serve_scaled(config: Config) -> None:
@@ -122,11 +134,8 @@ async def _watch(front: Front, index: int, proc: asyncio.subprocess.Process) -> 
 
 
 def worker(spec: str) -> None:
-    """A worker process: `serve_gateway` of the config in `spec` until SIGTERM (or its
+    """A worker process: `serve_one` of the config in `spec` until SIGTERM (or its
     parent's death); SIGINT is the supervisor's to handle."""
-    # lazy: loop.py imports this module
-    from forgerl.controller.loop import serve_gateway
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):  # Linux: end with the supervisor
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -137,6 +146,6 @@ def worker(spec: str) -> None:
         assert task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await serve_gateway(config)
+            await serve_one(config)
 
     asyncio.run(main())
