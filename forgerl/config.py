@@ -270,11 +270,26 @@ class GatewayConfig(_Section):
 
 
 class SQLitePoolConfig(_Section):
-    """[datapool]: the durable SQLite data pool (WAL)."""
+    """[datapool]: the durable data pool: a SQLite file (WAL), or a PostgreSQL database (`url`)."""
 
     type: Literal["sqlite"] = "sqlite"
     path: str | None = None
-    """SQLite file; default RUN_DIR/pool.sqlite."""
+    """SQLite file; default RUN_DIR/pool.sqlite. Unused when `url` is set."""
+    url: str = ""
+    """A PostgreSQL database, "postgresql://user[:password]@host:port/dbname" (libpq URL), that
+    every process of the run (controller, gateway processes, `forgerl serve`) shares; the
+    tables are created if missing. Empty: the SQLite file at `path` (docs/postgres.md)."""
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, url: str) -> str:
+        if url and not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("give a postgresql:// URL, or leave it empty for SQLite at `path`")
+        return url
+
+    def location(self, run_dir: str | Path) -> str | Path:
+        """Where the pool lives: `url`, else `path`, else RUN_DIR/pool.sqlite (`open_pool`)."""
+        return self.url or self.path or Path(run_dir) / "pool.sqlite"
 
 
 class FifoConfig(_Section):

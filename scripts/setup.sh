@@ -49,6 +49,10 @@ bash scripts/setup_verifiers.sh
 # the lock file is unchanged since the last install. Node comes with the machine image (Debian's
 # nodejs otherwise).
 command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; }
+# PostgreSQL's server binaries for the PostgreSQL pool's tests (tests/pg.py starts its own server
+# from them; no system service is used).
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null \
+  || { apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; }
 if ! cmp -s harnesses/package-lock.json harnesses/node_modules/.forgerl-lock 2>/dev/null; then
   npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
   cp harnesses/package-lock.json harnesses/node_modules/.forgerl-lock

@@ -26,7 +26,8 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 46): the generated admin key, the request log wiring;
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
-    "datapool": 570,  # +30 (issue 46): trace, train and request columns, with their migration
+    "datapool": 710,  # +30 (issue 46): trace, train and request columns, with their migration;
+    # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool
     "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
     "gateway": 5_657,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
@@ -46,12 +47,12 @@ BUDGETS: dict[str, int] = {
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "tinker": 775,  # +25 (issue 50 breaker): sampler cache keyed by save, in-use samplers kept
-    "core": 2_675,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
+    "core": 2_685,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),
     # GenerateOutput.text and Completion.check (C01); [gateway] chat_template_kwargs;
-    # +35 (issue 48): [sandbox] and types.Limits
+    # +35 (issue 48): [sandbox] and types.Limits; +10 (issue 51): [datapool] url, location()
 }
 
 

@@ -11,6 +11,7 @@ reason, except under CI=true, where they fail (CI must run them).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -43,19 +44,16 @@ def _free_port() -> int:
 def _run(cmd: list[str], as_postgres: bool) -> None:
     if as_postgres:
         cmd = ["runuser", "-u", "postgres", "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGERL")}  # not a test's
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/", env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}")
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[str]:
-    """Start the server; yields its base URL "postgresql://postgres@127.0.0.1:PORT"."""
-    bin_dir = pg_bin()
-    if bin_dir is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
-        pytest.skip(ABSENT)
+@contextlib.contextmanager
+def running_server(bin_dir: Path) -> Iterator[str]:
+    """Run a throwaway server from `bin_dir`; yields "postgresql://postgres@127.0.0.1:PORT"
+    (add "/postgres" or another database's name)."""
     root = os.geteuid() == 0
     folder = Path(tempfile.mkdtemp(prefix="forgerl-pg-"))
     if root:
@@ -73,12 +71,24 @@ def pg_server() -> Iterator[str]:
             break
         except RuntimeError:
             if attempt == 4:
-                raise RuntimeError(f"PostgreSQL did not start: {log.read_text()[-2000:]}")
+                raise RuntimeError(f"PostgreSQL did not start: {log.read_text()[-2000:]}") from None
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
         _run([str(bin_dir / "pg_ctl"), "stop", "-m", "immediate", "-D", str(data)], root)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """The pytest process's server (`running_server`); skipped or failed when absent."""
+    bin_dir = pg_bin()
+    if bin_dir is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
+        pytest.skip(ABSENT)
+    with running_server(bin_dir) as url:
+        yield url
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ exactly `max_steps` optimizer steps in the checkpoint; one metrics record per st
 step-0 evaluation); the pool's trained marks are exactly the groups those records name (each
 task trained at most once, `max_steps * k` groups trained with signal); no agent process (nor
 its child) survives any stop. The single-signal cases of issue 8 have their own tests below.
+The random stops and the SIGKILL after a checkpoint also run with the pool in PostgreSQL
+(`[datapool] url`, a real server from tests/pg.py).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from forgerl.datapool import open_pool
 
 pytestmark = pytest.mark.slow
 FORGERL = [sys.executable, "-m", "forgerl"]
@@ -43,7 +46,14 @@ print(eval(q.rsplit(":", 1)[1].replace("=", "")) if len(text) % 2 else "no idea"
 """
 
 
-def write_config(tmp_path: Path, max_steps: int = 4, checkpoint_every: int = 2) -> Path:
+@pytest.fixture(params=["sqlite", "postgres"])
+def pool_url(request: pytest.FixtureRequest) -> str:
+    """[datapool] url: "" (SQLite in the run folder) or a fresh PostgreSQL database."""
+    return "" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+
+
+def write_config(tmp_path: Path, max_steps: int = 4, checkpoint_every: int = 2,
+                 pool_url: str = "") -> Path:
     pids = tmp_path / "pids"
     pids.mkdir(exist_ok=True)
     agent = tmp_path / "agent.py"
@@ -56,7 +66,8 @@ def write_config(tmp_path: Path, max_steps: int = 4, checkpoint_every: int = 2) 
         "[tasks]\neval_size = 2\neval_every = 2\n"
         "params = {min_terms = 2, max_terms = 2, max_digits = 1}\n"
         "[rollout]\ngroup_size = 4\ntasks_per_step = 1\nmax_tokens = 4\n"
-        f"[trainer]\ncheckpoint_every = {checkpoint_every}\nlr = 1e-3\n")
+        f"[trainer]\ncheckpoint_every = {checkpoint_every}\nlr = 1e-3\n"
+        f"[datapool]\nurl = {pool_url!r}\n")
     return config
 
 
@@ -105,7 +116,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
 
 
-def check_run_state(run_dir: Path, max_steps: int, k: int = 1) -> None:
+def check_run_state(run_dir: Path, max_steps: int, k: int = 1, pool_url: str = "") -> None:
     """Checkpoint, metrics and pool agree, as after an uninterrupted run."""
     ckpt = max(run_dir.glob("checkpoints/step_*/trainer_state.json"))
     state = json.loads(ckpt.read_text())
@@ -113,8 +124,8 @@ def check_run_state(run_dir: Path, max_steps: int, k: int = 1) -> None:
     logged = records(run_dir)
     assert [r["step"] for r in logged] == list(range(max_steps + 1))
     assert "eval_accuracy" in logged[0] and "reward_mean" not in logged[0]
-    db = sqlite3.connect(run_dir / "pool.sqlite")
-    pool = dict(db.execute("SELECT task_index, trained_step FROM tasks WHERE status='trained'"))
+    db = open_pool(pool_url or run_dir / "pool.sqlite")
+    pool = dict(db._read("SELECT task_index, trained_step FROM tasks WHERE status='trained'"))
     db.close()
     named = {}
     for r in logged[1:]:
@@ -126,8 +137,8 @@ def check_run_state(run_dir: Path, max_steps: int, k: int = 1) -> None:
     assert queue["head"] == min(set(range(max(pool) + 2)) - set(pool))
 
 
-def test_random_stops_resume_to_the_same_run(tmp_path):
-    config = write_config(tmp_path)
+def test_random_stops_resume_to_the_same_run(tmp_path, pool_url):
+    config = write_config(tmp_path, pool_url=pool_url)
     run_dir = tmp_path / "run"
     rng = random.Random(8)
     stops = []
@@ -152,7 +163,8 @@ def test_random_stops_resume_to_the_same_run(tmp_path):
                            timeout=300)
     assert final.returncode == 0, (stops, final.stderr)
     assert survivors(tmp_path) == []
-    check_run_state(run_dir, max_steps=4)
+    check_run_state(run_dir, max_steps=4, pool_url=pool_url)
+    assert (run_dir / "pool.sqlite").exists() == (not pool_url)
     again = subprocess.run([*FORGERL, "train", str(config)], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0 and "is finished: step 4 of max_steps 4" in again.stdout
@@ -224,10 +236,10 @@ def test_every_stop_leaves_no_agent_process(tmp_path, how):
     assert (tmp_path / "run" / "pool.sqlite").exists()
 
 
-def test_sigkill_after_a_checkpoint_resumes_from_it(tmp_path):
+def test_sigkill_after_a_checkpoint_resumes_from_it(tmp_path, pool_url):
     """SIGKILL of the whole process group right after the first checkpoint (CASES.md C12 on the
     real loop): the re-run continues from it to max_steps, with records that agree."""
-    config = write_config(tmp_path, max_steps=3, checkpoint_every=1)
+    config = write_config(tmp_path, max_steps=3, checkpoint_every=1, pool_url=pool_url)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*FORGERL, "train", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -241,7 +253,7 @@ def test_sigkill_after_a_checkpoint_resumes_from_it(tmp_path):
     result = subprocess.run([*FORGERL, "train", str(config)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    check_run_state(run_dir, max_steps=3)
+    check_run_state(run_dir, max_steps=3, pool_url=pool_url)
 
 
 def test_a_second_signal_exits_at_once_and_still_kills_the_agents(tmp_path):

@@ -28,7 +28,7 @@ from forgerl.types import NOT_TRAINED
 
 if TYPE_CHECKING:
     from forgerl.agents.reaper import Reaper
-    from forgerl.datapool.sqlite import SQLitePool
+    from forgerl.datapool.sql import SQLPool
     from forgerl.engines.local import LocalEngine
     from forgerl.gateway.app import Gateway, GatewayServer
     from forgerl.metrics import MetricsLogger
@@ -48,7 +48,7 @@ class Services(Rollouts):
     run_dir: Path
     trainer: Trainer
     engine: LocalEngine
-    pool: SQLitePool
+    pool: SQLPool
     gateway: Gateway
     server: GatewayServer
     scheduler: Scheduler

@@ -39,7 +39,7 @@ from forgerl.controller.rollouts import (
 from forgerl.controller.rundir import admin_key, open_run_dir, resume, save_config
 from forgerl.controller.services import Services
 from forgerl.controller.tasks import make_task_sets
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool import open_pool
 from forgerl.metrics import MetricsLogger
 from forgerl.rewards.scoring import submit
 from forgerl.scheduler.policies import Scheduler
@@ -137,7 +137,7 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     if config.model.lora is not None:  # on the trainer's device, before the resume loads it
         trainer.attach_lora(PolicyAdapter.wrap(trainer.model, config.model.lora, config.seed,
                                                config.model.path))
-    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
+    pool = open_pool(config.datapool.location(run_dir))
     scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)

@@ -154,7 +154,7 @@ class SQLPool:
     _BEGIN = "BEGIN"
     """The statement that opens a write transaction."""
     _LOCK = ""
-    """Appended to the SELECT of a trajectory or task row a write depends on (" FOR UPDATE")."""
+    """Appended to the SELECT of a task row a write depends on (" FOR UPDATE")."""
     _INTEGRITY: tuple[type[Exception], ...] = ()
     """The backend's errors for a value its column cannot hold (kept out by record_calls)."""
 
@@ -266,6 +266,7 @@ class SQLPool:
         completion's ids, logprobs and weight versions differ in length (`Completion.check`).
         """
         with self._tx() as db:
+            self._lock_trajectories(db, [trajectory_id])
             return self._insert_completion(db, trajectory_id, completion)
 
     def record_calls(
@@ -288,9 +289,10 @@ class SQLPool:
                 db.execute("SAVEPOINT call")
                 try:
                     turns = [self._insert_completion(db, tid, c) for c in completions]
-                    for turn, kinds in zip(turns, events, strict=True):
-                        db.executemany(_INSERT_EVENT, 
-                                       [(tid, turn, k, 1.0) for k in kinds])
+                    rows = [(tid, turn, k, 1.0)
+                            for turn, kinds in zip(turns, events, strict=True) for k in kinds]
+                    if rows:  # a round trip less per call on a server
+                        db.executemany(_INSERT_EVENT, rows)
                 except (KeyError, ValueError, OverflowError, TypeError,
                         *self._INTEGRITY) as e:
                     db.execute("ROLLBACK TO call")
@@ -303,9 +305,7 @@ class SQLPool:
     def _insert_completion(self, db: Any, trajectory_id: str,
                            c: Completion) -> int:
         c.check()  # ValueError: ids and logprobs of unequal lengths (CASES.md C01)
-        self._require_running(db, trajectory_id)
-        turn = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
-                          (trajectory_id,)).fetchone()[0]
+        turn = self._turns(db, trajectory_id)
         db.execute(
             "INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids, logprobs,"
             " weight_versions, weight_version, finish_reason, sampling, started_at, ended_at,"
@@ -331,9 +331,8 @@ class SQLPool:
         if not math.isfinite(value):
             raise ValueError(f"event value must be finite, got {value}")
         with self._tx() as db:
-            self._require_running(db, trajectory_id)
-            turns = db.execute("SELECT COUNT(*) FROM completions WHERE trajectory_id=?",
-                               (trajectory_id,)).fetchone()[0]
+            self._lock_trajectories(db, [trajectory_id])
+            turns = self._turns(db, trajectory_id)
             turn = turns - 1 if turn is None else turn
             if not 0 <= turn < turns:
                 raise ValueError(f"trajectory {trajectory_id} has {turns} turns, no turn {turn}")
@@ -359,7 +358,8 @@ class SQLPool:
         if status not in _ENDED:
             raise ValueError(f"final status must be one of {_ENDED}, got {status!r}")
         with self._tx() as db:
-            self._require_running(db, trajectory_id)
+            self._lock_trajectories(db, [trajectory_id])
+            self._turns(db, trajectory_id)  # KeyError / ValueError unless running
             db.execute(
                 "UPDATE trajectories SET status=?, reward=?, error=?, turn_rewards=?, ended_at=?,"
                 " policy_rewards=? WHERE id=?",
@@ -528,13 +528,17 @@ class SQLPool:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _require_running(self, db: Any, trajectory_id: str) -> None:
-        row = db.execute("SELECT status FROM trajectories WHERE id=?" + self._LOCK,
-                         (trajectory_id,)).fetchone()
+    @staticmethod
+    def _turns(db: Any, trajectory_id: str) -> int:
+        """How many turns the running trajectory has. Its row must be locked first
+        (`_lock_trajectories`): this statement's snapshot then holds every committed turn."""
+        row = db.execute("SELECT status, (SELECT COUNT(*) FROM completions WHERE trajectory_id=?)"
+                         " FROM trajectories WHERE id=?", (trajectory_id, trajectory_id)).fetchone()
         if row is None:
             raise KeyError(f"unknown trajectory {trajectory_id!r}")
         if row[0] != "running":
             raise ValueError(f"trajectory {trajectory_id!r} is {row[0]}, not running")
+        return row[1]
 
     def _task_status(self, db: Any, task_index: int) -> str:
         row = db.execute("SELECT status FROM tasks WHERE task_index=?" + self._LOCK,

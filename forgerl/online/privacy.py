@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool.sql import SQLPool
 from forgerl.types import Completion, TrajectoryStatus
 
 Scrubber = Callable[[str], str]
@@ -50,7 +50,7 @@ class PrivatePool:
     counters: unconsented_calls, scrub_dropped_calls (calls answered but not stored).
     """
 
-    def __init__(self, pool: SQLitePool, decode: Callable[[list[int]], str],
+    def __init__(self, pool: SQLPool, decode: Callable[[list[int]], str],
                  scrub: Scrubber | None = regex_scrub) -> None:
         self.pool, self.decode, self.scrub = pool, decode, scrub
         self.unconsented: dict[str, float | None] = {}

@@ -15,7 +15,7 @@ import torch
 from forgerl.config import Config, OnlineConfig
 from forgerl.controller.rundir import admin_key as saved_admin_key
 from forgerl.controller.tasks import make_task_sets
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool import open_pool
 from forgerl.engines.local import LocalEngine
 from forgerl.gateway.app import Gateway, GatewayServer
 from forgerl.gateway.renderers.templates import build_renderer
@@ -53,9 +53,10 @@ async def start_online(model: Any, tokenizer: Any, run_dir: str | Path, config: 
                        scrub: Scrubber | None = regex_scrub, host: str = "127.0.0.1",
                        port: int = 0, max_model_len: int = 1024, max_tokens: int = 256,
                        model_name: str = "policy", background: bool = True, seed: int = 0,
-                       device: str = "auto") -> Online:
+                       device: str = "auto", pool_at: str | Path | None = None) -> Online:
     """Serve `model` (it becomes the trainer's; each engine keeps its own copy) with the online
-    routes; `background`: run `OnlineService.run` as a task. The pool is RUN_DIR/pool.sqlite.
+    routes; `background`: run `OnlineService.run` as a task. `pool_at`: a PostgreSQL URL or SQLite
+    path (`open_pool`); None: RUN_DIR/pool.sqlite.
     When RUN_DIR/online_served.pt exists (an earlier promotion) its weights and version serve
     instead of `model`'s own, and the trainer's step count resumes at that version."""
     run_dir = Path(run_dir)
@@ -69,7 +70,7 @@ async def start_online(model: Any, tokenizer: Any, run_dir: str | Path, config: 
         trainer.step = served["version"]
         await engines[0].update_weights(trainer.state_dict_for_sync(), served["version"])
     renderer = build_renderer(tokenizer)
-    pool = PrivatePool(SQLitePool(run_dir / "pool.sqlite"), renderer.decode, scrub)
+    pool = PrivatePool(open_pool(pool_at or run_dir / "pool.sqlite"), renderer.decode, scrub)
     engine = CanaryEngine(engines[0], engines[1], config.canary_share, seed)
     gateway = Gateway(renderer, engine, pool, model_name, max_tokens=max_tokens,
                       admin_key=admin_key)
@@ -98,7 +99,8 @@ async def serve_online(config: Config) -> None:
         model, tokenizer, run_dir, config.online, held_out, key, lr=config.trainer.lr,
         scrub=regex_scrub if config.online.scrub == "regex" else None,
         host=config.serve.host, port=config.serve.port, max_model_len=config.model.max_model_len,
-        max_tokens=config.rollout.max_tokens, model_name=gc.model_name, seed=config.seed)
+        max_tokens=config.rollout.max_tokens, model_name=gc.model_name, seed=config.seed,
+        pool_at=config.datapool.location(run_dir))
     print(f"ForgeRL online at {online.server.base_url} (model {gc.model_name!r})"
           + ("" if gc.admin_key else f"; admin key in {run_dir / 'admin_key'}"), flush=True)
     try:

@@ -270,7 +270,8 @@ sys.stdin.readline()  # both writers start together
 for j in range(30):
     c = make_completion(1000 * k + j)
     if j % 2:  # a group commit of two calls on two of the shared trajectories
-        got = pool.record_calls([(f"s{j % 3}", [c], [["tool_error"]]), (f"s{(j + 1) % 3}", [c], [[]])])
+        got = pool.record_calls([(f"s{j % 3}", [c], [["tool_error"]]),
+                                 (f"s{(j + 1) % 3}", [c], [[]])])
         assert all(isinstance(turns, list) for turns in got), got
     else:
         pool.add_completion(f"s{j % 3}", c)
