@@ -25,7 +25,7 @@ from pathlib import Path
 from forgerl.config import Config, ConfigError
 from forgerl.controller.rundir import admin_key, open_run_dir
 from forgerl.controller.startup import start_services
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool import open_pool
 from forgerl.gateway.front import Front
 
 
@@ -33,8 +33,8 @@ def worker_config(config: Config, run_dir: Path, index: int) -> Config:
     """Worker `index`'s config: one process on a free loopback port, RUN_DIR/gateway-I, the
     run's pool."""
     gc = config.gateway.model_copy(update={"processes": 1, "host": "127.0.0.1", "port": 0})
-    pool = config.datapool.model_copy(update={
-        "path": str(Path(config.datapool.path or run_dir / "pool.sqlite").resolve())})
+    pool = config.datapool if config.datapool.url else config.datapool.model_copy(
+        update={"path": str(Path(config.datapool.location(run_dir)).resolve())})
     return config.model_copy(update={"run_dir": str(run_dir / f"gateway-{index}"),
                                      "gateway": gc, "datapool": pool})
 
@@ -84,7 +84,7 @@ async def serve_scaled(config: Config) -> None:
     gc, n = config.gateway, config.gateway.processes
     run_dir, lock = open_run_dir(config)
     key = gc.admin_key or admin_key(run_dir)
-    pool = SQLitePool(config.datapool.path or run_dir / "pool.sqlite")
+    pool = open_pool(config.datapool.location(run_dir))
     started = await asyncio.gather(*(_spawn(config, run_dir, i, key) for i in range(n)),
                                    return_exceptions=True)
     procs = [s[0] for s in started if isinstance(s, tuple)]

@@ -6,7 +6,7 @@ front. Sessions spread over both and each session's calls land on the worker tha
 streamed; SIGKILL of one worker mid-session: its session's calls get a 503 the SDKs raise as
 APIStatusError naming the dead worker, its trajectory is failed in the pool with its committed
 completions intact, the other worker's session and new sessions go on; stopping the front
-stops every worker.
+stops every worker. On SQLite and on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ import httpx
 import openai
 import pytest
 
-from forgerl.datapool.sqlite import SQLitePool
+from forgerl.datapool import open_pool
 
 ADMIN = "scale-admin"
 USER = [{"role": "user", "content": "2 + 3?"}]
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], str, list[int]]:
+def _start(tmp_path: Path, pool: str) -> tuple[subprocess.Popen[str], str, list[int]]:
     config = tmp_path / "config.toml"
     config.write_text(f"run_dir = '{tmp_path / 'run'}'\n[model]\npath = 'tiny'\n[rollout]\n"
-                      f"max_tokens = 8\n[gateway]\nprocesses = 2\nadmin_key = '{ADMIN}'\n")
+                      f"max_tokens = 8\n[gateway]\nprocesses = 2\nadmin_key = '{ADMIN}'\n"
+                      f"[datapool]\nurl = '{pool}'\n")
     proc = subprocess.Popen([sys.executable, "-m", "forgerl", "gateway", str(config)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -66,8 +67,14 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_two_gateways_behind_one_front(tmp_path):
-    proc, url, pids = _start(tmp_path)
+@pytest.fixture(params=["sqlite", "postgres"])
+def pool_url(request, tmp_path) -> str:
+    """The run's pool: "" (SQLite at RUN_DIR/pool.sqlite) or a fresh PostgreSQL database."""
+    return request.getfixturevalue("pg_url") if request.param == "postgres" else ""
+
+
+def test_two_gateways_behind_one_front(tmp_path, pool_url):
+    proc, url, pids = _start(tmp_path, pool_url)
     try:
         sessions = [_session(url) for _ in range(4)]
         assert sorted(w for _, _, w in sessions) == [0, 0, 1, 1]  # spread over both
@@ -84,7 +91,7 @@ def test_two_gateways_behind_one_front(tmp_path):
         with ant.messages.stream(model="policy", max_tokens=8, messages=USER) as stream:
             assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens")
 
-        pool = SQLitePool(tmp_path / "run" / "pool.sqlite")
+        pool = open_pool(pool_url or tmp_path / "run" / "pool.sqlite")
         committed = len(pool.get_trajectory(sid0).completions)
         assert committed == 4  # two httpx calls, the openai SDK's two
         os.kill(pids[0], signal.SIGKILL)
