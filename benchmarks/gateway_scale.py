@@ -14,12 +14,13 @@ The front (forgerl/gateway/front.py) is a child process too. Cells:
 - `pg-front-N` (N = 1, 2, 4) and `sqlite-front-2`: N workers behind the front.
 
 At each client count C (64, 256, 1,024): C clients at once (one httpx.AsyncClient each, one
-keep-alive connection), each opening its own session (POST /v1/sessions, untimed) and then making
-max(2, R / C) chat calls in one conversation, each turn extending the last (R = 2,048 requests;
---quick: 512). Reported per cell and C: calls/s, p50 / p99 latency (ms), errors, and CPU seconds
-per call of the gateway processes (their user + system time from /proc over the timed part,
-divided by the calls) and of the front. On a 2-core machine shared with the client (this
-process), more processes than cores cannot add throughput: the table shows where it saturates.
+keep-alive connection), each with its own session (opened before, one at a time, untimed)
+making max(2, R / C) chat calls in one conversation, each turn extending the last (R = 2,048
+requests; --quick: 512). Reported per cell and C: calls/s, p50 / p99 latency (ms), errors,
+and CPU seconds per call of the gateway processes (their user + system time from /proc over
+the timed part, divided by the calls) and of the front. On a 2-core machine shared with the
+client (this process), more processes than cores cannot add throughput: the table shows where
+it saturates.
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ async def load(base_url: str, clients: int, turns: int) -> dict[str, float]:
     """`clients` conversations of `turns` chat calls at once; calls/s, p50/p99 ms, errors."""
     conns = [httpx.AsyncClient(base_url=base_url, timeout=120,
                                limits=httpx.Limits(max_connections=1)) for _ in range(clients)]
-    keys = await asyncio.gather(*[c.post("/sessions", json={}, headers=ADMIN) for c in conns])
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as opener:  # untimed set-up
+        keys = [(await opener.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
+                for _ in range(clients)]
     ms: list[float] = []
-    errors = 0
+    errors, kinds = 0, {}
 
     async def one(client: httpx.AsyncClient, key: str) -> None:
         nonlocal errors
@@ -107,21 +110,24 @@ async def load(base_url: str, clients: int, turns: int) -> dict[str, float]:
             try:
                 r = await client.post("/chat/completions", headers=auth,
                                       json={"model": MODEL, "messages": messages})
-                ok = r.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if not ok:
+                why = "" if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            if why:
                 errors += 1
+                kinds[why] = kinds.get(why, 0) + 1
                 return
             ms.append(1e3 * (time.perf_counter() - t0))
             answer = {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
             messages = next_messages(messages, answer, turn)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*[one(c, k.json()["api_key"]) for c, k in zip(conns, keys, strict=True)])
+    await asyncio.gather(*[one(c, k) for c, k in zip(conns, keys, strict=True)])
     seconds = time.perf_counter() - t0
     await asyncio.gather(*[c.aclose() for c in conns])
     ms.sort()
+    for why, count in kinds.items():
+        print(f"  {count} errors: {why}", file=sys.stderr)
     return {"rps": len(ms) / seconds, "p50": statistics.median(ms),
             "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "calls": len(ms), "errors": errors}
 
@@ -198,6 +204,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--clients", default="64,256,1024")
+    ap.add_argument("--requests", type=int, default=2048)
     ap.add_argument("--serve", nargs=2)
     args = ap.parse_args()
     if args.serve:
@@ -207,7 +214,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 16384)), hard))
     cells, clients = args.cells.split(","), [int(c) for c in args.clients.split(",")]
-    requests = 512 if args.quick else 2048
+    requests = 512 if args.quick else args.requests
     pg = Postgres() if any(c.startswith("pg") for c in cells) else None
     print(f"{time.strftime('%Y-%m-%d %H:%M')} UTC; {os.cpu_count()} cores; load "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; R = {requests}\n")
