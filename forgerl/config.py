@@ -262,6 +262,11 @@ class GatewayConfig(_Section):
     (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, `<|python_tag|>`/"parameters" llama3_json)."""
     strict: bool = False
     """400 for fields the request policy would keep unlisted, approximate or leave out."""
+    processes: int = Field(1, ge=1, le=64)
+    """`forgerl gateway` only: gateway processes behind `host:port`. 1 = one in-process gateway;
+    N > 1 = N worker processes (each a gateway with its own engine, all writing one pool) behind
+    a front that keeps each session on the worker that opened it (docs/gateway-scale.md).
+    `forgerl train` refuses N > 1 (its engine lives in the controller process)."""
 
 
 class SQLitePoolConfig(_Section):

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 1_295,  # +25 (issue 47): runner.infra_cause, the per-episode kill of escapees;
     # +550 (issue 48): the sandbox (namespaces, cgroups, gateway relay, its PID 1 sandbox_init.py)
-    "controller": 1_551,  # +80 (issue 48): environment episodes, their start/stop, env_seconds,
+    "controller": 1_685,  # +134 (issue 51): scale.py, N gateway workers and their supervisor;
+    # +80 (issue 48): environment episodes, their start/stop, env_seconds,
     # generation_seconds, the episode timeout; +25: command agents in sandboxes ([sandbox] agents,
     # Harbor), verifier statuses, sandboxes_peak; +5: unknown [tasks] params keys are an error,
     # [agent] without a command for tool-agent sources;
@@ -30,7 +31,8 @@ BUDGETS: dict[str, int] = {
     # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool
     "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_657,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
+    "gateway": 5_900,  # +243 (issue 51): front.py, the sticky front of N gateway processes;
+    # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;
     # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,
@@ -47,7 +49,8 @@ BUDGETS: dict[str, int] = {
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "tinker": 775,  # +25 (issue 50 breaker): sampler cache keyed by save, in-use samplers kept
-    "core": 2_685,  # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
+    "core": 2_690,  # +5 (issue 51): [gateway] processes;
+    # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
     # +60 (issue 47): the entropy collapse warning (EntropyWatch, two [trainer] fields),

@@ -22,6 +22,7 @@ from forgerl.config import Config, ConfigError
 from forgerl.controller.memory import peak_rss_gib, release_heap, share_malloc_arena
 from forgerl.controller.progress import StepClock
 from forgerl.controller.rollouts import Agent
+from forgerl.controller.scale import serve_one, serve_scaled
 from forgerl.controller.startup import start_services
 from forgerl.tasks.sources import PLAYED_BY_TOOL_AGENT
 from forgerl.trainer.checkpoint import checkpoint_step
@@ -36,6 +37,9 @@ async def run(config: Config, agent: Agent | None = None, progress: bool = True)
     last agent error, once no rollout finished in max(16, 4k) groups in a row (a systematic
     failure, e.g. prompts longer than max_model_len): what was trained and checkpointed stays.
     """
+    if config.gateway.processes > 1:
+        raise ConfigError("gateway.processes: forgerl train serves one gateway process (its "
+                          "engine lives in the controller); processes > 1 is for forgerl gateway")
     share_malloc_arena()  # before the engine, trainer and gateway threads allocate
     sections = [(d.agent, d.tasks) for d in config.domains] or [(None, config.tasks)]
     if agent is None and (config.agent is None or config.agent.command is None) and any(
@@ -92,11 +96,6 @@ def summary(records: list[dict[str, Any]], steps: int, seconds: float) -> str:
 
 
 async def serve_gateway(config: Config) -> None:
-    """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions)."""
-    async with start_services(config, training=False) as s:
-        gc = config.gateway
-        print(f"ForgeRL gateway at {s.server.base_url} (model {gc.model_name!r})"
-              + ("" if gc.admin_key else f"; admin key in {s.run_dir / 'admin_key'}")
-              + (f"; metrics at {s.server.base_url.removesuffix('/v1')}/metrics"
-                 if gc.metrics else ""), flush=True)
-        await asyncio.Event().wait()
+    """`forgerl gateway`: serve the policy to external agents (sessions via POST /v1/sessions);
+    `[gateway] processes` > 1: that many gateway processes behind one front (scale.py)."""
+    await (serve_scaled(config) if config.gateway.processes > 1 else serve_one(config))

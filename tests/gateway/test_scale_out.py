@@ -1,0 +1,120 @@
+"""N gateway processes behind one address (issue 51 item 3), real processes over HTTP.
+
+`forgerl gateway` with `[gateway] processes = 2` (tiny model): two worker processes behind the
+front. Sessions spread over both and each session's calls land on the worker that opened it
+(`x-forgerl-gateway`); the openai and anthropic SDKs work through the front, plain and
+streamed; SIGKILL of one worker mid-session: its session's calls get a 503 the SDKs raise as
+APIStatusError naming the dead worker, its trajectory is failed in the pool with its committed
+completions intact, the other worker's session and new sessions go on; stopping the front
+stops every worker. On SQLite and on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from forgerl.datapool import open_pool
+
+ADMIN = "scale-admin"
+USER = [{"role": "user", "content": "2 + 3?"}]
+
+
+def _start(tmp_path: Path, pool: str) -> tuple[subprocess.Popen[str], str, list[int]]:
+    config = tmp_path / "config.toml"
+    config.write_text(f"run_dir = '{tmp_path / 'run'}'\n[model]\npath = 'tiny'\n[rollout]\n"
+                      f"max_tokens = 8\n[gateway]\nprocesses = 2\nadmin_key = '{ADMIN}'\n"
+                      f"[datapool]\nurl = '{pool}'\n")
+    proc = subprocess.Popen([sys.executable, "-m", "forgerl", "gateway", str(config)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ForgeRL gateway at http://"):
+        proc.kill()
+        pytest.fail(f"forgerl gateway did not start: {line!r}")
+    url = line.split()[3]
+    pids = [int(p) for p in line.split("pids ")[1].split(")")[0].split()]
+    return proc, url, pids
+
+
+def _session(url: str) -> tuple[str, str, int]:
+    r = httpx.post(f"{url}/sessions", json={}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    return r.json()["session_id"], r.json()["api_key"], int(r.headers["x-forgerl-gateway"])
+
+
+def _chat(url: str, key: str) -> int:
+    r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": USER},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return int(r.headers["x-forgerl-gateway"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def pool_url(request, tmp_path) -> str:
+    """The run's pool: "" (SQLite at RUN_DIR/pool.sqlite) or a fresh PostgreSQL database."""
+    return request.getfixturevalue("pg_url") if request.param == "postgres" else ""
+
+
+def test_two_gateways_behind_one_front(tmp_path, pool_url):
+    proc, url, pids = _start(tmp_path, pool_url)
+    try:
+        sessions = [_session(url) for _ in range(4)]
+        assert sorted(w for _, _, w in sessions) == [0, 0, 1, 1]  # spread over both
+        for _, key, w in sessions:
+            assert {_chat(url, key) for _ in range(2)} == {w}  # sticky
+        (sid0, key0, _), (sid1, key1, _) = [next(s for s in sessions if s[2] == w)
+                                            for w in (0, 1)]
+        oai = openai.OpenAI(base_url=url, api_key=key0, max_retries=0, timeout=60)
+        assert oai.chat.completions.create(model="policy", messages=USER).choices
+        chunks = list(oai.chat.completions.create(model="policy", messages=USER, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        ant = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=key1, max_retries=0)
+        assert ant.messages.create(model="policy", max_tokens=8, messages=USER).content
+        with ant.messages.stream(model="policy", max_tokens=8, messages=USER) as stream:
+            assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens")
+
+        pool = open_pool(pool_url or tmp_path / "run" / "pool.sqlite")
+        committed = len(pool.get_trajectory(sid0).completions)
+        assert committed == 4  # two httpx calls, the openai SDK's two
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.chat.completions.create(model="policy", messages=USER)
+        assert e.value.status_code == 503 and "gateway worker 0 is down" in e.value.message
+        ant0 = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=key0, max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as a:
+            ant0.messages.create(model="policy", max_tokens=8, messages=USER)
+        assert a.value.status_code == 503 and "gateway worker 0 is down" in str(a.value)
+        deadline = time.monotonic() + 10
+        while pool.get_trajectory(sid0).status == "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failed = pool.get_trajectory(sid0)
+        assert failed.status == "failed" and "gateway worker 0 died" in (failed.error or "")
+        assert len(failed.completions) == committed  # what it committed stays
+        assert _chat(url, key1) == 1  # the other worker's session goes on
+        assert _session(url)[2] == 1  # new sessions go to the live worker
+        assert pool.get_trajectory(sid1).status == "running"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+    deadline = time.monotonic() + 10
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids[1])  # stopping the front stops its workers
