@@ -9,7 +9,7 @@ metrics.jsonl and pool to print one markdown table. A setting is `POLICY:L`, POL
     python benchmarks/overlap.py --job chain_sum --settings fifo:2 sync:0 --out /tmp/overlap-cs
     python benchmarks/overlap.py --job main --out /tmp/overlap-main --table-only
 
-Jobs: `main` = examples/calculator_agent with `--max_steps 8` (held-out at steps 0, 4, 8);
+Jobs: `main` = examples/calculator_agent with `--max_steps 4` (held-out at steps 0 and 4);
 `chain_sum` = the TRL-shaped command of examples/chain_sum (held-out at 0 and 8, 64 tasks).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 JOBS = {
-    "main": ["examples/calculator_agent/config.toml", "--max_steps", "8"],
+    "main": ["examples/calculator_agent/config.toml", "--max_steps", "4"],
     "chain_sum": [
         "examples/chain_sum/config.toml", "--max_steps", "8", "--rollout.temperature", "1.0",
         "--rollout.max_tokens", "128", "--tasks.eval_size", "64", "--tasks.eval_every", "8",
