@@ -104,8 +104,8 @@ async def test_two_steps_change_every_parameter_and_sync_weights(tmp_path):
 
 @sync
 async def test_no_group_is_generated_past_the_last_step(tmp_path):
-    # FIFO with L = 1 admits 2k tasks at once; a 1-step run can train only k of them, so the
-    # other k would decode beside the last step and be cancelled at shutdown (issue 14)
+    # FIFO with L = 2 admits 3k tasks at once; a 1-step run can train only k of them, so the
+    # other 2k would decode beside the last step and be cancelled at shutdown (issue 14)
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "--max_steps", "1", "--scheduler.policy.type", "fifo")
     await run(config, agent=make_agent(), progress=False)
@@ -248,6 +248,33 @@ async def test_a_finished_group_frees_its_slot_even_while_a_step_trains(tmp_path
         await s.train([0, 1])
         assert admitted_during_step == [True]
         assert set(generating) == {1}  # never two groups at once
+
+
+@sync
+async def test_the_default_scheduler_generates_later_steps_while_a_step_trains(tmp_path):
+    """Default scheduler (FIFO, L = 2, k = 2) in the real loop: tasks 0-5 start at once; after
+    step 1, step 4's tasks 6 and 7 are admitted, so while step 2 trains the groups of steps
+    3-4 are generating or waiting (the old default, W = 4 at L = 1, admitted nothing there), and
+    no trained group's lag exceeds 2."""
+    config = tiny_config(tmp_path / "run", "--max_steps", "4", "--tasks.eval_size", "0")
+    async with start_services(config, make_agent()) as s:
+        s.max_steps = config.max_steps
+        train_step, seen = s.trainer.train_step, []
+
+        def recording_step(groups):  # in the trainer thread
+            seen.append(sorted(s.scheduler.queue.admitted))  # untrained, this batch included
+            return train_step(groups)
+
+        s.trainer.train_step = recording_step
+        s.admit()
+        assert sorted(s.rollouts) == [0, 1, 2, 3, 4, 5]
+        for _ in range(2):
+            s.admit()
+            await s.train(await s.next_batch())
+            await s.sync_weights()
+        # admitted and untrained while each step trains: step 2 trains 2, 3 beside 4-7
+        assert seen == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]]
+        assert max(s.scheduler.lag_counts) <= 2
 
 
 @pytest.mark.parametrize(("limit", "most"), [(0, 4), (1, 1), (3, 3)])

@@ -222,9 +222,10 @@ def test_c10_fffo_for_contrast_is_biased():
 
 
 def test_resume_keeps_the_queue_and_takes_settings_from_the_config(caplog):
-    from forgerl.config import FffoConfig, RolloutConfig, SchedulerConfig
+    from forgerl.config import FffoConfig, RolloutConfig, SchedulerConfig, WindowedFifoConfig
 
-    old = Scheduler.build(SchedulerConfig(), RolloutConfig(tasks_per_step=2))  # W=4, L=1
+    old = Scheduler.build(SchedulerConfig(policy=WindowedFifoConfig(), max_off_policy_steps=1),
+                          RolloutConfig(tasks_per_step=2))  # W=4, L=1
     assert old.admit(0) == [0, 1, 2, 3]
     old.on_group_finished(1, 0)
     old.on_group_finished(0, 0)
@@ -279,16 +280,49 @@ def test_resume_with_new_settings_never_stalls(before, after, caplog):
     assert "beyond max_off_policy_steps" in caplog.text
 
 
-@pytest.mark.parametrize("policy, admitted", [(Fifo(), [4, 5]), (WindowedFifo(2), []),
-                                              (WindowedFifo(4), [])])
-def test_which_policies_overlap_generation_with_training_at_lag_1(policy, admitted):
-    # k = 2, L = 1: after step 1 trains tasks 0 and 1, FIFO may start step 3's tasks 4 and 5
-    # (trained at version 2, lag 1) while step 2 trains; a window W >= 2 could train 4 or 5
-    # before 2 or 3, so it admits nothing until step 2 is trained: generation and training
-    # alternate (the chain_sum example therefore uses FIFO, issue 14)
-    sched = Scheduler(policy, batch_size=2, max_off_policy_steps=1)
-    assert sched.admit(0) == [0, 1, 2, 3]
-    for i in range(4):
-        sched.on_group_finished(i, 0)
-    sched.on_trained(sched.next_batch(), 1)
-    assert sched.admit(1) == admitted
+def test_the_default_overlaps_generation_with_training():
+    """The default (FIFO, L = 2, k = 2): after step 1, each step admits the k tasks of the step
+    after next, which generate while the next step trains; every trained group's lag is <= 2."""
+    from forgerl.config import RolloutConfig, SchedulerConfig
+
+    sched = Scheduler.build(SchedulerConfig(), RolloutConfig())
+    assert (sched.policy, sched.batch_size, sched.max_off_policy_steps) == (Fifo(), 2, 2)
+    assert sched.max_in_flight == 6
+    assert sched.admit(0) == [0, 1, 2, 3, 4, 5]
+    admitted, lags = [], []
+    for step in range(1, 6):
+        assert sched.next_batch() is None  # step `step`'s groups are still generating
+        for i in sorted(sched.queue.in_flight())[:2]:  # the head's two groups finish first
+            sched.on_group_finished(i, sched.queue.admitted[i])
+        batch = sched.next_batch()
+        sched.on_trained(batch, step)
+        lags.append(sorted(sched.last_lags.values()))
+        admitted.append(sched.admit(step))  # dispatched while step `step + 1` trains
+    # hand-computed: tasks 2k(s+2), 2k(s+2)+1 join after step s, two steps ahead of training
+    assert admitted == [[6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    # tasks 0-5 started at version 0: lags 0, 1, 2; later ones started two versions early: 2
+    assert lags == [[0, 0], [1, 1], [2, 2], [2, 2], [2, 2]]
+
+
+@pytest.mark.parametrize("policy, after_step", [
+    (Fifo(), [[6, 7], [8, 9], [10, 11]]),
+    (WindowedFifo(2), [[], [], [6, 7, 8, 9, 10, 11]]),
+    (WindowedFifo(4), [[], [], [6, 7, 8, 9, 10, 11]]),
+    (Fffo(), [[], [], [6, 7, 8, 9, 10, 11]]),
+])
+def test_which_policies_overlap_generation_with_training_at_lag_2(policy, after_step):
+    # k = 2, L = 2, every admitted group finished before each step: FIFO admits k tasks after
+    # every step, which generate while the next step trains. A window W >= 2 (FFFO: W = inf)
+    # could train a later group before an earlier one, so the bound only holds once every
+    # admitted task is trained: it admits (L + 1) k tasks every L + 1 steps, and between those
+    # bursts the engine idles while the trainer trains (the old default, W = 4 at L = 1, did
+    # the same every 2 steps)
+    sched = Scheduler(policy, batch_size=2, max_off_policy_steps=2)
+    assert sched.admit(0) == [0, 1, 2, 3, 4, 5]
+    admitted = []
+    for step in range(1, 4):
+        for i in sched.queue.in_flight():
+            sched.on_group_finished(i, sched.queue.admitted[i])
+        sched.on_trained(sched.next_batch(), step)
+        admitted.append(sched.admit(step))
+    assert admitted == after_step

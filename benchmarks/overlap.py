@@ -1,0 +1,219 @@
+"""Scheduler settings on the real jobs, back to back: the overlap table (issue 51, item 1).
+
+Runs `forgerl train` once per setting under `/usr/bin/time -v`, then reads each RUN_DIR's
+metrics.jsonl and pool to print one markdown table. A setting is `POLICY:L`, POLICY one of
+`sync` (fifo, L forced to 0), `fifo`, `fffo` or `wN` (windowed FIFO, window N).
+
+    python benchmarks/overlap.py --job main --settings sync:0 w4:1 w2:2 fifo:2 fffo:2 \
+        --out /tmp/overlap-main
+    python benchmarks/overlap.py --job chain_sum --settings fifo:2 sync:0 --out /tmp/overlap-cs
+    python benchmarks/overlap.py --job main --out /tmp/overlap-main --table-only
+
+Jobs: `main` = examples/calculator_agent with `--max_steps 4` (held-out at steps 0 and 4);
+`chain_sum` = the TRL-shaped command of examples/chain_sum (held-out at 0 and 8, 64 tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+JOBS = {
+    "main": ["examples/calculator_agent/config.toml", "--max_steps", "4"],
+    "chain_sum": [
+        "examples/chain_sum/config.toml", "--max_steps", "8", "--rollout.temperature", "1.0",
+        "--rollout.max_tokens", "128", "--tasks.eval_size", "64", "--tasks.eval_every", "8",
+        "--trainer.lr", "5e-6",
+    ],
+}
+
+
+def setting_flags(setting: str) -> list[str]:
+    """`POLICY:L` → CLI overrides. Raises ValueError for an unknown policy."""
+    policy, _, lag = setting.partition(":")
+    lag_steps = int(lag or 0)
+    if policy == "sync":
+        return ["--scheduler.policy", '{type = "fifo"}', "--scheduler.max_off_policy_steps", "0"]
+    if policy in ("fifo", "fffo"):
+        table = f'{{type = "{policy}"}}'
+    elif re.fullmatch(r"w\d+", policy):
+        table = f'{{type = "windowed_fifo", window = {int(policy[1:])}}}'
+    else:
+        raise ValueError(f"unknown policy {policy!r} in setting {setting!r}")
+    return ["--scheduler.policy", table, "--scheduler.max_off_policy_steps", str(lag_steps)]
+
+
+def load_average() -> str:
+    """The 1-minute load average now (the machine is shared)."""
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def run_one(job: str, setting: str, out: Path, forgerl: str) -> None:
+    """One `forgerl train` run into out/<setting>; writes run.json beside it."""
+    run_dir = out / setting.replace(":", "_L")
+    cmd = [forgerl, "train", *JOBS[job], *setting_flags(setting), "--run_dir", str(run_dir)]
+    start_load, t0 = load_average(), time.time()
+    log = (out / f"{run_dir.name}.log").open("w")
+    rc = subprocess.call(["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT)
+    info = {"setting": setting, "cmd": cmd, "rc": rc, "wall_s": time.time() - t0,
+            "load_start": start_load, "load_end": load_average(), "started": t0}
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)",
+                     (out / f"{run_dir.name}.log").read_text())
+    info["peak_rss_gib"] = int(peak.group(1)) / 2**20 if peak else None
+    (out / f"{run_dir.name}.json").write_text(json.dumps(info))
+    print(f"{setting}: rc={rc} wall={info['wall_s']:.0f}s load {start_load}->{info['load_end']}",
+          flush=True)
+
+
+def union_overlap(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    """Seconds of `windows` covered by the union of `spans` (both lists of (start, end))."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in windows for a, b in merged)
+
+
+def task_mix(db: sqlite3.Connection) -> dict[str, float]:
+    """Bias of the trained task mix: mean group duration (first rollout start → last end) and
+    mean number of terms of the trained tasks over the same of the first M tasks in admission
+    (index) order, M = trained count. 1.00 = unbiased, < 1 = quick/easy tasks trained first."""
+    rows = db.execute(
+        "SELECT t.task_index, t.payload, t.trained_step, MIN(r.started_at), MAX(r.ended_at) "
+        "FROM tasks t JOIN trajectories r ON r.task_index = t.task_index "
+        "WHERE t.task_index >= 0 AND r.ended_at > 0 GROUP BY t.task_index ORDER BY t.task_index"
+    ).fetchall()
+    trained = [r for r in rows if r[2] is not None]
+    first = rows[:len(trained)]
+
+    def terms(row: tuple) -> float:
+        payload = json.loads(row[1])
+        question = str(payload.get("question", payload))
+        return float(len(re.findall(r"\d+", question.split("=")[0])) or 0)
+
+    def ratio(f: Any, a: list, b: list) -> float:
+        den = statistics.mean(f(r) for r in b) if b else 0.0
+        return statistics.mean(f(r) for r in a) / den if a and den else float("nan")
+
+    return {"bias_duration": ratio(lambda r: r[4] - r[3], trained, first),
+            "bias_terms": ratio(terms, trained, first), "tasks_trained": len(trained)}
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    """One table row from RUN_DIR/metrics.jsonl, the pool and run.json beside it."""
+    info = json.loads(run_dir.with_suffix(".json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    steps = [r for r in records if r["step"] > 0 and "step_seconds" in r]
+    accuracy = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+    train_windows = []
+    for r in steps:  # the record is logged at the step's end: train ran after the wait
+        start = r["time"] - r["step_seconds"] + r["wait_seconds"]
+        train_windows.append((start, start + r["train_seconds"]))
+    db = sqlite3.connect(run_dir / "pool.sqlite")
+    spans = db.execute("SELECT c.started_at, c.ended_at FROM completions c JOIN trajectories t "
+                       "ON t.id = c.trajectory_id WHERE t.task_index >= 0").fetchall()
+    lags = [r.get("off_policy_lag_max", 0) for r in steps]
+    wall = sum(r["step_seconds"] for r in steps)
+    train = sum(r["train_seconds"] for r in steps)
+    row = {
+        "setting": info["setting"], "wall_s": info["wall_s"], "steps": len(steps),
+        "s_per_step": wall / max(1, len(steps)),
+        "s_per_step_no_eval": (wall - sum(r.get("eval_seconds", 0.0) for r in steps))
+        / max(1, len(steps)),
+        "wait_fraction": sum(r["wait_seconds"] for r in steps) / max(wall, 1e-9),
+        "train_s": train / max(1, len(steps)),
+        "overlap": union_overlap(spans, train_windows) / max(train, 1e-9),
+        "tokens_per_s": statistics.mean(r["rollout_tokens_per_second"] for r in steps)
+        if steps else 0.0,
+        "lag_mean": statistics.mean(r.get("off_policy_lag_mean", 0) for r in steps)
+        if steps else 0.0,
+        "lag_max": max(lags, default=0), "accuracy": accuracy,
+        "peak_rss_gib": info.get("peak_rss_gib"),
+        "load": f"{info['load_start']}/{info['load_end']}",
+    }
+    return row | task_mix(db)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of `summarise` rows."""
+    head = ("| setting | wall | s/step | s/step w/o eval | train s/step | trainer waiting | "
+            "train overlapped by generation | rollout tok/s | lag mean/max | held-out by step | "
+            "bias duration / terms | peak RSS | load 1-min start/end |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        acc = ", ".join(f"{s}: {a:.3f}" for s, a in sorted(r["accuracy"].items()))
+        lines.append(
+            f"| {r['setting']} | {r['wall_s'] / 60:.1f} min | {r['s_per_step']:.1f} | "
+            f"{r['s_per_step_no_eval']:.1f} | {r['train_s']:.1f} | {r['wait_fraction']:.0%} | "
+            f"{r['overlap']:.0%} | {r['tokens_per_s']:.1f} | {r['lag_mean']:.2f}/{r['lag_max']} | "
+            f"{acc} | {r['bias_duration']:.2f} / {r['bias_terms']:.2f} | "
+            f"{r['peak_rss_gib'] or 0:.2f} GiB | {r['load']} |")
+    return "\n".join(lines)
+
+
+def fake_clock(settings: list[str], seeds: int = 5, steps: int = 200) -> str:
+    """The settings on `benchmarks/scheduling.simulate`'s fake clock in the main job's shape.
+
+    k = 2, G = 8, 16 rollout slots (the engine's default max_batch_size), a training step of
+    1.0 and per-task rollout durations lognormal with median 2.5 (sigma 0.5): the main job's
+    generation took about 3x its training on a quiet machine. The clock has no shared cores:
+    generation beside training costs nothing here, unlike on 2 real cores. Mean over seeds.
+    """
+    from benchmarks.scheduling import duration_bias, lognormal_durations, simulate  # lazy: CLI
+    from forgerl.scheduler.policies import Fffo, Fifo, Scheduler, WindowedFifo  # lazy: CLI
+
+    lines = ["| setting | time/step (train = 1) | trainer idle | lag mean / max | bias |",
+             "|---|---|---|---|---|"]
+    for setting in settings:
+        policy_name, _, lag = setting.partition(":")
+        policy = {"sync": Fifo(), "fifo": Fifo(), "fffo": Fffo()}.get(policy_name) or \
+            WindowedFifo(int(policy_name[1:]))
+        per_seed = []
+        for seed in range(seeds):
+            duration = lognormal_durations(seed, sigma=0.5)
+            scaled = lambda i, d=duration: 2.5 * d(i)  # noqa: E731
+            sched = Scheduler(policy, 2, int(lag or 0), group_size=8)
+            res = simulate(sched, scaled, 16, 1.0, steps)
+            lags = list(res.lags.values())
+            per_seed.append((res.end_time / steps, res.idle_time / res.end_time,
+                             sum(lags) / len(lags), max(lags),
+                             duration_bias(res, scaled, min(100, len(res.trained)))))
+        mean = [statistics.mean(r[j] for r in per_seed) for j in range(5)]
+        lines.append(f"| {setting} | {mean[0]:.2f} | {mean[1]:.0%} | {mean[2]:.2f} / "
+                     f"{max(r[3] for r in per_seed)} | {mean[4]:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", choices=sorted(JOBS), default="main")
+    ap.add_argument("--settings", nargs="+", default=["sync:0", "w4:1", "w2:2", "fifo:2", "fffo:2"])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--forgerl", default=str(Path(sys.executable).parent / "forgerl"))
+    ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--fake-clock", action="store_true", help="only the fake-clock table")
+    args = ap.parse_args()
+    if args.fake_clock:
+        print(fake_clock(args.settings))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.table_only:
+        for setting in args.settings:
+            run_one(args.job, setting, args.out, args.forgerl)
+    rows = [summarise(args.out / s.replace(":", "_L")) for s in args.settings
+            if (args.out / s.replace(":", "_L") / "metrics.jsonl").exists()]
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
