@@ -29,7 +29,10 @@ _databases = itertools.count()
 
 
 def pg_bin() -> Path | None:
-    """The newest installed PostgreSQL server's bin folder, or None."""
+    """The newest installed PostgreSQL server's bin folder, or None. FORGERL_PG_BIN names
+    another folder (one holding initdb and pg_ctl)."""
+    if folder := os.environ.get("FORGERL_PG_BIN"):
+        return Path(folder) if (Path(folder) / "initdb").exists() else None
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
                    key=lambda p: int(Path(p).parts[-3]))
     return Path(found[-1]).parent if found else None

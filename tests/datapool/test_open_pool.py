@@ -3,8 +3,10 @@ unreachable server is a one-line error naming `datapool.url` (no password, no tr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +56,23 @@ def test_forgerl_train_says_it_in_one_line(tmp_path):
     assert done.stderr.startswith("forgerl: error: datapool.url: cannot open "
                                   "postgresql://forge:***@127.0.0.1:1/pool: ")
     assert len(done.stderr.splitlines()) == 1 and "s3cret" not in done.stderr
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_absent_server_binaries_skip_with_the_reason_or_fail_under_ci(ci):
+    """Without PostgreSQL's binaries a PostgreSQL test is skipped, saying what to install;
+    under CI=true it fails instead (CI must run it)."""
+    env = {**os.environ, "FORGERL_PG_BIN": "/nonexistent", "CI": ci,
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no third-party plugins: a quick start
+    test = "tests/datapool/test_open_pool.py::test_the_location_picks_the_backend"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-rsE", "-p", "no:cacheprovider",
+                           "--noconftest", "-p", "tests.pg", test],  # tests.pg: the fixtures
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    reason = "PostgreSQL server binaries absent (apt-get install postgresql)"
+    if ci:
+        assert done.returncode == 1 and "1 error" in done.stdout
+        assert f"{reason}; CI=true must run the PostgreSQL tests" in done.stdout
+    else:
+        assert done.returncode == 0 and "1 skipped" in done.stdout
+        assert f"SKIPPED [1] {test.split('::')[0]}" in done.stdout and reason in done.stdout
