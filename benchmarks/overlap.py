@@ -56,10 +56,10 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-def run_one(job: str, setting: str, out: Path, forgerl: str) -> None:
-    """One `forgerl train` run into out/<setting>; writes run.json beside it."""
+def run_one(job: str, setting: str, out: Path, forgerl: str, extra: list[str]) -> None:
+    """One `forgerl train` run into out/<setting>; writes <setting>.json beside it."""
     run_dir = out / setting.replace(":", "_L")
-    cmd = [forgerl, "train", *JOBS[job], *setting_flags(setting), "--run_dir", str(run_dir)]
+    cmd = [forgerl, "train", *JOBS[job], *extra, *setting_flags(setting), "--run_dir", str(run_dir)]
     start_load, t0 = load_average(), time.time()
     log = (out / f"{run_dir.name}.log").open("w")
     rc = subprocess.call(["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT)
@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--forgerl", default=str(Path(sys.executable).parent / "forgerl"))
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--extra", action="append", default=[], help="a `forgerl train` override, "
+                    "repeatable: --extra=--tasks.eval_size=16 (split at the first =)")
     ap.add_argument("--fake-clock", action="store_true", help="only the fake-clock table")
     args = ap.parse_args()
     if args.fake_clock:
@@ -209,7 +211,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
         for setting in args.settings:
-            run_one(args.job, setting, args.out, args.forgerl)
+            extra = [part for flag in args.extra for part in flag.split("=", 1)]
+            run_one(args.job, setting, args.out, args.forgerl, extra)
     rows = [summarise(args.out / s.replace(":", "_L")) for s in args.settings
             if (args.out / s.replace(":", "_L") / "metrics.jsonl").exists()]
     print(table(rows))
