@@ -251,12 +251,13 @@ def main() -> None:
     ap.add_argument("--extra", action="append", default=[], help="a `forgerl train` override, "
                     "repeatable: --extra=--tasks.eval_size=16 (split at the first =)")
     ap.add_argument("--fake-clock", action="store_true", help="only the fake-clock table")
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (--job tool)")
     args = ap.parse_args()
     if args.fake_clock:
         print(fake_clock(args.settings))
         return
     if args.job == "tool":
-        print(tool_job(args.settings))
+        print(tool_job(args.settings, steps=args.steps))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
