@@ -10,18 +10,24 @@ metrics.jsonl and pool to print one markdown table. A setting is `POLICY:L`, POL
     python benchmarks/overlap.py --job main --out /tmp/overlap-main --table-only
 
 Jobs: `main` = examples/calculator_agent with `--max_steps 4` (held-out at steps 0 and 4);
-`chain_sum` = the TRL-shaped command of examples/chain_sum (held-out at 0 and 8, 64 tasks).
+`chain_sum` = the TRL-shaped command of examples/chain_sum (held-out at 0 and 8, 64 tasks);
+`tool` = the real loop on the tiny model with a tool-bound agent (`tool_job`), in-process.
+`--extra=--FLAG=VALUE` (repeatable) adds an override to every run, e.g. a longer
+`--rollout.timeout_s` on a loaded machine. `--fake-clock` prints the simulator's table instead.
+Run from the repository root with PYTHONPATH=. (it imports `benchmarks.scheduling`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,10 +62,10 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-def run_one(job: str, setting: str, out: Path, forgerl: str) -> None:
-    """One `forgerl train` run into out/<setting>; writes run.json beside it."""
+def run_one(job: str, setting: str, out: Path, forgerl: str, extra: list[str]) -> None:
+    """One `forgerl train` run into out/<setting>; writes <setting>.json beside it."""
     run_dir = out / setting.replace(":", "_L")
-    cmd = [forgerl, "train", *JOBS[job], *setting_flags(setting), "--run_dir", str(run_dir)]
+    cmd = [forgerl, "train", *JOBS[job], *extra, *setting_flags(setting), "--run_dir", str(run_dir)]
     start_load, t0 = load_average(), time.time()
     log = (out / f"{run_dir.name}.log").open("w")
     rc = subprocess.call(["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT)
@@ -194,22 +200,70 @@ def fake_clock(settings: list[str], seeds: int = 5, steps: int = 200) -> str:
     return "\n".join(lines)
 
 
+def tool_job(settings: list[str], steps: int = 8, scale: float = 5.0, seed: int = 0) -> str:
+    """The settings on the real loop with a CPU-light, tool-bound agent (`--job tool`).
+
+    `benchmarks/scheduling.py`'s part 2: tiny model, gateway over HTTP, SQLite pool, CISPO
+    trainer; G = 4, k = 2, max_in_flight at its default (L + 1) k; each rollout sleeps a
+    lognormal "tool" time (median 0.3 s x `scale`) between chat calls. Little CPU per rollout,
+    so a loaded machine moves these numbers less than the model jobs'.
+    """
+    from benchmarks.scheduling import (  # lazy: CLI
+        lognormal_tool_seconds,
+        make_tool_agent,
+        real_config,
+        summarize_run,
+        true_bias,
+    )
+    from forgerl.controller import run  # lazy: CLI
+
+    tool = lognormal_tool_seconds(seed)
+    lines = ["| setting | s/step | trainer idle | lag mean / max | bias (tool s) | load |",
+             "|---|---|---|---|---|---|"]
+    for setting in settings:
+        name, _, lag = setting.partition(":")
+        policy, window = {"sync": ("fifo", None), "fifo": ("fifo", None),
+                          "fffo": ("fffo", None)}.get(name) or ("windowed_fifo", int(name[1:]))
+        lag_steps = int(lag or 0)
+        load = load_average()
+        with tempfile.TemporaryDirectory(prefix="forgerl-overlap-") as tmp:
+            run_dir = Path(tmp) / "run"
+            config = real_config(run_dir, policy, window, steps, lag_steps, (lag_steps + 1) * 2,
+                                 4, 2, seed)
+            agent = make_tool_agent(lambda q: scale * tool(q), seed)
+            asyncio.run(run(config, agent=agent, progress=False))
+            r = summarize_run(run_dir, 2)
+            bias = true_bias(run_dir, tool)
+        lines.append(f"| {setting} | {r['s_per_step']:.2f} | {r['idle']:.0%} | "
+                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {bias:.2f} | "
+                     f"{load}/{load_average()} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", choices=sorted(JOBS), default="main")
+    ap.add_argument("--job", choices=[*sorted(JOBS), "tool"], default="main")
     ap.add_argument("--settings", nargs="+", default=["sync:0", "w4:1", "w2:2", "fifo:2", "fffo:2"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--forgerl", default=str(Path(sys.executable).parent / "forgerl"))
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--extra", action="append", default=[], help="a `forgerl train` override, "
+                    "repeatable: --extra=--tasks.eval_size=16 (split at the first =)")
     ap.add_argument("--fake-clock", action="store_true", help="only the fake-clock table")
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (--job tool)")
     args = ap.parse_args()
     if args.fake_clock:
         print(fake_clock(args.settings))
         return
+    if args.job == "tool":
+        print(tool_job(args.settings, steps=args.steps))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
         for setting in args.settings:
-            run_one(args.job, setting, args.out, args.forgerl)
+            extra = [part for flag in args.extra for part in flag.split("=", 1)]
+            run_one(args.job, setting, args.out, args.forgerl, extra)
     rows = [summarise(args.out / s.replace(":", "_L")) for s in args.settings
             if (args.out / s.replace(":", "_L") / "metrics.jsonl").exists()]
     print(table(rows))

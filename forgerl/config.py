@@ -321,10 +321,8 @@ class SchedulerConfig(_Section):
     """[scheduler]: the policy that picks finished groups, and admission control."""
 
     policy: SchedulerPolicyConfig = FifoConfig()
-    """Which finished groups each step trains. The default, FIFO, admits k new tasks after every
-    step, so they generate while the next steps train; a window W >= 2 (or FFFO) admits in
-    bursts of (L + 1) k every L + 1 steps instead, because a later group may be trained before
-    an earlier one (docs/overlap.md)."""
+    """Which finished groups each step trains. FIFO admits k tasks after every step, generating
+    while the next steps train; a window W >= 2 or FFFO admits in bursts (docs/overlap.md)."""
     max_off_policy_steps: int = Field(2, ge=0, le=1000)
     """Admission control: a task is admitted only while its samples' off-policy lag stays within
     this many optimizer steps. 0 = synchronous (no generation overlaps training); the default 2
