@@ -179,3 +179,16 @@ def test_front_in_process(serve, tokenizer):
         r = c.post("/sessions", json={}, headers=srvs[0].admin)
         assert r.status_code == 200 and r.headers["x-forgerl-gateway"] == "1"
     asyncio.run_coroutine_threadsafe(front.stop(), srvs[0].loop).result(10)
+
+
+def test_train_refuses_processes(tmp_path):
+    """`forgerl train` serves one gateway process: processes > 1 is a ConfigError naming it."""
+    import asyncio
+
+    from forgerl.config import ConfigError, load_config
+    from forgerl.controller import run
+
+    config = load_config(None, ["--gateway.processes=2", f"--run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^gateway\.processes: forgerl train"):
+        asyncio.run(run(config))
+    assert not (tmp_path / "run").exists()
