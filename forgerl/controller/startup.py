@@ -2,7 +2,7 @@
 
     task generation (fork server child) ─┐
     agent fork servers ──────────────────┤
-    policy + renderer + demos ─► RUN_DIR lock ─► trainer ─► pool ─► resume ─► scheduler
+    policy + renderer + demos ─► RUN_DIR lock ─► pool ─► trainer ─► resume ─► scheduler
                                          ─► engines (local | remote | vllm | Ray actors)
                                          ─► gateway (HTTP) ─► RUN_DIR/config.json ─► Services
 
@@ -133,11 +133,11 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
     if training and agent is None:  # after the lock, before anything of the run is written
         for section in (config.agent, *(d.agent for d in config.domains)):
             check_agent_command(section)
+    pool = open_pool(config.datapool.location(run_dir))  # an unreachable server fails fast
     trainer = build_trainer(config, model)
     if config.model.lora is not None:  # on the trainer's device, before the resume loads it
         trainer.attach_lora(PolicyAdapter.wrap(trainer.model, config.model.lora, config.seed,
                                                config.model.path))
-    pool = open_pool(config.datapool.location(run_dir))
     scheduler_state = resume(run_dir, trainer, config.model.path)  # see rundir.py
     scheduler = Scheduler.build(config.scheduler, config.rollout, pool, scheduler_state)
     engine, cluster = await _start_engines(config, trainer, run_dir, cores)

@@ -1,7 +1,7 @@
 """The data-pool contract: durable storage of tasks, trajectories, completions and rewards.
 
 Writers: the gateway (completions), the controller (tasks, trajectory status, rewards, trained
-marks). Reader: the scheduler/trainer (finished groups). `sqlite` is the default backend.
+marks). Reader: the scheduler/trainer (finished groups). Backends (`open_pool`): sqlite, postgres.
 """
 
 from __future__ import annotations

@@ -17,9 +17,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from forgerl.datapool.sql import _SCHEMA, SQLPool, TaskStatus
-
-__all__ = ["SQLitePool", "TaskStatus"]
+from forgerl.datapool.sql import _SCHEMA, SQLPool
 
 
 class SQLitePool(SQLPool):
