@@ -36,7 +36,8 @@ from forgerl.gateway.server import listen
 
 log = logging.getLogger(__name__)
 
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"}
+_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade",
+        b"expect"}
 
 
 class WorkerDown(Exception):
@@ -162,6 +163,8 @@ class Front:
                 req = await _event(conn, reader)
                 if not isinstance(req, h11.Request):
                     return
+                if conn.they_are_waiting_for_100_continue:  # curl's large bodies
+                    writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
                 body = bytearray()
                 while not isinstance(ev := await _event(conn, reader), h11.EndOfMessage):
                     if isinstance(ev, h11.ConnectionClosed):

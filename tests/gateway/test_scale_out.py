@@ -118,3 +118,77 @@ def test_two_gateways_behind_one_front(tmp_path, pool_url):
     while _alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pids[1])  # stopping the front stops its workers
+
+
+def test_front_in_process(serve, tokenizer):
+    """The front over two in-process gateways: sticky routing, streaming, a 100-continue, the
+    loopback rule, and a stopped worker's sessions answered 503 in each API's shape."""
+    import asyncio
+    import socket
+
+    from forgerl.gateway.front import Front
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
+
+    from .conftest import ScriptedEngine, reply
+
+    renderer = ChatMLRenderer(tokenizer)
+    srvs = [serve(ScriptedEngine([reply(renderer, "5")] * 8), tokenizer) for _ in range(2)]
+    dead: list[tuple[int, list[str], str]] = []
+    front = Front([("127.0.0.1", s.server.port) for s in srvs],
+                  lambda i, ids, why: dead.append((i, ids, why)), loopback_sessions=True)
+    port = asyncio.run_coroutine_threadsafe(front.start(), srvs[0].loop).result(10)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=30) as c:
+        opened = [c.post("/sessions", json={}, headers=srvs[0].admin) for _ in range(2)]
+        by_worker = {int(r.headers["x-forgerl-gateway"]): r.json() for r in opened}
+        assert sorted(by_worker) == [0, 1]
+        for w, s in by_worker.items():
+            auth = {"Authorization": f"Bearer {s['api_key']}"}
+            r = c.post("/chat/completions", json={"model": "tiny", "messages": USER}, headers=auth)
+            assert r.status_code == 200 and r.headers["x-forgerl-gateway"] == str(w)
+            assert r.json()["choices"][0]["message"]["content"] == "5"
+            assert len(srvs[w].pool.get_trajectory(s["session_id"]).completions) == 1
+        auth0 = {"x-api-key": by_worker[0]["api_key"]}
+        with c.stream("POST", "/chat/completions", headers=auth0,
+                      json={"model": "tiny", "messages": USER, "stream": True}) as r:
+            events = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert r.headers["x-forgerl-gateway"] == "0" and events[-1] == "data: [DONE]"
+        assert c.post("/chat/completions", json={"model": "tiny", "messages": USER},
+                      headers={"Authorization": "Bearer sk-unknown"}).status_code == 401
+        assert front._refusal("/v1/sessions", 0, "10.1.2.3", []).status == 401  # from afar
+        assert front._refusal("/v1/sessions", 0, "127.0.0.1", []) is None
+
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            raw.sendall(b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                        b"content-length: 2\r\nauthorization: Bearer "
+                        + srvs[0].admin["Authorization"].split()[1].encode() + b"\r\n\r\n")
+            assert raw.recv(100).startswith(b"HTTP/1.1 100 ")
+            raw.sendall(b"{}")
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+        asyncio.run_coroutine_threadsafe(srvs[0].server.stop(), srvs[0].loop).result(30)
+        r = c.post("/chat/completions", json={"model": "tiny", "messages": USER},
+                   headers={"Authorization": f"Bearer {by_worker[0]['api_key']}"})
+        assert r.status_code == 503 and r.headers["x-should-retry"] == "false"
+        err = r.json()["error"]
+        assert err["code"] == "gateway_unavailable" and "gateway worker 0 is down" in err["message"]
+        r = c.post("/messages", headers=auth0,
+                   json={"model": "tiny", "max_tokens": 8, "messages": USER})
+        assert r.status_code == 503 and r.json()["type"] == "error"
+        assert "gateway worker 0 is down" in r.json()["error"]["message"]
+        assert [(i, ids) for i, ids, _ in dead] == [(0, [by_worker[0]["session_id"]])]
+        r = c.post("/sessions", json={}, headers=srvs[0].admin)
+        assert r.status_code == 200 and r.headers["x-forgerl-gateway"] == "1"
+    asyncio.run_coroutine_threadsafe(front.stop(), srvs[0].loop).result(10)
+
+
+def test_train_refuses_processes(tmp_path):
+    """`forgerl train` serves one gateway process: processes > 1 is a ConfigError naming it."""
+    import asyncio
+
+    from forgerl.config import ConfigError, load_config
+    from forgerl.controller import run
+
+    config = load_config(None, ["--gateway.processes=2", f"--run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^gateway\.processes: forgerl train"):
+        asyncio.run(run(config))
+    assert not (tmp_path / "run").exists()
