@@ -33,7 +33,7 @@ PLOT = HERE.parent / "docs" / "img" / "simulation-saturation.png"
 
 # Forge-like agent sessions (assumed shape, not measured): median 8 calls of 200 tokens, each
 # after a median 5 s of tools / environment; lognormal spreads give rollouts from seconds to
-# hours (calls 1..~150, environment 0.1 s..~10 min per call)
+# hours (calls 1..~150, environment 0.1 s..~10 min per call; mean rollout ~26 min)
 FORGE = Workload(group_size=8, calls=8, calls_sigma=1.2, env_s=5.0, env_sigma=1.5,
                  completion_tokens=200, completion_sigma=0.7, prompt_tokens=1000,
                  new_prompt_tokens=300)
@@ -137,21 +137,42 @@ def forge(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
         "1 of each": base,
         "16 gw, 8 sh, 4 ctl": replace(base, gateways=16, pool_shards=8, controllers=4),
         "same, W = k/4": replace(base, gateways=16, pool_shards=8, controllers=4, window=156),
+        "16 gw, 8 sh, 16 ctl": replace(base, gateways=16, pool_shards=8, controllers=16),
+        "same, W = 8k": replace(base, gateways=16, pool_shards=8, controllers=16, window=5000),
     }
-    print(f"{'layout':>18} {'steps':>5} {'s/step':>7} {'trainer':>8} {'lag mean':>8} "
+    layouts = {n: lay for n, lay in layouts.items() if not args.only or n in args.only}
+    print(f"{'layout':>19} {'steps':>5} {'s/step':>7} {'trainer':>8} {'lag mean':>8} "
           f"{'lag max':>7} {'calls/s':>8} {'gateway':>8} {'pool':>6} {'ctrl':>6} {'sched':>6} "
           f"{'engines':>8} {'wall s':>7}")
     for name, layout in layouts.items():
         t0 = time.perf_counter()
         out = simulate(costs, FORGE, layout, steps=10**9, max_seconds=args.seconds)
-        print(f"{name:>18} {out['steps']:>5} {out['step_s']:>7.1f} {out['trainer_busy']:>8.0%} "
-              f"{out['lag_mean']:>8.2f} {out['lag_max']:>7} {out['calls_per_s']:>8.0f} "
+        print(f"{name:>19} {out['steps']:>5} {out['step_s']:>7.1f} "
+              f"{out['trainer_busy_steady']:>8.0%} {out['lag_mean']:>8.2f} {out['lag_max']:>7} "
+              f"{out['calls_per_s']:>8.0f} "
               f"{out['gateway_busy_max']:>8.0%} {out['pool_busy_max']:>6.0%} "
               f"{out['controller_busy']:>6.0%} {out['scheduler_busy']:>6.0%} "
               f"{out['engine_busy_mean']:>8.0%} {time.perf_counter() - t0:>7.1f}", flush=True)
 
 
-commands = {"validate": validate, "saturation": saturation, "forge": forge}
+def configs(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
+    """A tenth of Forge (100 engines, 10,000 sessions, 2 of each component): the scheduler
+    settings against the trainer's busy fraction and lag; trainer sized to the rollouts."""
+    base = Layout(engines=100, max_batch=128, engine_speed=ENGINE_SPEED, gateways=2,
+                  pool_shards=2, controllers=2, trainer_speed=args.trainer_speed / 10)
+    print(f"{'policy':>14} {'k':>4} {'L':>3} {'W':>5} {'steps':>5} {'s/step':>7} {'trainer':>8} "
+          f"{'lag mean':>8} {'lag max':>7} {'in flight':>9}")
+    for policy, k, lag, window in (("fifo", 62, 19, 1), ("windowed_fifo", 62, 19, 62),
+                                   ("windowed_fifo", 62, 19, 500), ("fffo", 62, 19, 0),
+                                   ("fffo", 62, 4, 0), ("fffo", 250, 4, 0)):
+        layout = replace(base, policy=policy, k=k, max_off_policy_steps=lag, window=window or 1)
+        out = simulate(costs, FORGE, layout, steps=10**9, max_seconds=args.seconds)
+        print(f"{policy:>14} {k:>4} {lag:>3} {window or '∞':>5} {out['steps']:>5} "
+              f"{out['step_s']:>7.1f} {out['trainer_busy_steady']:>8.0%} {out['lag_mean']:>8.2f} "
+              f"{out['lag_max']:>7} {(lag + 1) * k * FORGE.group_size:>9}", flush=True)
+
+
+commands = {"validate": validate, "saturation": saturation, "forge": forge, "configs": configs}
 
 
 def main() -> None:
@@ -159,8 +180,9 @@ def main() -> None:
     parser.add_argument("what", choices=sorted(commands))
     parser.add_argument("--costs", type=Path, default=COSTS)
     parser.add_argument("--seconds", type=float, default=120.0, help="simulated seconds")
-    parser.add_argument("--trainer-speed", type=float, default=60000.0,
+    parser.add_argument("--trainer-speed", type=float, default=14000.0,
                         help="forge: trainer throughput / the measured one")
+    parser.add_argument("--only", nargs="*", help="forge: these layouts (names as printed)")
     args = parser.parse_args()
     if not args.costs.exists():
         raise SystemExit(f"scale_runs: {args.costs} not found (run benchmarks/sim_costs.py)")

@@ -167,6 +167,7 @@ class Sim:
         self.group_tokens: dict[int, float] = {}
         self.version, self.training, self.train_busy = 0, False, 0.0
         self.step_times: list[float] = []
+        self.train_costs: list[float] = []
         self.lags: list[int] = []
         self.n_calls = self.n_rollouts = 0
         self.ids = 0
@@ -320,6 +321,7 @@ class Sim:
             per_token = self.c.trainer_s_per_token_shared or per_token
         cost = (self.c.trainer_step_s + tokens * per_token) / self.l.trainer_speed
         self.train_busy += cost
+        self.train_costs.append(cost)
         for i in range(len(self.engines)):
             self.reschedule(i)
         self.at(self.now + cost, "trained", batch)
@@ -355,17 +357,22 @@ class Sim:
         return self.summary()
 
     def summary(self) -> dict[str, float]:
-        """Steady-state step seconds (mean over the second half of the steps), the first step's
-        end (seconds from the start, weight sync included), busy fractions
+        """Steady-state step seconds (mean over the second half of the steps) and the trainer's
+        busy fraction over them, the first step's end (seconds from the start, weight sync
+        included), busy fractions
         of every component over the whole run, calls/s, rollouts/s and off-policy lag."""
         t = self.now or 1.0
-        half = self.step_times[len(self.step_times) // 2:]
+        n = len(self.step_times) // 2
+        half = self.step_times[n:]
         step_s = ((half[-1] - half[0]) / (len(half) - 1) if len(half) > 1
                   else (self.step_times[0] if self.step_times else math.nan))
+        steady_busy = (sum(self.train_costs[n + 1:len(self.step_times)]) / (half[-1] - half[0])
+                       if len(half) > 1 else math.nan)
         return {
             "steps": len(self.step_times), "seconds": t, "step_s": step_s,
             "first_step_s": self.step_times[0] if self.step_times else math.nan,
-            "trainer_busy": self.train_busy / t, "calls_per_s": self.n_calls / t,
+            "trainer_busy": self.train_busy / t, "trainer_busy_steady": steady_busy,
+            "calls_per_s": self.n_calls / t,
             "rollouts_per_s": self.n_rollouts / t,
             "controller_busy": max(c.busy for c in self.controllers) / t,
             "scheduler_busy": self.scheduler_cpu.busy / t,
