@@ -37,6 +37,9 @@ PLOT = HERE.parent / "docs" / "img" / "simulation-saturation.png"
 FORGE = Workload(group_size=8, calls=8, calls_sigma=1.2, env_s=5.0, env_sigma=1.5,
                  completion_tokens=200, completion_sigma=0.7, prompt_tokens=1000,
                  new_prompt_tokens=300)
+# PostgreSQL, one connection, durable commit (part A's benchmarks/pool.py, results
+# 2026-12-07-pool.md, same machine and load): ~12.9 ms for 1 call, ~32 ms for 8 → tx + n * call
+POSTGRES = {"pool_tx_s": 0.0102, "pool_call_s": 0.0027}
 ENGINE_SPEED = 50.0  # an accelerator engine against the measured 2-core CPU one (assumed)
 
 
@@ -82,7 +85,7 @@ def validate(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
 def saturation(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
     """One of each component under growing load; table and plot."""
     print(f"capacities at 100 %: gateway {1 / costs.gateway_cpu_s_per_call:,.0f} calls/s; "
-          f"pool (sqlite) {1 / (costs.pool_tx_s + costs.pool_call_s):,.0f} calls/s alone, "
+          f"pool ({args.pool}) {1 / (costs.pool_tx_s + costs.pool_call_s):,.0f} calls/s alone, "
           f"{1 / costs.pool_call_s:,.0f} calls/s at large group commits; controller "
           f"{1 / costs.rollout_writes_s:,.0f} rollouts/s")
     rows = []
@@ -101,7 +104,8 @@ def saturation(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
               f"{out['gateway_busy_max']:>8.0%} {out['pool_busy_max']:>6.0%} "
               f"{out['controller_busy']:>6.0%} {out['scheduler_busy']:>6.0%} "
               f"{out['engine_busy_mean']:>8.0%} {time.perf_counter() - t0:>7.1f}")
-    plot(rows)
+    if args.pool == "sqlite":
+        plot(rows)
 
 
 def plot(rows: list) -> None:
@@ -183,11 +187,16 @@ def main() -> None:
     parser.add_argument("--trainer-speed", type=float, default=14000.0,
                         help="forge: trainer throughput / the measured one")
     parser.add_argument("--only", nargs="*", help="forge: these layouts (names as printed)")
+    parser.add_argument("--pool", choices=["sqlite", "postgresql"], default="sqlite",
+                        help="pool costs: measured SQLite, or PostgreSQL from benchmarks/pool.py")
     args = parser.parse_args()
     if not args.costs.exists():
         raise SystemExit(f"scale_runs: {args.costs} not found (run benchmarks/sim_costs.py)")
     raw = json.loads(args.costs.read_text())
-    commands[args.what](Costs.load(args.costs), raw, args)
+    costs = Costs.load(args.costs)
+    if args.pool == "postgresql":
+        costs = replace(costs, **POSTGRES)
+    commands[args.what](costs, raw, args)
 
 
 if __name__ == "__main__":
