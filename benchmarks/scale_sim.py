@@ -4,8 +4,8 @@ The scenarios and their tables: benchmarks/scale_runs.py (commands in docs/simul
 One heapq event loop, seconds of
 simulated time; every component is a queue with the measured service cost:
 
-- controller: one FIFO server; `rollout_writes_s` per rollout start + end (create and finish
-  the trajectory), `controller_s_per_rollout` more if set.
+- controllers: `controllers` FIFO servers (rollout id mod count); `rollout_writes_s` per
+  rollout start + end (create and finish the trajectory), `controller_s_per_rollout` more.
 - scheduler: the real `forgerl.scheduler.policies.Scheduler` decides (policy, k, L, W,
   max_in_flight); it is one FIFO server charged `scheduler_admit_s + A * per_admitted` per
   admitted group (A: the admitted, untrained groups, over which `admissible` checks the lag).
@@ -24,8 +24,9 @@ simulated time; every component is a queue with the measured service cost:
   `shared_cpu`: the engine's steps take the 1-thread coefficients while the trainer runs
   (one CPU split between them, `forgerl.cpu_share`), else the 2-thread ones.
 - trainer: takes `scheduler.next_batch()` when idle; a step is trainer_step_s + tree tokens *
-  s_per_token (tree tokens of a group: its prompt once, then every rollout's new prompt and
-  completion tokens); then a weight sync of `weight_sync_s` that pauses every engine.
+  s_per_token (the shared-CPU one when `shared_cpu` and an engine has calls at its start; tree
+  tokens of a group: `group_tree_tokens`, else its prompt once, then every rollout's new prompt
+  and completion tokens); then a weight sync of `weight_sync_s` that pauses every engine.
 - agents: a rollout is `calls` model calls with environment seconds before each and after the
   last (lognormal around the medians; sigma 0 = fixed).
 
@@ -65,6 +66,7 @@ class Costs:
     prefill_tokens_per_s: float = 2000.0
     trainer_step_s: float = 1.0
     trainer_s_per_token: float = 1e-3
+    trainer_s_per_token_shared: float | None = None  # beside a decoding engine (shared_cpu)
     weight_sync_s: float = 0.2
 
     @classmethod
@@ -92,6 +94,7 @@ class Workload:
     completion_sigma: float = 0.0
     prompt_tokens: float = 100.0    # the first call's prompt (shared by the group)
     new_prompt_tokens: float = 10.0  # each later call's prompt beyond the last context
+    group_tree_tokens: float | None = None  # trained tree tokens per group, if measured
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Layout:
     max_batch: int = 48
     gateways: int = 1
     pool_shards: int = 1
+    controllers: int = 1            # rollout ids split over them (id mod count)
     k: int = 2
     max_off_policy_steps: int | None = 2
     policy: str = "fifo"            # fifo | fffo | windowed_fifo
@@ -151,7 +155,8 @@ class Sim:
         self.events: list = []
         self.seq = 0
         self.now = 0.0
-        self.controller, self.scheduler_cpu = Server(), Server()
+        self.controllers = [Server() for _ in range(layout.controllers)]
+        self.scheduler_cpu = Server()
         self.gateways = [Server() for _ in range(layout.gateways)]
         self.shards = [{"busy": False, "batch": [], "waiting": [], "n": 0}
                        for _ in range(layout.pool_shards)]
@@ -162,6 +167,7 @@ class Sim:
         self.group_tokens: dict[int, float] = {}
         self.version, self.training, self.train_busy = 0, False, 0.0
         self.step_times: list[float] = []
+        self.train_costs: list[float] = []
         self.lags: list[int] = []
         self.n_calls = self.n_rollouts = 0
         self.ids = 0
@@ -193,15 +199,15 @@ class Sim:
         rid, self.ids = self.ids, self.ids + 1
         calls = max(1, round(self.draw(self.w.calls, self.w.calls_sigma)))
         self.rollouts[rid] = {"task": task, "left": calls, "version": self.version}
-        done = self.controller.serve(self.now, self.c.rollout_writes_s / 2
-                                     + self.c.controller_s_per_rollout / 2)
+        done = self.controllers[rid % len(self.controllers)].serve(
+            self.now, self.c.rollout_writes_s / 2 + self.c.controller_s_per_rollout / 2)
         self.at(done + self.draw(self.w.env_s, self.w.env_sigma), "call", rid)
 
     def rollout_end(self, rid: int) -> None:
         ro = self.rollouts.pop(rid)
         self.n_rollouts += 1
-        done = self.controller.serve(self.now, self.c.rollout_writes_s / 2
-                                     + self.c.controller_s_per_rollout / 2)
+        done = self.controllers[rid % len(self.controllers)].serve(
+            self.now, self.c.rollout_writes_s / 2 + self.c.controller_s_per_rollout / 2)
         self.at(done, "ended", ro["task"], ro["version"])
 
     def ended(self, task: int, version: int) -> None:
@@ -308,8 +314,14 @@ class Sim:
             self.advance(e)
         self.training = True
         tokens = sum(self.group_tokens.pop(t) for t in batch)
-        cost = (self.c.trainer_step_s + tokens * self.c.trainer_s_per_token) / self.l.trainer_speed
+        if self.w.group_tree_tokens is not None:
+            tokens = self.w.group_tree_tokens * len(batch)
+        per_token = self.c.trainer_s_per_token
+        if self.l.shared_cpu and any(e.running or e.waiting for e in self.engines):
+            per_token = self.c.trainer_s_per_token_shared or per_token
+        cost = (self.c.trainer_step_s + tokens * per_token) / self.l.trainer_speed
         self.train_busy += cost
+        self.train_costs.append(cost)
         for i in range(len(self.engines)):
             self.reschedule(i)
         self.at(self.now + cost, "trained", batch)
@@ -345,17 +357,24 @@ class Sim:
         return self.summary()
 
     def summary(self) -> dict[str, float]:
-        """Steady-state step seconds (mean over the second half of the steps), busy fractions
+        """Steady-state step seconds (mean over the second half of the steps) and the trainer's
+        busy fraction over them, the first step's end (seconds from the start, weight sync
+        included), busy fractions
         of every component over the whole run, calls/s, rollouts/s and off-policy lag."""
         t = self.now or 1.0
-        half = self.step_times[len(self.step_times) // 2:]
+        n = len(self.step_times) // 2
+        half = self.step_times[n:]
         step_s = ((half[-1] - half[0]) / (len(half) - 1) if len(half) > 1
                   else (self.step_times[0] if self.step_times else math.nan))
+        steady_busy = (sum(self.train_costs[n + 1:len(self.step_times)]) / (half[-1] - half[0])
+                       if len(half) > 1 else math.nan)
         return {
             "steps": len(self.step_times), "seconds": t, "step_s": step_s,
-            "trainer_busy": self.train_busy / t, "calls_per_s": self.n_calls / t,
+            "first_step_s": self.step_times[0] if self.step_times else math.nan,
+            "trainer_busy": self.train_busy / t, "trainer_busy_steady": steady_busy,
+            "calls_per_s": self.n_calls / t,
             "rollouts_per_s": self.n_rollouts / t,
-            "controller_busy": self.controller.busy / t,
+            "controller_busy": max(c.busy for c in self.controllers) / t,
             "scheduler_busy": self.scheduler_cpu.busy / t,
             "gateway_busy_max": max(g.busy for g in self.gateways) / t,
             "pool_busy_max": max(self.pool_busy) / t,

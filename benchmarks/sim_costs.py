@@ -20,8 +20,8 @@ CPU beside every number, all in seconds, tokens or bytes:
   2 threads (alone) and 1 (beside the trainer, `forgerl.cpu_share`), fitted per thread count as
   step_s = a + b * batch; prefill tokens/s of a 256-token prompt.
 - trainer: `Trainer.train_step` (CISPO, prefix tree, the run's autocast, 1 thread as beside the
-  engine) on one and on up to four of the run's finished groups, fitted as step_s + tree tokens
-  (after merging) * s_per_token.
+  engine) on the run's first four finished groups: seconds per tree token (after merging),
+  alone and beside an engine decoding 16 sequences (one `CpuShare`, as `forgerl train`).
 - weight_sync: one full `WeightSync` of the trained model into the engine: bytes, seconds.
 """
 
@@ -67,14 +67,14 @@ def gateway_cost(calls: int) -> dict[str, Any]:
         proc, url = gw.start("pool", tmp)
         try:
             asyncio.run(gw.concurrent(url, 32, calls // 5, stream=False))  # warm-up
-            before, t0 = cpu_seconds(proc.pid), time.perf_counter()
+            before = cpu_seconds(proc.pid)
             out = asyncio.run(gw.concurrent(url, 32, calls, stream=False))
-            cpu, wall = cpu_seconds(proc.pid) - before, time.perf_counter() - t0
+            cpu = cpu_seconds(proc.pid) - before
         finally:
             proc.kill()
-    done = out["requests"]
+    done = calls // 32 * 32  # `concurrent` makes requests // workers calls per client
     return {"gateway_cpu_s_per_call": cpu / done, "gateway_calls": done,
-            "gateway_calls_per_s_wall": done / wall, "gateway_errors": out["errors"],
+            "gateway_calls_per_s": out["rps"], "gateway_errors": out["errors"],
             "uptime_gateway": uptime()}
 
 
@@ -123,7 +123,8 @@ def scheduler_cost() -> dict[str, Any]:
         points.append((n / 2, (time.perf_counter() - t0) / n))  # mean backlog over the fill
     (a1, s1), (a2, s2) = points[0], points[-1]
     slope = (s2 - s1) / (a2 - a1)
-    return {"scheduler_admit_s": s1 - slope * a1, "scheduler_admit_s_per_admitted": slope,
+    return {"scheduler_admit_s": max(0.0, s1 - slope * a1),
+            "scheduler_admit_s_per_admitted": slope,
             "scheduler_points": points, "uptime_scheduler": uptime()}
 
 
@@ -163,11 +164,16 @@ async def engine_cost(model: Any, batches: tuple[int, ...], tokens: int) -> dict
 
 
 async def trainer_cost(model: Any, engine: Any, run: Path, autocast: str) -> dict[str, Any]:
-    """CISPO prefix-tree step tokens/s on the run's first two groups; one full weight sync."""
+    """CISPO prefix-tree step seconds per tree token on the run's first four finished groups,
+    alone and beside a decoding engine (one CpuShare, as `forgerl train` runs them); one full
+    weight sync."""
     import torch  # lazy: heavy
 
+    from forgerl.cpu_share import CpuShare
+    from forgerl.engines.local import LocalEngine
     from forgerl.trainer.trainer import Trainer
     from forgerl.trainer.weight_sync import WeightSync
+    from forgerl.types import SamplingParams
 
     torch.set_num_threads(1)
     pool = SQLitePool(run / "pool.sqlite")
@@ -175,20 +181,36 @@ async def trainer_cost(model: Any, engine: Any, run: Path, autocast: str) -> dic
     groups = [g for g in (pool.get_group(i) for i in tasks)
               if g.trajectories and all(t.status == "finished" for t in g.trajectories)][:4]
     trainer = Trainer(model, lr=5e-6, autocast=autocast, device="cpu")
-    points = []  # (tree tokens, step seconds), one group and all of them, after a warm-up
-    for n in (len(groups), 1, len(groups), 1):
-        m = trainer.train_step(groups[:n])
-        points.append((m["tokens_after_merge"], m["step_seconds"]))
-    (t1, s1), (tn, sn) = sorted(points[2:])
-    per_token = (sn - s1) / (tn - t1) if tn > t1 else s1 / t1
+    trainer.train_step(groups)  # warm-up
+    m = trainer.train_step(groups)
+    alone = m["step_seconds"] / m["tokens_after_merge"]
+    share = CpuShare(2)
+    trainer.cpu_share = share
+    beside = LocalEngine(engine.model, max_model_len=1024, max_batch_size=16, cpu_share=share)
+    stop = asyncio.Event()
+
+    async def decode() -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+        while not stop.is_set():
+            await asyncio.gather(*[beside.generate([1, *range(10 + i, 40 + i)], params)
+                                   for i in range(16)])
+
+    task = asyncio.create_task(decode())
+    await asyncio.sleep(1.0)
+    m = await asyncio.to_thread(trainer.train_step, groups)
+    stop.set()
+    await task
+    await beside.close()
+    shared = m["step_seconds"] / m["tokens_after_merge"]
     sync = WeightSync(engine, "full")
     seconds = []
     for v in (1, 2):
         await sync.sync(trainer.state_dict_for_sync(), v)
         seconds.append(sync.stats["seconds"])
-    return {"trainer_step_s": max(0.0, s1 - per_token * t1), "trainer_s_per_token": per_token,
-            "trainer_points": points[2:], "weight_sync_bytes": sync.stats["bytes"],
-            "weight_sync_s": min(seconds), "uptime_trainer": uptime()}
+    return {"trainer_step_s": 0.0, "trainer_s_per_token": alone,
+            "trainer_s_per_token_shared": shared, "trainer_tokens": m["tokens_after_merge"],
+            "weight_sync_bytes": sync.stats["bytes"], "weight_sync_s": min(seconds),
+            "uptime_trainer": uptime()}
 
 
 async def model_costs(config: dict[str, Any], run: Path, quick: bool) -> dict[str, Any]:

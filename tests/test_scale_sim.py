@@ -20,6 +20,7 @@ def test_synchronous_step_is_rollout_plus_train_plus_sync():
     assert out["step_s"] == pytest.approx(3.3)
     assert out["lag_max"] == 0
     assert out["trainer_busy"] == pytest.approx(6.0 / (6 * 3.3 - 0.2))  # ends at the 6th step
+    assert out["trainer_busy_steady"] == pytest.approx(1.0 / 3.3)
 
 
 def test_decode_batch_shares_the_step():
