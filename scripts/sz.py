@@ -49,7 +49,7 @@ BUDGETS: dict[str, int] = {
     # sampled-with-transforms turns kept as context; +125 (issue 47): one non-finite rule for every
     # loss, entropy of the loss tokens (chunked, per sample, all-reduced over ranks)
     "tinker": 775,  # +25 (issue 50 breaker): sampler cache keyed by save, in-use samplers kept
-    "core": 2_690,  # +5 (issue 51): [gateway] processes;
+    "core": 2_695,  # +5 (issue 51): [gateway] processes; +5 [datapool] url (both branches merged);
     # +35 (issue 48): [tasks] source, env, python, params paths; +5: [gateway]
     # responses_token_ids; top-level modules: types, config, ...; +80 (issue 46): trace settings,
     # SamplingParams' top_k, min_p, penalties, check() and transforms(); request_log, metrics;
