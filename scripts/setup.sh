@@ -48,11 +48,17 @@ bash scripts/setup_verifiers.sh
 # Codex CLI, OpenCode, Pi), at the versions pinned in harnesses/package-lock.json; skipped while
 # the lock file is unchanged since the last install. Node comes with the machine image (Debian's
 # nodejs otherwise).
-command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; }
-# PostgreSQL's server binaries for the PostgreSQL pool's tests (tests/pg.py starts its own server
-# from them; no system service is used).
-compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null \
-  || { apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; }
+# System tools the tests run (under CI a missing one fails its test, tests/skips.py): ip and
+# unshare for the Ray cluster's network namespace, setpriv and the system Python for the sandbox,
+# and PostgreSQL's server binaries for the PostgreSQL pool's tests (tests/pg.py starts its own
+# server from them; no system service is used).
+need=""
+command -v npm >/dev/null || need="$need nodejs npm"
+command -v ip >/dev/null || need="$need iproute2"
+command -v unshare >/dev/null && command -v setpriv >/dev/null || need="$need util-linux"
+[ -x /usr/bin/python3.11 ] || need="$need python3.11"
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || need="$need postgresql"
+[ -z "$need" ] || { apt-get update -qq && apt-get install -y -qq $need >/dev/null; }
 if ! cmp -s harnesses/package-lock.json harnesses/node_modules/.forgerl-lock 2>/dev/null; then
   npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
   cp harnesses/package-lock.json harnesses/node_modules/.forgerl-lock

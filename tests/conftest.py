@@ -3,7 +3,7 @@ PostgreSQL database URL (`pg_url`, tests/pg.py).
 
 `pytest --prefix-cache off` runs the suite with the engine's prefix (KV reuse) cache disabled:
 every LocalEngine built in this process gets prefix_cache_tokens=0, and tests marked
-`prefix_cache` (they test the cache itself) are skipped. Engines built in child processes
+`prefix_cache` (they test the cache itself) are deselected. Engines built in child processes
 (the `forgerl train` runs of tests/test_cli.py) keep their config's setting.
 """
 
@@ -18,6 +18,9 @@ import torch
 
 from forgerl.models import build_byte_tokenizer, build_tiny_model
 from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures: a real PostgreSQL server)
+
+# Skips name their reason, are summed up by reason at the end, and fail under CI (tests/skips.py).
+pytest_plugins = ("tests.skips",)
 
 # CI (CI=true) draws every property test's examples from a fixed seed, so a landing is judged on
 # the code, not on the draw; a developer's run draws new examples each time.
@@ -44,16 +47,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "prefix_cache: tests the engine's prefix cache; skipped with --prefix-cache off"
+        "markers", "prefix_cache: tests the engine's prefix cache; deselected by --prefix-cache off"
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("prefix_cache") == "off":
-        skip = pytest.mark.skip(reason="tests the prefix cache, disabled by --prefix-cache off")
-        for item in items:
-            if "prefix_cache" in item.keywords:
-                item.add_marker(skip)
+    if config.getoption("prefix_cache") == "off":  # a choice of this run, not a skip
+        config.hook.pytest_deselected(items=[i for i in items if "prefix_cache" in i.keywords])
+        items[:] = [i for i in items if "prefix_cache" not in i.keywords]
 
 
 @pytest.fixture(scope="session", autouse=True)

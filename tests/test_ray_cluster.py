@@ -40,6 +40,7 @@ from forgerl.types import SamplingParams
 from tests.test_controller import make_agent, sync, tiny_config
 
 INSIDE = os.environ.get("FORGERL_RAY_NETNS") == "1"
+inner = pytest.mark.runs_in(INSIDE, "test_two_node_cluster's network namespace")
 RAY = Path(sys.executable).with_name("ray")
 
 
@@ -58,9 +59,8 @@ def pytest_in_netns(python: Path | str, path: str, flag: str,
                           text=True, timeout=600, cwd=Path(__file__).parents[1])
 
 
+@pytest.mark.runs_in(not INSIDE, "outside the network namespace it makes")
 def test_two_node_cluster():
-    if INSIDE:
-        pytest.skip("the wrapper itself")
     if not RAY.exists():
         pytest.skip("needs Ray: pip install 'forgerl[ray]'")
     proc = pytest_in_netns(sys.executable, __file__, "FORGERL_RAY_NETNS")
@@ -72,8 +72,6 @@ def test_two_node_cluster():
 @pytest.fixture(scope="module")
 def cluster():
     """(address, node ids): a head and a second node, 2 logical CPUs each."""
-    if not INSIDE:
-        pytest.skip("runs inside test_two_node_cluster's network namespace")
     temp = tempfile.mkdtemp(prefix="/tmp/frray")  # short: Ray's socket paths are bounded
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,6 +113,7 @@ async def _step_against_reference(s, reference):
     return versions
 
 
+@inner
 @sync
 async def test_inner_ray_run_trains_like_one_process_and_resumes(tmp_path, cluster):
     import ray
@@ -146,6 +145,7 @@ async def test_inner_ray_run_trains_like_one_process_and_resumes(tmp_path, clust
         await _step_against_reference(s, reference)
 
 
+@inner
 @sync
 async def test_inner_killed_engine_actor_fails_its_request_and_comes_back(tmp_path, cluster):
     async with start_services(_config(tmp_path / "run", cluster, "--engine.instances", "1"),
@@ -174,6 +174,7 @@ async def test_inner_killed_engine_actor_fails_its_request_and_comes_back(tmp_pa
         assert type(bad.value) is ValueError and "ray::" not in str(bad.value)
 
 
+@inner
 @sync
 async def test_inner_killed_trainer_actor_stops_the_step(tmp_path, cluster):
     async with start_services(_config(tmp_path / "run", cluster), make_agent()) as s:
@@ -187,6 +188,7 @@ async def test_inner_killed_trainer_actor_stops_the_step(tmp_path, cluster):
         assert time.monotonic() - start < 60
 
 
+@inner
 @sync
 async def test_inner_broadcast_sync_reaches_every_engine_and_survives_a_restart(tmp_path,
                                                                                cluster):

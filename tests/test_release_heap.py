@@ -21,7 +21,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="not Linux: glibc malloc_trim")
 def test_freed_heap_blocks_go_back_to_the_os():
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
@@ -76,7 +76,7 @@ t.join()
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="not Linux: glibc mallopt")
 def test_one_shared_arena_lets_a_thread_reuse_another_threads_freed_blocks():
     import subprocess
 

@@ -2,8 +2,8 @@
 
 vLLM is installed only in `.venv-vllm` (scripts/setup_vllm.sh): run from another venv, this
 module re-runs itself there (`.venv-vllm/bin/python -m pytest <this file>`, skipped when that
-venv is missing) and pins that `[engine] type = "vllm"` without vLLM is a one-line ConfigError
-naming `.venv-vllm`.
+venv is missing, a failure under CI) and pins that `[engine] type = "vllm"` without vLLM is a
+one-line ConfigError naming `.venv-vllm`.
 
 Under `.venv-vllm`, one engine on the packaged SmolLM2-135M (fp32) for the whole module:
 - greedy ids equal transformers' greedy ids; the logprobs of greedy (T = 1) and seeded T = 0.7
@@ -61,10 +61,11 @@ MAX_LEN = 1024
 TOL = 1e-4
 GREEDY = SamplingParams(0.0, max_tokens=16)
 LONG = SamplingParams(0.0, max_tokens=600)
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="runs under .venv-vllm (test_in_vllm_venv)")
+needs_vllm = pytest.mark.runs_in(HAVE_VLLM, ".venv-vllm, where test_in_vllm_venv re-runs them")
+without_vllm = pytest.mark.runs_in(not HAVE_VLLM, "a Python without vLLM")
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="this Python has vLLM: the tests below run here")
+@without_vllm
 @pytest.mark.xdist_group("vllm")  # one at a time (test_remote_vllm.py)
 def test_in_vllm_venv():
     if not VLLM_PY.exists():
@@ -79,7 +80,7 @@ def test_in_vllm_venv():
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="this Python has vLLM")
+@without_vllm
 def test_vllm_type_without_vllm_is_one_line_error(tmp_path):
     config = tiny_config(tmp_path / "run", "--engine.type", "vllm")
 

