@@ -26,8 +26,9 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 46): the generated admin key, the request log wiring;
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
-    "datapool": 710,  # +30 (issue 46): trace, train and request columns, with their migration;
-    # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool
+    "datapool": 745,  # +30 (issue 46): trace, train and request columns, with their migration;
+    # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool;
+    # +35 (issue 51): NUL, NaN and out-of-range ints refused alike by both backends
     "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
     "gateway": 5_657,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;

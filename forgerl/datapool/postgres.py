@@ -48,9 +48,12 @@ class _Connection:
         self.conn = conn
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
+        _int64(args)
         return self.conn.execute(_pg(sql), args)
 
     def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        for row in rows:
+            _int64(row)
         with self.conn.cursor() as cur:
             cur.executemany(_pg(sql), rows)
 
@@ -90,7 +93,16 @@ class PostgresPool(SQLPool):
         db.execute("SELECT pg_advisory_xact_lock(?)", (_ADVISORY_KEY,))
 
     def _lock_trajectories(self, db: Any, ids: list[str]) -> None:
+        ids = [i for i in ids if "\x00" not in i]  # never stored; `_turns` says unknown
         db.execute("SELECT 1 FROM trajectories WHERE id = ANY(?) ORDER BY id FOR UPDATE", (ids,))
+
+
+def _int64(args: Any) -> None:
+    """OverflowError, as sqlite3 raises, for an int no 64-bit column holds (psycopg would send
+    it as NUMERIC: "bigint out of range" on a write, a silent miss on a lookup)."""
+    for a in args:
+        if type(a) is int and not -2**63 <= a < 2**63:
+            raise OverflowError(f"Python int too large for a 64-bit column: {a}")
 
 
 def _redacted(url: str) -> str:
