@@ -26,12 +26,14 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 46): the generated admin key, the request log wiring;
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
-    "datapool": 745,  # +30 (issue 46): trace, train and request columns, with their migration;
+    "datapool": 765,  # +30 (issue 46): trace, train and request columns, with their migration;
     # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool;
-    # +35 (issue 51): NUL, NaN and out-of-range ints refused alike by both backends
+    # +35 (issue 51): NUL, NaN and out-of-range ints refused alike by both backends;
+    # +20 (issue 51): PoolLost, one line when the PostgreSQL server goes away mid-run
     "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_657,  # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
+    "gateway": 5_670,  # +13 (issue 51): a lost pool server is a 503, logged once;
+    # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;
     # +530 (issue 46): traces, trace rules, untrained models; sampling params;
     # the request policy (kept/approximated/left out, edits.py); observe.py (request log,

@@ -11,6 +11,11 @@ from typing import Any, Protocol
 from forgerl.types import Completion, Group, Trajectory, TrajectoryStatus
 
 
+class PoolLost(ConnectionError):
+    """The pool's database server went away mid-run (PostgreSQL): the message is one line
+    naming `datapool.url`; what was committed before stays, so the run resumes once it is back."""
+
+
 class DataPool(Protocol):
     """Durable, process-safe store. Every write is committed before the call returns."""
 

@@ -17,12 +17,15 @@ server's default; the test server runs with fsync on).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 
+from forgerl.datapool.base import PoolLost
 from forgerl.datapool.sql import _SCHEMA, SQLPool
 
 _ADVISORY_KEY = 0x466F726765  # "Forge": the pool's writers that read table-wide facts
@@ -44,18 +47,31 @@ class _Connection:
     """A psycopg connection (autocommit: the pool issues BEGIN/COMMIT) with sqlite3's call
     shape: `execute(sql, args)` → a cursor, `executemany`, `?` placeholders."""
 
-    def __init__(self, conn: psycopg.Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: psycopg.Connection, url: str) -> None:
+        self.conn, self.url = conn, url
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
         _int64(args)
-        return self.conn.execute(_pg(sql), args)
+        with self._lost():
+            return self.conn.execute(_pg(sql), args)
 
     def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
         for row in rows:
             _int64(row)
-        with self.conn.cursor() as cur:
+        with self._lost(), self.conn.cursor() as cur:
             cur.executemany(_pg(sql), rows)
+
+    @contextlib.contextmanager
+    def _lost(self) -> Iterator[None]:
+        """A lost connection (the server stopped or is unreachable) → `PoolLost`, one line."""
+        try:
+            yield
+        except psycopg.OperationalError as e:
+            if not (self.conn.closed or self.conn.broken):
+                raise
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise PoolLost(f"datapool.url: lost the connection to {_redacted(self.url)}: "
+                           f"{reason}; re-run to resume once the server is back") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -81,7 +97,7 @@ class PostgresPool(SQLPool):
         self.url = url
         self._name = f"PostgresPool({_redacted(url)})"
         self._conn = _Connection(psycopg.connect(
-            url, autocommit=True, connect_timeout=max(1, round(connect_timeout_s))))
+            url, autocommit=True, connect_timeout=max(1, round(connect_timeout_s))), url)
         self._create_schema(_PG_SCHEMA)
 
     def _columns(self, db: Any, table: str) -> set[str]:
