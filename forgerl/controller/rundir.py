@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from forgerl.config import Config, ConfigError
+from forgerl.datapool.base import redacted
 from forgerl.trainer.checkpoint import ADAPTER_FILE, latest_checkpoint, load_checkpoint
 
 log = logging.getLogger("forgerl")
@@ -100,6 +101,7 @@ def save_config(run_dir: Path, config: Config) -> None:
     """Write RUN_DIR/config.json (the run's settings once started), first logging the settings
     that differ from the ones saved there (`config_changes`)."""
     saved, now = run_dir / "config.json", config.model_dump()
+    now["datapool"]["url"] = redacted(now["datapool"]["url"])  # no password on disk or in logs
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a new run, or a torn file
         if changes := config_changes(json.loads(saved.read_text()), now):
             log.warning("resuming %s with changed settings: %s", run_dir, "; ".join(changes))

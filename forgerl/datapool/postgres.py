@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from forgerl.datapool.base import PoolLost
+from forgerl.datapool.base import PoolLost, redacted
 from forgerl.datapool.sql import _SCHEMA, SQLPool
 
 _ADVISORY_KEY = 0x466F726765  # "Forge": the pool's writers that read table-wide facts
@@ -70,7 +70,7 @@ class _Connection:
             if not (self.conn.closed or self.conn.broken):
                 raise
             reason = " ".join(str(e).split()) or type(e).__name__
-            raise PoolLost(f"datapool.url: lost the connection to {_redacted(self.url)}: "
+            raise PoolLost(f"datapool.url: lost the connection to {redacted(self.url)}: "
                            f"{reason}; re-run to resume once the server is back") from None
 
     def close(self) -> None:
@@ -95,7 +95,7 @@ class PostgresPool(SQLPool):
     def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
         super().__init__()
         self.url = url
-        self._name = f"PostgresPool({_redacted(url)})"
+        self._name = f"PostgresPool({redacted(url)})"
         self._conn = _Connection(psycopg.connect(
             url, autocommit=True, connect_timeout=max(1, round(connect_timeout_s))), url)
         self._create_schema(_PG_SCHEMA)
@@ -119,8 +119,3 @@ def _int64(args: Any) -> None:
     for a in args:
         if type(a) is int and not -2**63 <= a < 2**63:
             raise OverflowError(f"Python int too large for a 64-bit column: {a}")
-
-
-def _redacted(url: str) -> str:
-    """`url` without its password (for messages and logs)."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)

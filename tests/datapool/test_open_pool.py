@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from forgerl.config import ConfigError, load_config
+from forgerl.controller.rundir import save_config
 from forgerl.datapool import open_pool
 from forgerl.datapool.postgres import PostgresPool
 from forgerl.datapool.sqlite import SQLitePool
@@ -76,3 +77,23 @@ def test_absent_server_binaries_skip_with_the_reason_or_fail_under_ci(ci):
     else:
         assert done.returncode == 0 and "1 skipped" in done.stdout
         assert f"SKIPPED [1] {test.split('::')[0]}" in done.stdout and reason in done.stdout
+
+
+def test_a_password_given_as_a_parameter_is_redacted_too():
+    url = "postgresql:///pool?host=127.0.0.1&port=1&user=forge&password=s3cret&sslmode=disable"
+    with pytest.raises(ConfigError) as info:
+        open_pool(url)
+    assert "s3cret" not in str(info.value)
+    assert "cannot open postgresql:///pool?host=127.0.0.1&port=1&user=forge&password=***&" \
+           "sslmode=disable: " in str(info.value)
+
+
+def test_the_run_folder_keeps_no_password(tmp_path, caplog):
+    """RUN_DIR/config.json (and the resume's "changed settings" log) name the pool without
+    its password; a rotated password is no changed setting."""
+    for password in ("s3cret", "n3w"):
+        save_config(tmp_path, load_config(None, [
+            f"--datapool.url=postgresql://forge:{password}@db:5432/run?password={password}"]))
+    saved = (tmp_path / "config.json").read_text()
+    assert "s3cret" not in saved and "n3w" not in saved and "s3cret" not in caplog.text
+    assert '"url": "postgresql://forge:***@db:5432/run?password=***"' in saved
