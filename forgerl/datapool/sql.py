@@ -431,6 +431,15 @@ class SQLPool:
         with self._tx() as db:
             db.execute(_SET_META, (key, json.dumps(value)))
 
+    def claim(self, key: str, value: Any) -> Any:
+        """`set_meta(key, value)` unless `key` is already set, atomically; returns the value
+        stored (`value`, or the one a first claimer stored)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                       (_text(key, "meta key"), json.dumps(value)))
+            [(text,)] = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchall()
+        return json.loads(text)
+
     def get_meta(self, key: str, default: Any = None) -> Any:
         """Read a value stored with set_meta (`default` if absent)."""
         rows = [] if "\x00" in key else self._read("SELECT value FROM meta WHERE key=?", (key,))
