@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "forgerl"
 BUDGETS: dict[str, int] = {
     "agents": 1_295,  # +25 (issue 47): runner.infra_cause, the per-episode kill of escapees;
     # +550 (issue 48): the sandbox (namespaces, cgroups, gateway relay, its PID 1 sandbox_init.py)
-    "controller": 1_685,  # +134 (issue 51): scale.py, N gateway workers and their supervisor;
+    "controller": 1_710,  # +134 (issue 51): scale.py, N gateway workers and their supervisor;
+    # +4 (issue 51): config.json keeps no pool password; +20: one database per run (claim_pool);
     # +80 (issue 48): environment episodes, their start/stop, env_seconds,
     # generation_seconds, the episode timeout; +25: command agents in sandboxes ([sandbox] agents,
     # Harbor), verifier statuses, sandboxes_peak; +5: unknown [tasks] params keys are an error,
@@ -27,11 +28,15 @@ BUDGETS: dict[str, int] = {
     # +20 (issue 46): the generated admin key, the request log wiring;
     # +20 (issue 47): the generation config's eos ids, template variables, per-domain entropy,
     # aborted_infra counts
-    "datapool": 710,  # +30 (issue 46): trace, train and request columns, with their migration;
-    # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool
+    "datapool": 775,  # +30 (issue 46): trace, train and request columns, with their migration;
+    # +140 (issue 51): PostgresPool, open_pool, the backend hooks of the shared SQLPool;
+    # +35 (issue 51): NUL, NaN and out-of-range ints refused alike by both backends;
+    # +20 (issue 51): PoolLost, one line when the PostgreSQL server goes away mid-run;
+    # +5 (issue 51): redacted() also hides a `password=` URL parameter; +5: claim()
     "engines": 2_805,  # +30 (issue 46): the local sampler's penalties and filters, vLLM params;
     # +25 (issue 47): RemoteEngine's text-only answers (C01)
-    "gateway": 5_900,  # +243 (issue 51): front.py, the sticky front of N gateway processes;
+    "gateway": 5_915,  # +243 (issue 51): front.py, the sticky front of N gateway processes;
+    # +13 (issue 51): a lost pool server is a 503, logged once;
     # +71 (issue 48): NeMo-Gym's token ids on Responses items, out and back in;
     # +380 (issue 47): five family tool-call formats, reasoning split + stream;
     # +530 (issue 46): traces, trace rules, untrained models; sampling params;

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from forgerl.config import Config, ConfigError
+from forgerl.datapool.base import redacted
 from forgerl.trainer.checkpoint import ADAPTER_FILE, latest_checkpoint, load_checkpoint
 
 log = logging.getLogger("forgerl")
@@ -82,6 +83,20 @@ def resume(run_dir: Path, trainer: Any, model_path: str) -> dict | None:
     return extra.get("scheduler")
 
 
+def claim_pool(run_dir: Path, pool: Any) -> None:
+    """One database per run: RUN_DIR/run_id (a random id, written once; it moves with the
+    folder) is claimed in the pool's meta. Another run's id there is a ConfigError naming
+    `datapool.url`: this run would retrain that run's groups and overwrite its trained marks."""
+    path = run_dir / "run_id"
+    with contextlib.suppress(FileExistsError), path.open("x") as f:
+        f.write(secrets.token_hex(16))
+    mine = path.read_text().strip()
+    if (owner := pool.claim("run_id", mine)) != mine:
+        raise ConfigError(f"datapool.url: the database holds the pool of another run (run_id "
+                          f"{owner}, this run's is {mine} in {path}); give each run its own "
+                          "database")
+
+
 def admin_key(run_dir: Path) -> str:
     """The sessions API's key when `[gateway] admin_key` is unset (CASES.md C26: that API never
     answers without one): RUN_DIR/admin_key, written once (mode 0600, 32 random characters) and
@@ -100,6 +115,7 @@ def save_config(run_dir: Path, config: Config) -> None:
     """Write RUN_DIR/config.json (the run's settings once started), first logging the settings
     that differ from the ones saved there (`config_changes`)."""
     saved, now = run_dir / "config.json", config.model_dump()
+    now["datapool"]["url"] = redacted(now["datapool"]["url"])  # no password on disk or in logs
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a new run, or a torn file
         if changes := config_changes(json.loads(saved.read_text()), now):
             log.warning("resuming %s with changed settings: %s", run_dir, "; ".join(changes))

@@ -36,7 +36,13 @@ from forgerl.controller.rollouts import (
     preload_of,
     start_forkserver,
 )
-from forgerl.controller.rundir import admin_key, open_run_dir, resume, save_config
+from forgerl.controller.rundir import (
+    admin_key,
+    claim_pool,
+    open_run_dir,
+    resume,
+    save_config,
+)
 from forgerl.controller.services import Services
 from forgerl.controller.tasks import make_task_sets
 from forgerl.datapool import open_pool
@@ -134,6 +140,8 @@ async def _build(config: Config, agent: Agent | None, training: bool, locks: lis
         for section in (config.agent, *(d.agent for d in config.domains)):
             check_agent_command(section)
     pool = open_pool(config.datapool.location(run_dir))  # an unreachable server fails fast
+    if training and config.datapool.url:  # a database shared with another run is refused
+        claim_pool(run_dir, pool)
     trainer = build_trainer(config, model)
     if config.model.lora is not None:  # on the trainer's device, before the resume loads it
         trainer.attach_lora(PolicyAdapter.wrap(trainer.model, config.model.lora, config.seed,

@@ -6,9 +6,22 @@ marks). Reader: the scheduler/trainer (finished groups). Backends (`open_pool`):
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 from forgerl.types import Completion, Group, Trajectory, TrajectoryStatus
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, given after "user:" or as a `password=` parameter (for
+    messages, logs and RUN_DIR/config.json)."""
+    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+
+
+class PoolLost(ConnectionError):
+    """The pool's database server went away mid-run (PostgreSQL): the message is one line
+    naming `datapool.url`; what was committed before stays, so the run resumes once it is back."""
 
 
 class DataPool(Protocol):

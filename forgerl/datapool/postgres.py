@@ -17,12 +17,15 @@ server's default; the test server runs with fsync on).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 
+from forgerl.datapool.base import PoolLost, redacted
 from forgerl.datapool.sql import _SCHEMA, SQLPool
 
 _ADVISORY_KEY = 0x466F726765  # "Forge": the pool's writers that read table-wide facts
@@ -44,15 +47,31 @@ class _Connection:
     """A psycopg connection (autocommit: the pool issues BEGIN/COMMIT) with sqlite3's call
     shape: `execute(sql, args)` → a cursor, `executemany`, `?` placeholders."""
 
-    def __init__(self, conn: psycopg.Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: psycopg.Connection, url: str) -> None:
+        self.conn, self.url = conn, url
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
-        return self.conn.execute(_pg(sql), args)
+        _int64(args)
+        with self._lost():
+            return self.conn.execute(_pg(sql), args)
 
     def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        with self.conn.cursor() as cur:
+        for row in rows:
+            _int64(row)
+        with self._lost(), self.conn.cursor() as cur:
             cur.executemany(_pg(sql), rows)
+
+    @contextlib.contextmanager
+    def _lost(self) -> Iterator[None]:
+        """A lost connection (the server stopped or is unreachable) → `PoolLost`, one line."""
+        try:
+            yield
+        except psycopg.OperationalError as e:
+            if not (self.conn.closed or self.conn.broken):
+                raise
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise PoolLost(f"datapool.url: lost the connection to {redacted(self.url)}: "
+                           f"{reason}; re-run to resume once the server is back") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -76,9 +95,9 @@ class PostgresPool(SQLPool):
     def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
         super().__init__()
         self.url = url
-        self._name = f"PostgresPool({_redacted(url)})"
+        self._name = f"PostgresPool({redacted(url)})"
         self._conn = _Connection(psycopg.connect(
-            url, autocommit=True, connect_timeout=max(1, round(connect_timeout_s))))
+            url, autocommit=True, connect_timeout=max(1, round(connect_timeout_s))), url)
         self._create_schema(_PG_SCHEMA)
 
     def _columns(self, db: Any, table: str) -> set[str]:
@@ -90,9 +109,13 @@ class PostgresPool(SQLPool):
         db.execute("SELECT pg_advisory_xact_lock(?)", (_ADVISORY_KEY,))
 
     def _lock_trajectories(self, db: Any, ids: list[str]) -> None:
+        ids = [i for i in ids if "\x00" not in i]  # never stored; `_turns` says unknown
         db.execute("SELECT 1 FROM trajectories WHERE id = ANY(?) ORDER BY id FOR UPDATE", (ids,))
 
 
-def _redacted(url: str) -> str:
-    """`url` without its password (for messages and logs)."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+def _int64(args: Any) -> None:
+    """OverflowError, as sqlite3 raises, for an int no 64-bit column holds (psycopg would send
+    it as NUMERIC: "bigint out of range" on a write, a silent miss on a lookup)."""
+    for a in args:
+        if type(a) is int and not -2**63 <= a < 2**63:
+            raise OverflowError(f"Python int too large for a 64-bit column: {a}")

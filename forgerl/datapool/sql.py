@@ -12,6 +12,9 @@ BEGIN IMMEDIATE already serializes every writer).
 Storage: token ids are little-endian int32 blobs, weight versions int64 blobs and logprobs float64
 blobs, so floats round-trip bit-exactly and a 4k-token turn costs 32 KiB, not ~80 KiB of JSON;
 a MoE turn's routed experts are one uint8 blob (`Routes.to_blob`, NULL for a dense model).
+Both backends refuse what only one can store (ValueError): a NUL character in an id, a kind, a
+finish_reason, a policy or a meta key (PostgreSQL's text holds none; an error text gets it as
+the four characters `\\x00`), and NaN in a float column (SQLite would store NULL).
 
 Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajectory created) →
 "finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
@@ -134,6 +137,21 @@ def _unpack(blob: bytes, typecode: str) -> list[Any]:
     return arr.tolist()
 
 
+def _text(value: str, what: str) -> str:
+    """`value` unless it holds a NUL character, which PostgreSQL's text cannot store: then a
+    ValueError on both backends (the same behaviour whatever the backend)."""
+    if "\x00" in value:
+        raise ValueError(f"{what} contains a NUL character: {value!r}")
+    return value
+
+
+def _real(value: float | None, what: str) -> float | None:
+    """`value` unless NaN, which SQLite stores as NULL: then a ValueError on both backends."""
+    if value is not None and math.isnan(value):
+        raise ValueError(f"{what} is NaN")
+    return value
+
+
 def _sampling_json(params: SamplingParams) -> str:
     return json.dumps(asdict(params))
 
@@ -244,7 +262,7 @@ class SQLPool:
         The task need not exist (ad-hoc and eval sessions use negative indices); a queued task
         becomes "running". Raises ValueError if `trajectory_id` is already taken.
         """
-        trajectory_id = trajectory_id or uuid.uuid4().hex
+        trajectory_id = _text(trajectory_id or uuid.uuid4().hex, "trajectory id")
         with self._tx() as db:
             self._serialize(db)
             if db.execute("SELECT 1 FROM trajectories WHERE id=?", (trajectory_id,)).fetchone():
@@ -306,6 +324,9 @@ class SQLPool:
                            c: Completion) -> int:
         c.check()  # ValueError: ids and logprobs of unequal lengths (CASES.md C01)
         turn = self._turns(db, trajectory_id)
+        for what, text in (("finish_reason", c.finish_reason), ("policy", c.policy)):
+            _text(text, what) if isinstance(text, str) else None  # non-str: the column refuses
+        _real(c.started_at, "started_at"), _real(c.ended_at, "ended_at")
         db.execute(
             "INSERT INTO completions (trajectory_id, turn, prompt_ids, completion_ids, logprobs,"
             " weight_versions, weight_version, finish_reason, sampling, started_at, ended_at,"
@@ -330,6 +351,7 @@ class SQLPool:
         """
         if not math.isfinite(value):
             raise ValueError(f"event value must be finite, got {value}")
+        _text(kind, "event kind")
         with self._tx() as db:
             self._lock_trajectories(db, [trajectory_id])
             turns = self._turns(db, trajectory_id)
@@ -357,6 +379,8 @@ class SQLPool:
         """
         if status not in _ENDED:
             raise ValueError(f"final status must be one of {_ENDED}, got {status!r}")
+        _real(reward, "reward")
+        error = None if error is None else error.replace("\x00", "\\x00")  # text holds no NUL
         with self._tx() as db:
             self._lock_trajectories(db, [trajectory_id])
             self._turns(db, trajectory_id)  # KeyError / ValueError unless running
@@ -364,13 +388,14 @@ class SQLPool:
                 "UPDATE trajectories SET status=?, reward=?, error=?, turn_rewards=?, ended_at=?,"
                 " policy_rewards=? WHERE id=?",
                 (status, reward, error, None if turn_rewards is None else json.dumps(turn_rewards),
-                 time.time(), policy_rewards and json.dumps(policy_rewards), trajectory_id),
+                 time.time(), None if policy_rewards is None else json.dumps(policy_rewards),
+                 trajectory_id),
             )
 
     def get_trajectory(self, trajectory_id: str) -> Trajectory:
         """The trajectory with all its completions in turn order. Raises KeyError."""
         with self._lock:
-            rows = self._read(
+            rows = [] if "\x00" in trajectory_id else self._read(
                 "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
                 " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?",
                 (trajectory_id,))
@@ -402,12 +427,22 @@ class SQLPool:
 
     def set_meta(self, key: str, value: Any) -> None:
         """Store a JSON-serialisable value (e.g. the scheduler state) durably."""
+        _text(key, "meta key")
         with self._tx() as db:
             db.execute(_SET_META, (key, json.dumps(value)))
 
+    def claim(self, key: str, value: Any) -> Any:
+        """`set_meta(key, value)` unless `key` is already set, atomically; returns the value
+        stored (`value`, or the one a first claimer stored)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                       (_text(key, "meta key"), json.dumps(value)))
+            [(text,)] = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchall()
+        return json.loads(text)
+
     def get_meta(self, key: str, default: Any = None) -> Any:
         """Read a value stored with set_meta (`default` if absent)."""
-        rows = self._read("SELECT value FROM meta WHERE key=?", (key,))
+        rows = [] if "\x00" in key else self._read("SELECT value FROM meta WHERE key=?", (key,))
         return json.loads(rows[0][0]) if rows else default
 
     def close(self) -> None:
@@ -478,7 +513,7 @@ class SQLPool:
         with self._tx() as db:
             self._mark_trained(db, task_indices, step)
             for key, value in meta.items():
-                db.execute(_SET_META, (key, json.dumps(value)))
+                db.execute(_SET_META, (_text(key, "meta key"), json.dumps(value)))
 
     def untrain(self, task_indices: list[int]) -> None:
         """Send trained tasks back to "finished" (trained_step cleared); others are unchanged.
@@ -498,7 +533,7 @@ class SQLPool:
         "queued". For rollouts sampled from weights that a crash lost (newer than the restored
         checkpoint). Unknown or running ids are ignored."""
         with self._tx() as db:
-            for tid in trajectory_ids:
+            for tid in (t for t in trajectory_ids if "\x00" not in t):  # never stored
                 row = db.execute("SELECT task_index FROM trajectories WHERE id=? AND status IN"
                                  " ('finished', 'failed')", (tid,)).fetchone()
                 if row is None:
@@ -532,6 +567,8 @@ class SQLPool:
     def _turns(db: Any, trajectory_id: str) -> int:
         """How many turns the running trajectory has. Its row must be locked first
         (`_lock_trajectories`): this statement's snapshot then holds every committed turn."""
+        if "\x00" in trajectory_id:  # never stored (`_text`); PostgreSQL cannot even compare it
+            raise KeyError(f"unknown trajectory {trajectory_id!r}")
         row = db.execute("SELECT status, (SELECT COUNT(*) FROM completions WHERE trajectory_id=?)"
                          " FROM trajectories WHERE id=?", (trajectory_id, trajectory_id)).fetchone()
         if row is None:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from forgerl.datapool.base import PoolLost
 from forgerl.gateway import telemetry
 from forgerl.gateway.errors import GatewayError
 from forgerl.gateway.sse import disconnected
@@ -93,10 +94,12 @@ class InternalErrors:
     answered as a 500 `internal_error` (OpenAI- or Anthropic-shaped, `error_response`) on a
     connection that stays open. Starlette's handler for Exception re-raises after answering,
     and uvicorn then resets the client's keep-alive connection. An exception after the response
-    began (a stream) is re-raised: only the server can end that response."""
+    began (a stream) is re-raised: only the server can end that response. A lost pool server
+    (`PoolLost`) is a 503 `pool_unavailable`, logged in one line once, without a traceback."""
 
     def __init__(self, app: Callable[..., Coroutine[Any, Any, None]]) -> None:
         self.app = app
+        self.pool_lost = False  # a lost pool server is logged once (`PoolLost`)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         began = False
@@ -111,8 +114,16 @@ class InternalErrors:
         except Exception as e:
             if began or scope["type"] != "http":
                 raise
-            log.exception("unexpected gateway error")
-            response = error_response(Request(scope), GatewayError(
-                500, f"internal error ({type(e).__name__}); the gateway log has the details",
-                "internal_error", type="server_error"))
+            if isinstance(e, PoolLost):  # one line, once, not a traceback per request
+                if not self.pool_lost:
+                    log.error("%s", e)
+                self.pool_lost = True
+                error = GatewayError(503, "the data pool is unavailable; retry later",
+                                     "pool_unavailable", type="server_error")
+            else:
+                log.exception("unexpected gateway error")
+                error = GatewayError(
+                    500, f"internal error ({type(e).__name__}); the gateway log has the details",
+                    "internal_error", type="server_error")
+            response = error_response(Request(scope), error)
             await response(scope, receive, send)

@@ -167,10 +167,10 @@ def renderer(tokenizer) -> ChatMLRenderer:
 
 @pytest.fixture
 def serve(tmp_path) -> Iterator[Callable[..., Served]]:
-    """Factory: serve(engine, tokenizer, renderer=None, request_log=None, **gateway_kwargs) ->
-    Served (a ChatMLRenderer of `tokenizer` unless `renderer` is given; `request_log`: the
-    request log's path, `Gateway.serve`; admin_key `ADMIN_KEY` unless given); stopped at
-    teardown."""
+    """Factory: serve(engine, tokenizer, renderer=None, request_log=None, pool=None,
+    **gateway_kwargs) -> Served (a new SQLite pool unless `pool` is given; a ChatMLRenderer
+    of `tokenizer` unless `renderer` is given; `request_log`: the request log's path,
+    `Gateway.serve`; admin_key `ADMIN_KEY` unless given); stopped at teardown."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -178,10 +178,10 @@ def serve(tmp_path) -> Iterator[Callable[..., Served]]:
     pools: list[SQLitePool] = []
 
     def _serve(engine, tokenizer, default_system: str | None = None, renderer=None,
-               request_log=None, **kw) -> Served:
+               request_log=None, pool=None, **kw) -> Served:
         kw.setdefault("model_name", "tiny")
         kw.setdefault("admin_key", ADMIN_KEY)
-        pool = SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
+        pool = pool or SQLitePool(tmp_path / f"pool-{len(pools)}.sqlite")
         pools.append(pool)
         renderer = renderer or ChatMLRenderer(tokenizer, default_system)
         gateway = Gateway(renderer, engine, pool, **kw)
