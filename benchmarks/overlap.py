@@ -128,7 +128,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     db = sqlite3.connect(run_dir / "pool.sqlite")
     spans = db.execute("SELECT c.started_at, c.ended_at FROM completions c JOIN trajectories t "
                        "ON t.id = c.trajectory_id WHERE t.task_index >= 0").fetchall()
-    lags = [r.get("off_policy_lag_max", 0) for r in steps]
+    lags = [r.get("scheduler_off_policy_lag_max", 0) for r in steps]
     wall = sum(r["step_seconds"] for r in steps)
     train = sum(r["train_seconds"] for r in steps)
     row = {
@@ -141,7 +141,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "overlap": union_overlap(spans, train_windows) / max(train, 1e-9),
         "tokens_per_s": statistics.mean(r["rollout_tokens_per_second"] for r in steps)
         if steps else 0.0,
-        "lag_mean": statistics.mean(r.get("off_policy_lag_mean", 0) for r in steps)
+        "lag_mean": statistics.mean(r.get("scheduler_off_policy_lag_mean", 0) for r in steps)
         if steps else 0.0,
         "lag_max": max(lags, default=0), "accuracy": accuracy,
         "peak_rss_gib": info.get("peak_rss_gib"),
