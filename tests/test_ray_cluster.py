@@ -121,7 +121,10 @@ async def test_inner_ray_run_trains_like_one_process_and_resumes(tmp_path, clust
     from forgerl import cluster as cl
 
     run_dir = tmp_path / "run"
-    config = _config(run_dir, cluster, "--trainer.weight_sync", "delta")
+    # lag <= 1: step 3's tasks are admitted after step 1, so they run on synced weights (at the
+    # default lag 2 all 12 tasks of 3 steps start at version 0)
+    config = _config(run_dir, cluster, "--trainer.weight_sync", "delta",
+                     "--scheduler.max_off_policy_steps", "1")
     async with start_services(config, make_agent()) as s:
         engines = s.engine.instances
         nodes = {e.node_id for e in engines}
