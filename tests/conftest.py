@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures: a real PostgreS
 
 # Skips name their reason, are summed up by reason at the end, and fail under CI (tests/skips.py).
 pytest_plugins = ("tests.skips",)
+pytest.register_assert_rewrite("tests.skips")  # imported here before pytest loads it as a plugin
+from tests.skips import in_ci  # noqa: E402
 
 # CI (CI=true) draws every property test's examples from a fixed seed, so a landing is judged on
 # the code, not on the draw; a developer's run draws new examples each time.
@@ -28,7 +29,7 @@ with contextlib.suppress(ImportError):  # .venv-vllm, where vLLM tests re-run, h
     from hypothesis import settings
 
     settings.register_profile("ci", derandomize=True, print_blob=True)
-    if os.environ.get("CI"):
+    if in_ci():
         settings.load_profile("ci")
 
 # One intra-op thread per test process: the suite runs as 2 xdist workers on 2 cores, and
