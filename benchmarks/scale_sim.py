@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forgerl.scheduler.policies import Fffo, Fifo, Scheduler, WindowedFifo
+from forgerl.scheduler.policies import Scheduler, make_policy
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,9 @@ class Sim:
     def __init__(self, costs: Costs, work: Workload, layout: Layout, seed: int = 0) -> None:
         self.c, self.w, self.l = costs, work, layout
         self.rng = random.Random(seed)
-        policy = {"fifo": Fifo(), "fffo": Fffo()}.get(layout.policy) or WindowedFifo(layout.window)
-        self.sched = Scheduler(policy, layout.k, layout.max_off_policy_steps,
-                               layout.max_in_flight, group_size=work.group_size)
+        self.sched = Scheduler(make_policy(layout.policy, layout.window), layout.k,
+                               layout.max_off_policy_steps, layout.max_in_flight,
+                               group_size=work.group_size)
         self.events: list = []
         self.seq = 0
         self.now = 0.0

@@ -112,6 +112,16 @@ class Fffo:
         return list(finished[:k])
 
 
+def make_policy(name: str, window: int | None = None) -> Policy:
+    """The policy of config `type` `name`: "fifo", "fffo" or "windowed_fifo" (W = `window`).
+    Raises ValueError for another name."""
+    if name == "windowed_fifo":
+        return WindowedFifo(window)  # type: ignore[arg-type]  # None: WindowedFifo raises
+    if name not in ("fifo", "fffo"):
+        raise ValueError(f"unknown scheduler policy {name!r} (fifo | fffo | windowed_fifo)")
+    return Fifo() if name == "fifo" else Fffo()
+
+
 def resolve_window(window: float, tasks_per_step: int) -> int:
     """W as a count: `window` itself when >= 1, else max(1, round(window * tasks_per_step))."""
     if window <= 0:
@@ -190,14 +200,8 @@ class Scheduler:
         its first checkpoint restarts from a fresh scheduler).
         """
         k = rollout.tasks_per_step
-        policy_config = config.policy
-        policy: Policy
-        if policy_config.type == "fifo":
-            policy = Fifo()
-        elif policy_config.type == "fffo":
-            policy = Fffo()
-        else:
-            policy = WindowedFifo(resolve_window(policy_config.window, k))
+        window = getattr(config.policy, "window", None)
+        policy = make_policy(config.policy.type, window and resolve_window(window, k))
         scheduler = cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
                         group_size=rollout.group_size)
         if state is None:
@@ -308,10 +312,9 @@ class Scheduler:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Scheduler:
         """Inverse of `state()`."""
-        name, window = state["policy"], state["window"]
-        policy: Policy = {"fifo": Fifo(), "fffo": Fffo()}.get(name) or WindowedFifo(window)
-        scheduler = cls(policy, state["batch_size"], state["max_off_policy_steps"],
-                        state["max_in_flight"], version=state["version"])
+        scheduler = cls(make_policy(state["policy"], state["window"]), state["batch_size"],
+                        state["max_off_policy_steps"], state["max_in_flight"],
+                        version=state["version"])
         scheduler.queue = GenerationQueue.from_state(state["queue"])
         scheduler.lag_counts = Counter(dict(state["lag_counts"]))
         return scheduler
