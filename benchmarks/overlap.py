@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forgerl.scheduler.policies import make_policy
+
 JOBS = {
     "main": ["examples/calculator_agent/config.toml", "--max_steps", "4"],
     "chain_sum": [
@@ -42,18 +44,26 @@ JOBS = {
 }
 
 
+def parse_setting(setting: str) -> tuple[str, int | None, int]:
+    """`POLICY:L` → (scheduler policy type, window or None, L). Raises ValueError for an
+    unknown policy."""
+    name, _, lag = setting.partition(":")
+    if name == "sync":
+        return "fifo", None, 0
+    window = int(name[1:]) if re.fullmatch(r"w\d+", name) else None
+    policy = name if window is None else "windowed_fifo"
+    try:
+        make_policy(policy, window)  # the scheduler's own names
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r} in setting {setting!r}") from None
+    return policy, window, int(lag or 0)
+
+
 def setting_flags(setting: str) -> list[str]:
     """`POLICY:L` → CLI overrides. Raises ValueError for an unknown policy."""
-    policy, _, lag = setting.partition(":")
-    lag_steps = int(lag or 0)
-    if policy == "sync":
-        return ["--scheduler.policy", '{type = "fifo"}', "--scheduler.max_off_policy_steps", "0"]
-    if policy in ("fifo", "fffo"):
-        table = f'{{type = "{policy}"}}'
-    elif re.fullmatch(r"w\d+", policy):
-        table = f'{{type = "windowed_fifo", window = {int(policy[1:])}}}'
-    else:
-        raise ValueError(f"unknown policy {policy!r} in setting {setting!r}")
+    policy, window, lag_steps = parse_setting(setting)
+    table = f'{{type = "{policy}"}}' if window is None else \
+        f'{{type = "{policy}", window = {window}}}'
     return ["--scheduler.policy", table, "--scheduler.max_off_policy_steps", str(lag_steps)]
 
 
@@ -176,19 +186,17 @@ def fake_clock(settings: list[str], seeds: int = 5, steps: int = 200) -> str:
     generation beside training costs nothing here, unlike on 2 real cores. Mean over seeds.
     """
     from benchmarks.scheduling import duration_bias, lognormal_durations, simulate  # lazy: CLI
-    from forgerl.scheduler.policies import Fffo, Fifo, Scheduler, WindowedFifo  # lazy: CLI
+    from forgerl.scheduler.policies import Scheduler  # lazy: CLI
 
     lines = ["| setting | time/step (train = 1) | trainer idle | lag mean / max | bias |",
              "|---|---|---|---|---|"]
     for setting in settings:
-        policy_name, _, lag = setting.partition(":")
-        policy = {"sync": Fifo(), "fifo": Fifo(), "fffo": Fffo()}.get(policy_name) or \
-            WindowedFifo(int(policy_name[1:]))
+        name, window, lag = parse_setting(setting)
         per_seed = []
         for seed in range(seeds):
             duration = lognormal_durations(seed, sigma=0.5)
             scaled = lambda i, d=duration: 2.5 * d(i)  # noqa: E731
-            sched = Scheduler(policy, 2, int(lag or 0), group_size=8)
+            sched = Scheduler(make_policy(name, window), 2, lag, group_size=8)
             res = simulate(sched, scaled, 16, 1.0, steps)
             lags = list(res.lags.values())
             per_seed.append((res.end_time / steps, res.idle_time / res.end_time,
@@ -221,10 +229,7 @@ def tool_job(settings: list[str], steps: int = 8, scale: float = 5.0, seed: int 
     lines = ["| setting | s/step | trainer idle | lag mean / max | bias (tool s) | load |",
              "|---|---|---|---|---|---|"]
     for setting in settings:
-        name, _, lag = setting.partition(":")
-        policy, window = {"sync": ("fifo", None), "fifo": ("fifo", None),
-                          "fffo": ("fffo", None)}.get(name) or ("windowed_fifo", int(name[1:]))
-        lag_steps = int(lag or 0)
+        policy, window, lag_steps = parse_setting(setting)
         load = load_average()
         with tempfile.TemporaryDirectory(prefix="forgerl-overlap-") as tmp:
             run_dir = Path(tmp) / "run"
