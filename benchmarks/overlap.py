@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forgerl.metrics import read_metrics
 from forgerl.scheduler.policies import make_policy
 
 JOBS = {
@@ -128,7 +129,7 @@ def task_mix(db: sqlite3.Connection) -> dict[str, float]:
 def summarise(run_dir: Path) -> dict[str, Any]:
     """One table row from RUN_DIR/metrics.jsonl, the pool and run.json beside it."""
     info = json.loads(run_dir.with_suffix(".json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    records = read_metrics(run_dir)
     steps = [r for r in records if r["step"] > 0 and "step_seconds" in r]
     accuracy = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
     train_windows = []

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale_sim import Costs, Layout, Workload, simulate
 
+from forgerl.metrics import read_metrics
+
 HERE = Path(__file__).resolve().parent
 COSTS = HERE / "results" / "2026-12-07-sim-costs.json"
 PLOT = HERE.parent / "docs" / "img" / "simulation-saturation.png"
@@ -46,8 +48,7 @@ ENGINE_SPEED = 50.0  # an accelerator engine against the measured 2-core CPU one
 def validate(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
     """Predicted vs measured steady-state s/step for the chain_sum run on this machine."""
     run = Path(raw["run"])
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["step"] > 0]
+    steps = [r for r in read_metrics(run) if r["step"] > 0]
     last = steps[-1]
     work = Workload(group_size=8, calls=raw["calls_per_rollout"],
                     env_s=raw["env_s_per_rollout"] / (raw["calls_per_rollout"] + 1),
