@@ -1,7 +1,8 @@
 """Scheduler settings on the real jobs, back to back: the overlap table (issue 51, item 1).
 
 Runs `forgerl train` once per setting under `/usr/bin/time -v`, then reads each RUN_DIR's
-metrics.jsonl and pool to print one markdown table. A setting is `POLICY:L`, POLICY one of
+metrics.jsonl and pool to print one markdown table (s/step also as a ratio to `BASELINE`, or to
+the first setting when that was not measured). A setting is `POLICY:L`, POLICY one of
 `sync` (fifo, L forced to 0), `fifo`, `fffo` or `wN` (windowed FIFO, window N).
 
     python benchmarks/overlap.py --job main --settings sync:0 w4:1 w2:2 fifo:2 fffo:2 \
@@ -35,6 +36,7 @@ from typing import Any
 from forgerl.metrics import read_metrics
 from forgerl.scheduler.policies import make_policy
 
+BASELINE = "w4:1"  # the old default, windowed FIFO W = 4, L = 1: the ratio column's base
 JOBS = {
     "main": ["examples/calculator_agent/config.toml", "--max_steps", "4"],
     "chain_sum": [
@@ -162,15 +164,19 @@ def summarise(run_dir: Path) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of `summarise` rows."""
-    head = ("| setting | wall | s/step | s/step w/o eval | train s/step | trainer waiting | "
-            "train overlapped by generation | rollout tok/s | lag mean/max | held-out by step | "
-            "bias duration / terms | peak RSS | load 1-min start/end |")
-    lines = [head, "|" + "---|" * 13]
+    """The markdown table of `summarise` rows. "vs base": s/step over the same run's
+    `BASELINE` row (the old default) when measured, else over its first row."""
+    base = next((r for r in rows if r["setting"] == BASELINE), rows[0] if rows else None)
+    head = ("| setting | wall | s/step | s/step vs {} | s/step w/o eval | train s/step | "
+            "trainer waiting | train overlapped by generation | rollout tok/s | lag mean/max | "
+            "held-out by step | bias duration / terms | peak RSS | load 1-min start/end |"
+            ).format(base["setting"] if base else "-")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         acc = ", ".join(f"{s}: {a:.3f}" for s, a in sorted(r["accuracy"].items()))
         lines.append(
             f"| {r['setting']} | {r['wall_s'] / 60:.1f} min | {r['s_per_step']:.1f} | "
+            f"{r['s_per_step'] / (base['s_per_step'] or float('nan')):.2f} | "
             f"{r['s_per_step_no_eval']:.1f} | {r['train_s']:.1f} | {r['wait_fraction']:.0%} | "
             f"{r['overlap']:.0%} | {r['tokens_per_s']:.1f} | {r['lag_mean']:.2f}/{r['lag_max']} | "
             f"{acc} | {r['bias_duration']:.2f} / {r['bias_terms']:.2f} | "
