@@ -75,19 +75,18 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-def run_one(job: str, setting: str, out: Path, forgerl: str, extra: list[str]) -> None:
-    """One `forgerl train` run into out/<setting>; writes <setting>.json beside it."""
-    run_dir = out / setting.replace(":", "_L")
+def run_one(job: str, setting: str, run_dir: Path, forgerl: str, extra: list[str]) -> None:
+    """One `forgerl train` run into run_dir; writes run_dir.log and run_dir.json beside it."""
     cmd = [forgerl, "train", *JOBS[job], *extra, *setting_flags(setting), "--run_dir", str(run_dir)]
     start_load, t0 = load_average(), time.time()
-    log = (out / f"{run_dir.name}.log").open("w")
-    rc = subprocess.call(["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT)
+    log = run_dir.with_suffix(".log")
+    with log.open("w") as out:
+        rc = subprocess.call(["/usr/bin/time", "-v", *cmd], stdout=out, stderr=subprocess.STDOUT)
     info = {"setting": setting, "cmd": cmd, "rc": rc, "wall_s": time.time() - t0,
             "load_start": start_load, "load_end": load_average(), "started": t0}
-    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)",
-                     (out / f"{run_dir.name}.log").read_text())
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log.read_text())
     info["peak_rss_gib"] = int(peak.group(1)) / 2**20 if peak else None
-    (out / f"{run_dir.name}.json").write_text(json.dumps(info))
+    run_dir.with_suffix(".json").write_text(json.dumps(info))
     print(f"{setting}: rc={rc} wall={info['wall_s']:.0f}s load {start_load}->{info['load_end']}",
           flush=True)
 
@@ -272,12 +271,12 @@ def main() -> None:
         print(tool_job(args.settings, steps=args.steps))
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    run_dirs = [args.out / setting.replace(":", "_L") for setting in args.settings]
     if not args.table_only:
-        for setting in args.settings:
-            extra = [part for flag in args.extra for part in flag.split("=", 1)]
-            run_one(args.job, setting, args.out, args.forgerl, extra)
-    rows = [summarise(args.out / s.replace(":", "_L")) for s in args.settings
-            if (args.out / s.replace(":", "_L") / "metrics.jsonl").exists()]
+        extra = [part for flag in args.extra for part in flag.split("=", 1)]
+        for setting, run_dir in zip(args.settings, run_dirs, strict=True):
+            run_one(args.job, setting, run_dir, args.forgerl, extra)
+    rows = [summarise(run_dir) for run_dir in run_dirs if (run_dir / "metrics.jsonl").exists()]
     print(table(rows))
 
 
