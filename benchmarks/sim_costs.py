@@ -43,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gateway as gw
+from gateway_scale import cpu_seconds
 
 from forgerl.datapool.sqlite import SQLitePool
 from forgerl.types import Completion
@@ -55,21 +56,15 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process `pid` in seconds (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def gateway_cost(calls: int) -> dict[str, Any]:
     """Gateway CPU seconds per chat call (module docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = gw.start("pool", tmp)
         try:
             asyncio.run(gw.concurrent(url, 32, calls // 5, stream=False))  # warm-up
-            before = cpu_seconds(proc.pid)
+            before = cpu_seconds([proc])
             out = asyncio.run(gw.concurrent(url, 32, calls, stream=False))
-            cpu = cpu_seconds(proc.pid) - before
+            cpu = cpu_seconds([proc]) - before
         finally:
             proc.kill()
     done = calls // 32 * 32  # `concurrent` makes requests // workers calls per client
