@@ -21,7 +21,7 @@ from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures: a real PostgreS
 # Skips name their reason, are summed up by reason at the end, and fail under CI (tests/skips.py).
 pytest_plugins = ("tests.skips",)
 pytest.register_assert_rewrite("tests.skips")  # imported here before pytest loads it as a plugin
-from tests.skips import in_ci  # noqa: E402
+from tests.skips import deselect, in_ci  # noqa: E402
 
 # CI (CI=true) draws every property test's examples from a fixed seed, so a landing is judged on
 # the code, not on the draw; a developer's run draws new examples each time.
@@ -54,8 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("prefix_cache") == "off":  # a choice of this run, not a skip
-        config.hook.pytest_deselected(items=[i for i in items if "prefix_cache" in i.keywords])
-        items[:] = [i for i in items if "prefix_cache" not in i.keywords]
+        deselect(config, items, lambda item: "prefix_cache" in item.keywords)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
@@ -77,12 +78,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "there); deselected, not skipped, where `active` is false")
 
 
+def deselect(config: pytest.Config, items: list[pytest.Item],
+             drop: Callable[[pytest.Item], bool]) -> None:
+    """Take the items `drop` picks out of this run, reported as deselected (not skipped)."""
+    keep: list[pytest.Item] = []
+    gone: list[pytest.Item] = []
+    for item in items:
+        (gone if drop(item) else keep).append(item)
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    elsewhere = {item for item in items
-                 if (mark := item.get_closest_marker("runs_in")) is not None and not mark.args[0]}
-    if elsewhere:
-        config.hook.pytest_deselected(items=[item for item in items if item in elsewhere])
-        items[:] = [item for item in items if item not in elsewhere]
+    deselect(config, items, lambda item: (mark := item.get_closest_marker("runs_in")) is not None
+             and not mark.args[0])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
