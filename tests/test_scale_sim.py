@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.scale_sim import Costs, Layout, Workload, simulate
@@ -10,6 +12,9 @@ FREE = Costs(gateway_cpu_s_per_call=0.0, pool_tx_s=0.0, pool_call_s=0.0, rollout
              scheduler_admit_s=0.0, scheduler_admit_s_per_admitted=0.0, step_a=0.1, step_b=0.0,
              shared_step_a=0.1, shared_step_b=0.0, prefill_tokens_per_s=1e9,
              trainer_step_s=1.0, trainer_s_per_token=0.0, weight_sync_s=0.2)
+# only the gateway costs (0.01 CPU s per call): calls/s = gateways / 0.01
+GATEWAY_ONLY = replace(FREE, gateway_cpu_s_per_call=0.01, step_a=0.0, shared_step_a=0.0,
+                       trainer_step_s=0.0, weight_sync_s=0.0)
 
 
 def test_synchronous_step_is_rollout_plus_train_plus_sync():
@@ -26,7 +31,7 @@ def test_synchronous_step_is_rollout_plus_train_plus_sync():
 def test_decode_batch_shares_the_step():
     # 4 calls at once on one engine, step 0.1 + 0.05 x 4 = 0.3 s: 10 tokens take 3.0 s after one
     # prefill each (0.1 s, back to back): the group ends at 0.4 + 3.0 = 3.4 s; one step of 1.0 s
-    costs = Costs(**{**FREE.__dict__, "step_b": 0.05})
+    costs = replace(FREE, step_b=0.05)
     work = Workload(group_size=4, calls=1, env_s=0.0, completion_tokens=10, new_prompt_tokens=0)
     out = simulate(costs, work, Layout(k=1, max_off_policy_steps=0), steps=1)
     assert out["seconds"] == pytest.approx(3.4 + 1.0)
@@ -34,23 +39,18 @@ def test_decode_batch_shares_the_step():
 
 def test_saturated_gateway_serves_one_call_per_cpu_second():
     # 0.01 CPU s per call, nothing else costs: calls/s = 1 / 0.01 whatever the offered load
-    costs = Costs(**{**FREE.__dict__, "gateway_cpu_s_per_call": 0.01, "step_a": 0.0,
-                     "shared_step_a": 0.0, "trainer_step_s": 0.0, "weight_sync_s": 0.0})
     # (32 rollouts in flight hold up to 32 calls half served at the end: < 2 % of 2,000)
     work = Workload(group_size=8, calls=20, env_s=0.0, completion_tokens=1, new_prompt_tokens=0)
-    out = simulate(costs, work, Layout(k=2, max_off_policy_steps=None, policy="fffo",
-                                       max_in_flight=4), steps=10**6, max_seconds=20.0)
+    layout = Layout(k=2, max_off_policy_steps=None, policy="fffo", max_in_flight=4)
+    out = simulate(GATEWAY_ONLY, work, layout, steps=10**6, max_seconds=20.0)
     assert out["calls_per_s"] == pytest.approx(100.0, rel=0.02)
     assert out["gateway_busy_max"] == pytest.approx(1.0, rel=0.01)
 
 
 def test_two_gateways_double_it_and_lag_stays_bounded():
-    costs = Costs(**{**FREE.__dict__, "gateway_cpu_s_per_call": 0.01, "step_a": 0.0,
-                     "shared_step_a": 0.0, "trainer_step_s": 0.0, "weight_sync_s": 0.0})
     work = Workload(group_size=8, calls=20, env_s=0.0, env_sigma=1.0, completion_tokens=1,
                     new_prompt_tokens=0)
-    out = simulate(costs, work, Layout(k=4, gateways=2, max_off_policy_steps=2,
-                                       policy="windowed_fifo", window=4), steps=10**6,
-                   max_seconds=10.0)
+    layout = Layout(k=4, gateways=2, max_off_policy_steps=2, policy="windowed_fifo", window=4)
+    out = simulate(GATEWAY_ONLY, work, layout, steps=10**6, max_seconds=10.0)
     assert out["calls_per_s"] == pytest.approx(200.0, rel=0.03)
     assert 0 < out["lag_max"] <= 2
