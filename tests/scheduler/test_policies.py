@@ -27,6 +27,7 @@ from forgerl.scheduler.policies import (
     Scheduler,
     WindowedFifo,
     admissible,
+    make_policy,
     resolve_window,
 )
 
@@ -46,6 +47,11 @@ def test_select_by_hand():
     assert resolve_window(16, 4) == 16
     with pytest.raises(ValueError):
         WindowedFifo(0)
+    # the config's `type` names; the window counts only for windowed_fifo
+    assert make_policy("fifo", 7) == Fifo() and make_policy("fffo") == Fffo()
+    assert make_policy("windowed_fifo", 3) == WindowedFifo(3)
+    with pytest.raises(ValueError, match="unknown scheduler policy 'lifo'"):
+        make_policy("lifo", 2)
 
 
 def test_admission_bound_by_hand():
