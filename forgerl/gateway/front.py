@@ -48,13 +48,10 @@ class _Upstream:
     """One keep-alive HTTP/1.1 connection to a worker."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer, self.conn, self.used = reader, writer, h11.Connection(
-            h11.CLIENT), False
+        self.reader, self.writer, self.conn = reader, writer, h11.Connection(h11.CLIENT)
 
     async def event(self) -> Any:
-        while (ev := self.conn.next_event()) is h11.NEED_DATA:
-            self.conn.receive_data(await self.reader.read(65536))
-        return ev
+        return await _event(self.conn, self.reader)
 
     def close(self) -> None:
         self.writer.close()
@@ -83,7 +80,6 @@ class Front:
         self.keys: dict[str, int] = {}
         self.trajectories: dict[str, int] = {}
         self.open_sessions = [0] * len(addresses)
-        self.requests = [0] * len(addresses)
         self._next = 0
         self._server: asyncio.Server | None = None
 
@@ -191,7 +187,6 @@ class Front:
         if (refused := self._refusal(path, index, peer, req.headers)) is not None:
             return await self._send_error(conn, writer, refused, path)
         assert index is not None
-        self.requests[index] += 1
         headers = [(n, v) for n, v in req.headers if n.lower() not in _HOP]
         headers.append((b"content-length", str(len(body)).encode()))
         try:
