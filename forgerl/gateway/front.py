@@ -256,7 +256,7 @@ class Front:
     async def _send_error(conn: h11.Connection, writer: asyncio.StreamWriter, e: GatewayError,
                           path: str) -> bool:
         """The front's own error answer, in the client's API shape."""
-        resp = e.anthropic_response() if path.startswith("/v1/messages") else e.response()
+        resp = e.response_for(path)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(resp.body)).encode()),
                    (b"x-should-retry", b"false")]
