@@ -160,9 +160,10 @@ async def serve_stub(bodies_path: str) -> None:
     await task
 
 
-def start(kind: str, arg: str) -> tuple[subprocess.Popen[str], str]:
-    """Start a server child process; returns it and its base_url."""
-    proc = subprocess.Popen([sys.executable, str(HERE), "--serve", kind, arg],
+def start(kind: str, arg: str, script: Path = HERE) -> tuple[subprocess.Popen[str], str]:
+    """Start a server child process (`script --serve kind arg`, which prints `PORT n` once it
+    listens); returns it and its base_url."""
+    proc = subprocess.Popen([sys.executable, str(script), "--serve", kind, arg],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("PORT "):

@@ -37,11 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import ADMIN, ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages
+from gateway import ADMIN, ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages, start
 
 HERE = Path(__file__).resolve()
 CELLS = ["sqlite-direct", "pg-direct", "pg-front-1", "pg-front-2", "pg-front-4",
@@ -70,16 +71,6 @@ async def serve_front(ports: str) -> None:
     front = Front([("127.0.0.1", int(p)) for p in ports.split(",")])
     print(f"PORT {await front.start('127.0.0.1', 0)}", flush=True)
     await asyncio.Event().wait()
-
-
-def start(kind: str, arg: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, str(HERE), "--serve", kind, arg],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("PORT "):
-        proc.kill()
-        raise RuntimeError(f"{kind} did not start (said {line!r})")
-    return proc, int(line.split()[1])
 
 
 def cpu_seconds(procs: list[subprocess.Popen[str]]) -> float:
@@ -174,16 +165,16 @@ class Postgres:
 def run_cell(cell: str, pool: str, clients: list[int], requests: int) -> list[dict]:
     """Start the cell's processes, run each client count, stop them; one row per count."""
     n = 1 if cell.endswith("direct") else int(cell.rsplit("-", 1)[1])
-    workers = [start("worker", pool) for _ in range(n)]
+    workers = [start("worker", pool, HERE) for _ in range(n)]
     front = None if cell.endswith("direct") else start(
-        "front", ",".join(str(p) for _, p in workers))
-    port = workers[0][1] if front is None else front[1]
+        "front", ",".join(str(urlsplit(url).port) for _, url in workers), HERE)
+    base_url = workers[0][1] if front is None else front[1]
     rows = []
     try:
         for c in clients:
             procs = [p for p, _ in workers]
             cpu0 = cpu_seconds(procs), cpu_seconds([front[0]]) if front else 0.0
-            row = asyncio.run(load(f"http://127.0.0.1:{port}/v1", c, max(2, requests // c)))
+            row = asyncio.run(load(base_url, c, max(2, requests // c)))
             row["gw_cpu_ms"] = 1e3 * (cpu_seconds(procs) - cpu0[0]) / max(row["calls"], 1)
             row["front_cpu_ms"] = (1e3 * (cpu_seconds([front[0]]) - cpu0[1])
                                    / max(row["calls"], 1)) if front else 0.0
