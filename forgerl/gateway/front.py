@@ -211,11 +211,11 @@ class Front:
                 writer.write(b"".join(chunks))
                 chunks.clear()
                 await writer.drain()
+        if learn is not None:  # before the client has the answer: its next call finds the key
+            self._learn(index, req.method, path, head.status_code, bytes(learn))
         chunks.append(conn.send(h11.EndOfMessage()))
         writer.write(b"".join(chunks))
         await writer.drain()
-        if learn is not None:
-            self._learn(index, req.method, path, head.status_code, bytes(learn))
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             up.conn.start_next_cycle()
         else:
