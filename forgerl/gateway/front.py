@@ -84,8 +84,11 @@ class Front:
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen on host:port (0 = a free port); returns the port. OSError when taken."""
-        self._server = await asyncio.start_server(self._client, sock=listen(host, port))
+        """Listen on host:port (0 = a free port); returns the port. OSError when taken. The
+        listen backlog is uvicorn's (the workers'), not asyncio's 100: a burst of new agents
+        (CASES.md C20) is not left waiting for a SYN resend while the front is busy."""
+        self._server = await asyncio.start_server(self._client, sock=listen(host, port),
+                                                  backlog=2048)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
