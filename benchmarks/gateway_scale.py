@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import ADMIN, ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages, start
+from gateway import ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages, open_keys, start
 
 HERE = Path(__file__).resolve()
 CELLS = ["sqlite-direct", "pg-direct", "pg-front-1", "pg-front-2", "pg-front-4",
@@ -88,9 +88,7 @@ async def load(base_url: str, clients: int, turns: int) -> dict[str, float]:
     """`clients` conversations of `turns` chat calls at once; calls/s, p50/p99 ms, errors."""
     conns = [httpx.AsyncClient(base_url=base_url, timeout=120,
                                limits=httpx.Limits(max_connections=1)) for _ in range(clients)]
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as opener:  # untimed set-up
-        keys = [(await opener.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
-                for _ in range(clients)]
+    keys = await open_keys(base_url, clients)  # untimed set-up
     ms: list[float] = []
     errors, kinds = 0, {}
 
