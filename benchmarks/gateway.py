@@ -160,9 +160,10 @@ async def serve_stub(bodies_path: str) -> None:
     await task
 
 
-def start(kind: str, arg: str) -> tuple[subprocess.Popen[str], str]:
-    """Start a server child process; returns it and its base_url."""
-    proc = subprocess.Popen([sys.executable, str(HERE), "--serve", kind, arg],
+def start(kind: str, arg: str, script: Path = HERE) -> tuple[subprocess.Popen[str], str]:
+    """Start a server child process (`script --serve kind arg`, which prints `PORT n` once it
+    listens); returns it and its base_url."""
+    proc = subprocess.Popen([sys.executable, str(script), "--serve", kind, arg],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("PORT "):
@@ -186,7 +187,7 @@ def sequential(base_url: str, sessions: int, turns: int) -> dict[str, float]:
     """p50/p99 ms of sessions x turns chat calls and of as many GET /v1/models, keep-alive."""
     from openai import OpenAI
 
-    keys = asyncio.run(_keys(base_url, sessions))
+    keys = asyncio.run(open_keys(base_url, sessions))
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
     chat_ms, models_ms = [], []
     for key in keys:
@@ -206,7 +207,7 @@ def sequential(base_url: str, sessions: int, turns: int) -> dict[str, float]:
     return {"p50": q[49], "p99": q[98], "models_p50": statistics.median(models_ms)}
 
 
-async def _keys(base_url: str, n: int) -> list[str]:
+async def open_keys(base_url: str, n: int) -> list[str]:
     """n API keys from POST /v1/sessions (untimed set-up)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         return [(await client.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
@@ -251,7 +252,7 @@ async def concurrent(base_url: str, workers: int, requests: int, stream: bool,
     calls/s, SSE events/s, errors."""
     counts = dict.fromkeys(("requests", "chunks", "errors"), 0)
     per_worker = requests // workers
-    keys = await _keys(base_url, workers * -(-per_worker // turns))
+    keys = await open_keys(base_url, workers * -(-per_worker // turns))
     clients = [httpx.AsyncClient(base_url=base_url, timeout=120) for _ in range(workers)]
 
     async def worker(i: int) -> None:
@@ -307,7 +308,7 @@ def stream_latency(base_url: str, log: Path, calls: int) -> dict[str, float]:
     token (the byte tokenizer: one character per id), and its arrival time here is compared
     with the `sampled_at` the engine logged (time.perf_counter is CLOCK_MONOTONIC on Linux,
     one clock for both processes)."""
-    key = asyncio.run(_keys(base_url, 1))[0]
+    key = asyncio.run(open_keys(base_url, 1))[0]
     arrivals = []
     with httpx.Client(base_url=base_url, timeout=30) as client:
         for _ in range(calls):

@@ -16,11 +16,12 @@ The front (forgerl/gateway/front.py) is a child process too. Cells:
 At each client count C (64, 256, 1,024): C clients at once (one httpx.AsyncClient each, one
 keep-alive connection), each with its own session (opened before, one at a time, untimed)
 making max(2, R / C) chat calls in one conversation, each turn extending the last (R = 2,048
-requests; --quick: 512). Reported per cell and C: calls/s, p50 / p99 latency (ms), errors,
-and CPU seconds per call of the gateway processes (their user + system time from /proc over
-the timed part, divided by the calls) and of the front. On a 2-core machine shared with the
-client (this process), more processes than cores cannot add throughput: the table shows where
-it saturates.
+requests; --quick: 512). Reported per cell and C: calls/s, p50 / p99 latency (ms), calls/s
+and p99 as ratios to the `sqlite-direct` row at the same C of the same run (that cell runs
+first; "-" when it is not among --cells), errors, and CPU seconds per call of the gateway
+processes (their user + system time from /proc over the timed part, divided by the calls) and
+of the front. On a 2-core machine shared with the client (this process), more processes than
+cores cannot add throughput: the table shows where it saturates.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import ADMIN, ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages
+from gateway import ADMIN_KEY, FIRST, MODEL, REPLY, InstantEngine, next_messages, open_keys, start
 
 HERE = Path(__file__).resolve()
 CELLS = ["sqlite-direct", "pg-direct", "pg-front-1", "pg-front-2", "pg-front-4",
@@ -72,16 +74,6 @@ async def serve_front(ports: str) -> None:
     await asyncio.Event().wait()
 
 
-def start(kind: str, arg: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, str(HERE), "--serve", kind, arg],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("PORT "):
-        proc.kill()
-        raise RuntimeError(f"{kind} did not start (said {line!r})")
-    return proc, int(line.split()[1])
-
-
 def cpu_seconds(procs: list[subprocess.Popen[str]]) -> float:
     """User + system CPU seconds of these processes so far (/proc/PID/stat)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -96,9 +88,7 @@ async def load(base_url: str, clients: int, turns: int) -> dict[str, float]:
     """`clients` conversations of `turns` chat calls at once; calls/s, p50/p99 ms, errors."""
     conns = [httpx.AsyncClient(base_url=base_url, timeout=120,
                                limits=httpx.Limits(max_connections=1)) for _ in range(clients)]
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as opener:  # untimed set-up
-        keys = [(await opener.post("/sessions", json={}, headers=ADMIN)).json()["api_key"]
-                for _ in range(clients)]
+    keys = await open_keys(base_url, clients)  # untimed set-up
     ms: list[float] = []
     errors, kinds = 0, {}
 
@@ -171,26 +161,32 @@ class Postgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def run_cell(cell: str, pool: str, clients: list[int], requests: int) -> list[dict]:
-    """Start the cell's processes, run each client count, stop them; one row per count."""
+def run_cell(cell: str, pool: str, clients: list[int], requests: int,
+             base: dict[int, dict]) -> list[dict]:
+    """Start the cell's processes, run each client count, stop them; one row per count.
+    `base`: the sqlite-direct rows by client count (the ratios' base), filled by that cell."""
     n = 1 if cell.endswith("direct") else int(cell.rsplit("-", 1)[1])
-    workers = [start("worker", pool) for _ in range(n)]
+    workers = [start("worker", pool, HERE) for _ in range(n)]
     front = None if cell.endswith("direct") else start(
-        "front", ",".join(str(p) for _, p in workers))
-    port = workers[0][1] if front is None else front[1]
+        "front", ",".join(str(urlsplit(url).port) for _, url in workers), HERE)
+    base_url = workers[0][1] if front is None else front[1]
     rows = []
     try:
         for c in clients:
             procs = [p for p, _ in workers]
             cpu0 = cpu_seconds(procs), cpu_seconds([front[0]]) if front else 0.0
-            row = asyncio.run(load(f"http://127.0.0.1:{port}/v1", c, max(2, requests // c)))
+            row = asyncio.run(load(base_url, c, max(2, requests // c)))
             row["gw_cpu_ms"] = 1e3 * (cpu_seconds(procs) - cpu0[0]) / max(row["calls"], 1)
             row["front_cpu_ms"] = (1e3 * (cpu_seconds([front[0]]) - cpu0[1])
                                    / max(row["calls"], 1)) if front else 0.0
             row |= {"cell": cell, "clients": c, "load": os.getloadavg()[0]}
             rows.append(row)
+            if cell == "sqlite-direct":
+                base[c] = row
+            ratios = (f"{row['rps'] / base[c]['rps']:5.2f} | {row['p99'] / base[c]['p99']:5.2f}"
+                      if c in base else "    - |     -")
             print(f"| {cell:14} | {c:5} | {row['rps']:7.0f} | {row['p50']:7.1f} | "
-                  f"{row['p99']:7.1f} | {row['errors']:3} | {row['gw_cpu_ms']:6.2f} | "
+                  f"{row['p99']:7.1f} | {ratios} | {row['errors']:3} | {row['gw_cpu_ms']:6.2f} | "
                   f"{row['front_cpu_ms']:6.2f} | {row['load']:4.1f} |", flush=True)
     finally:
         for p, _ in workers + ([front] if front else []):
@@ -214,19 +210,22 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 16384)), hard))
     cells, clients = args.cells.split(","), [int(c) for c in args.clients.split(",")]
+    cells.sort(key=lambda cell: cell != "sqlite-direct")  # the ratios' base runs first
+    base: dict[int, dict] = {}
     requests = 512 if args.quick else args.requests
     pg = Postgres() if any(c.startswith("pg") for c in cells) else None
     print(f"{time.strftime('%Y-%m-%d %H:%M')} UTC; {os.cpu_count()} cores; load "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; R = {requests}\n")
-    print("| cell           | clients | calls/s | p50 ms | p99 ms | errors | gateway CPU ms/call"
+    print("| cell           | clients | calls/s | p50 ms | p99 ms | calls/s ÷ sqlite-direct"
+          " | p99 ÷ sqlite-direct | errors | gateway CPU ms/call"
           " | front CPU ms/call | load 1m |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, cell in enumerate(cells):
                 pool = (pg.url(f"cell{i}") if cell.startswith("pg") and pg
                         else str(Path(tmp) / f"cell{i}.sqlite"))
-                run_cell(cell, pool, clients, requests)
+                run_cell(cell, pool, clients, requests, base)
     finally:
         if pg is not None:
             pg.stop()

@@ -60,6 +60,11 @@ class GatewayError(Exception):
         body = {"type": "error", "error": {"type": kind, "message": self.anthropic_message}}
         return JSONResponse(body, status_code=self.status)
 
+    def response_for(self, path: str) -> JSONResponse:
+        """The answer to a request for `path`: Anthropic-shaped on the Messages routes
+        (/v1/messages...), OpenAI-shaped elsewhere."""
+        return self.anthropic_response() if path.startswith("/v1/messages") else self.response()
+
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",

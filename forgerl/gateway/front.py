@@ -48,13 +48,10 @@ class _Upstream:
     """One keep-alive HTTP/1.1 connection to a worker."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer, self.conn, self.used = reader, writer, h11.Connection(
-            h11.CLIENT), False
+        self.reader, self.writer, self.conn = reader, writer, h11.Connection(h11.CLIENT)
 
     async def event(self) -> Any:
-        while (ev := self.conn.next_event()) is h11.NEED_DATA:
-            self.conn.receive_data(await self.reader.read(65536))
-        return ev
+        return await _event(self.conn, self.reader)
 
     def close(self) -> None:
         self.writer.close()
@@ -83,13 +80,15 @@ class Front:
         self.keys: dict[str, int] = {}
         self.trajectories: dict[str, int] = {}
         self.open_sessions = [0] * len(addresses)
-        self.requests = [0] * len(addresses)
         self._next = 0
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen on host:port (0 = a free port); returns the port. OSError when taken."""
-        self._server = await asyncio.start_server(self._client, sock=listen(host, port))
+        """Listen on host:port (0 = a free port); returns the port. OSError when taken. The
+        listen backlog is uvicorn's (the workers'), not asyncio's 100: a burst of new agents
+        (CASES.md C20) is not left waiting for a SYN resend while the front is busy."""
+        self._server = await asyncio.start_server(self._client, sock=listen(host, port),
+                                                  backlog=2048)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -191,7 +190,6 @@ class Front:
         if (refused := self._refusal(path, index, peer, req.headers)) is not None:
             return await self._send_error(conn, writer, refused, path)
         assert index is not None
-        self.requests[index] += 1
         headers = [(n, v) for n, v in req.headers if n.lower() not in _HOP]
         headers.append((b"content-length", str(len(body)).encode()))
         try:
@@ -216,11 +214,11 @@ class Front:
                 writer.write(b"".join(chunks))
                 chunks.clear()
                 await writer.drain()
+        if learn is not None:  # before the client has the answer: its next call finds the key
+            self._learn(index, req.method, path, head.status_code, bytes(learn))
         chunks.append(conn.send(h11.EndOfMessage()))
         writer.write(b"".join(chunks))
         await writer.drain()
-        if learn is not None:
-            self._learn(index, req.method, path, head.status_code, bytes(learn))
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             up.conn.start_next_cycle()
         else:
@@ -261,7 +259,7 @@ class Front:
     async def _send_error(conn: h11.Connection, writer: asyncio.StreamWriter, e: GatewayError,
                           path: str) -> bool:
         """The front's own error answer, in the client's API shape."""
-        resp = e.anthropic_response() if path.startswith("/v1/messages") else e.response()
+        resp = e.response_for(path)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(resp.body)).encode()),
                    (b"x-should-retry", b"false")]

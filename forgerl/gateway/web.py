@@ -30,13 +30,12 @@ R = TypeVar("R")
 
 
 def error_response(request: Request, e: GatewayError) -> JSONResponse:
-    """Anthropic-shaped on the Messages routes (/v1/messages...), OpenAI-shaped elsewhere;
-    noted for the request log (error, code, and the field refused by a 400 other than a
-    context overflow)."""
+    """`e.response_for` the request's path (each API's own error shape); noted for the
+    request log (error, code, and the field refused by a 400 other than a context overflow)."""
     telemetry.note(error=e.message, code=e.code)
     if e.status == 400 and e.param and e.code != "context_length_exceeded":
         telemetry.note(refused=e.param)
-    return e.anthropic_response() if request.url.path.startswith("/v1/messages") else e.response()
+    return e.response_for(request.url.path)
 
 
 

@@ -159,6 +159,23 @@ class Served:
 
         return OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
 
+    def converse(self, first: str, turns: int, follow_up: Callable[[int], dict],
+                 **create) -> tuple[str, str, list]:
+        """(trajectory_id, api_key, responses) of a new session's `turns` chat calls through
+        the openai SDK (model "tiny", temperature 1.0, seed = the turn's index, `create`'s
+        arguments), each on the conversation so far: the user message `first`, then each reply
+        followed by `follow_up(turn)`."""
+        tid, key = self.session()
+        client = self.client(key)
+        messages: list[dict] = [{"role": "user", "content": first}]
+        responses = []
+        for turn in range(turns):
+            r = client.chat.completions.create(model="tiny", messages=messages, temperature=1.0,
+                                               seed=turn, **create)
+            responses.append(r)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), follow_up(turn)]
+        return tid, key, responses
+
 
 @pytest.fixture
 def renderer(tokenizer) -> ChatMLRenderer:

@@ -37,22 +37,10 @@ def test_three_turn_tool_conversation(serve, tokenizer, tiny_model):
     engine = Recording(local.LocalEngine(tiny_model, max_model_len=2048, max_batch_size=4))
     srv = serve(engine, tokenizer)
     try:
-        tid, key = srv.session()
-        client = srv.client(key)
-        messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
-        for turn in range(3):
-            r = client.chat.completions.create(
-                model="tiny",
-                messages=messages,
-                tools=[WEATHER],
-                max_tokens=12,
-                temperature=1.0,
-                seed=turn,
-            )
-            messages += [
-                r.choices[0].message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn} C"},
-            ]
+        tid, key, _ = srv.converse(
+            "What is the weather in Oslo?", 3,
+            lambda turn: {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn} C"},
+            tools=[WEATHER], max_tokens=12)
         records = srv.pool.get_trajectory(tid).completions
         assert len(records) == 3 == len(engine.outputs)
         for rec, (prompt, out) in zip(records, engine.outputs, strict=True):

@@ -23,18 +23,11 @@ def test_sqlite_and_postgres_pools_record_the_same_tokens(serve, tokenizer, tiny
         engine = Recording(local.LocalEngine(tiny_model, max_model_len=512, max_batch_size=4))
         srv = serve(engine, tokenizer, pool=open_pool(where))
         try:
-            tid, key = srv.session()
-            client = srv.client(key)
-            messages = [{"role": "user", "content": "Count."}]
-            for turn in range(2):
-                out = client.chat.completions.create(
-                    model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=turn,
-                    logprobs=True)
-                messages += [{"role": "assistant", "content": out.choices[0].message.content},
-                             {"role": "user", "content": "more"}]
-                got = [t.logprob for t in out.choices[0].logprobs.content]
-                assert got == srv.pool.get_trajectory(tid).completions[turn].logprobs
+            tid, _, outs = srv.converse("Count.", 2, lambda _: {"role": "user", "content": "more"},
+                                        max_tokens=8, logprobs=True)
             records = srv.pool.get_trajectory(tid).completions
+            for out, record in zip(outs, records, strict=True):
+                assert [t.logprob for t in out.choices[0].logprobs.content] == record.logprobs
             assert [(r.prompt_ids, r.completion_ids, r.logprobs) for r in records] == [
                 (sent, gen.completion_ids, gen.logprobs) for sent, gen in engine.outputs]
             recorded.append(records)

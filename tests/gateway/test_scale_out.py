@@ -6,7 +6,8 @@ front. Sessions spread over both and each session's calls land on the worker tha
 streamed; SIGKILL of one worker mid-session: its session's calls get a 503 the SDKs raise as
 APIStatusError naming the dead worker, its trajectory is failed in the pool with its committed
 completions intact, the other worker's session and new sessions go on; stopping the front
-stops every worker. On SQLite and on PostgreSQL.
+stops every worker. On SQLite and on PostgreSQL. CASES.md C20 through the front: 300 sessions
+on two gateways, all in flight at once.
 """
 
 from __future__ import annotations
@@ -179,6 +180,70 @@ def test_front_in_process(serve, tokenizer):
         r = c.post("/sessions", json={}, headers=srvs[0].admin)
         assert r.status_code == 200 and r.headers["x-forgerl-gateway"] == "1"
     asyncio.run_coroutine_threadsafe(front.stop(), srvs[0].loop).result(10)
+
+
+def test_front_c20_all_sessions_in_flight_at_once(serve, tokenizer):
+    """CASES.md C20 through the front: 300 sessions spread over two gateways behind it, one chat
+    call each at the same moment (one AsyncOpenAI client per session, as 300 agents): all 300
+    are in flight at the engine at once (both gateways share one `Gate`, which answers no call
+    before 300 are in), 150 on each worker, 0 errors, each session recording its own answer.
+    And 300 connections to a front too busy to accept complete at once (its listen backlog)."""
+    import asyncio
+    import socket
+    import threading
+
+    from forgerl.gateway.front import Front
+    from forgerl.gateway.renderers.renderer import ChatMLRenderer
+
+    from .conftest import reply
+    from .test_concurrency import Gate, N
+
+    answer = reply(ChatMLRenderer(tokenizer), "ok")
+    gate = Gate([answer] * N)
+    srvs = [serve(gate, tokenizer) for _ in range(2)]
+    front = Front([("127.0.0.1", s.server.port) for s in srvs])
+    port = asyncio.run_coroutine_threadsafe(front.start(), srvs[0].loop).result(10)
+    url = f"http://127.0.0.1:{port}/v1"
+    with httpx.Client(base_url=url, timeout=30) as c:
+        opened = [c.post("/sessions", json={}, headers=srvs[0].admin).json() for _ in range(N)]
+    assert front.open_sessions == [N // 2, N // 2]
+
+    # the listen backlog: N connections complete while the front's loop accepts none (a busy
+    # front); asyncio's default backlog of 100 would leave the rest waiting for a SYN resend
+    blocked, release = threading.Event(), threading.Event()
+    srvs[0].loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(30)))
+    blocked.wait(10)
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(N):
+            conns.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+    finally:
+        release.set()
+        for conn in conns:
+            conn.close()
+    assert len(conns) == N
+
+    async def one(key: str) -> str | None:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0,
+                                      timeout=120) as client:
+            out = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}])
+            return out.choices[0].message.content
+
+    async def burst() -> list[str | BaseException | None]:
+        return await asyncio.gather(*[one(s["api_key"]) for s in opened], return_exceptions=True)
+
+    try:
+        results = asyncio.run(burst())
+        assert [r for r in results if isinstance(r, BaseException)] == []
+        assert gate.peak == N
+        assert results == ["ok"] * N
+        for s in opened:
+            pool = srvs[front.trajectories[s["session_id"]]].pool
+            (turn,) = pool.get_trajectory(s["session_id"]).completions
+            assert turn.completion_ids == answer.ids
+    finally:
+        asyncio.run_coroutine_threadsafe(front.stop(), srvs[0].loop).result(10)
 
 
 def test_train_refuses_processes(tmp_path):
