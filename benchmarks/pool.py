@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from forgerl.datapool import open_pool  # noqa: E402
 from forgerl.types import Completion, SamplingParams  # noqa: E402
-from tests.pg import ABSENT, pg_bin, running_server  # noqa: E402  (the tests' server)
+from tests.pg import ABSENT, Server, pg_bin  # noqa: E402  (the tests' server)
 
 GROUP = 8
 
@@ -88,7 +88,7 @@ def main() -> None:
     if bin_dir is None:
         sys.exit(f"benchmarks/pool.py: {ABSENT}")
     print("| backend | write | writers | commits/s | completions/s |\n|---|---|---:|---:|---:|")
-    with running_server(bin_dir) as server, tempfile.TemporaryDirectory() as tmp:
+    with Server(bin_dir) as server, tempfile.TemporaryDirectory() as tmp:
         n = 0
         for writers in args.writers:
             for kind in ("add_completion", f"record_calls x{GROUP}"):
@@ -97,9 +97,9 @@ def main() -> None:
                     if backend == "sqlite":
                         where = f"{tmp}/pool{n}.sqlite"
                     else:
-                        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+                        with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
                             conn.execute(f"CREATE DATABASE b{n}")
-                        where = f"{server}/b{n}"
+                        where = f"{server.url}/b{n}"
                     commits, completions = case(where, kind.split()[0], writers, args)
                     print(f"| {backend} | {kind} | {writers} | {commits:,.0f} |"
                           f" {completions:,.0f} |", flush=True)
