@@ -6,7 +6,7 @@ The server is the machine's PostgreSQL binaries (/usr/lib/postgresql/<version>/b
 server refuse root, so as root they run as the `postgres` user (runuser), which owns the folder.
 It listens on 127.0.0.1 on a free port with trust authentication, fsync on, and is stopped with
 `pg_ctl stop -m immediate`. Without the binaries the PostgreSQL tests are skipped with the
-reason, except under CI=true, where they fail (CI must run them).
+reason, except under CI (`tests.skips.in_ci`), where they fail (CI must run them).
 """
 
 from __future__ import annotations
@@ -35,6 +35,18 @@ def pg_bin() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
                    key=lambda p: int(Path(p).parts[-3]))
     return Path(found[-1]).parent if found else None
+
+
+def server_bin() -> Path:
+    """`pg_bin()` for a test: skipped with the reason when absent, failed under CI."""
+    from tests.skips import in_ci  # lazy: conftest imports this module before its plugin
+
+    bin_dir = pg_bin()
+    if bin_dir is None:
+        if in_ci():
+            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
+        pytest.skip(ABSENT)
+    return bin_dir
 
 
 def _free_port() -> int:
@@ -110,12 +122,7 @@ class Server:
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[str]:
     """The pytest process's server (`Server`); skipped or failed when absent."""
-    bin_dir = pg_bin()
-    if bin_dir is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
-        pytest.skip(ABSENT)
-    with Server(bin_dir) as server:
+    with Server(server_bin()) as server:
         yield server.url
 
 

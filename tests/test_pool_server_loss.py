@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.pg import ABSENT, Server, pg_bin
+from tests.pg import Server, server_bin
 from tests.test_crash_consistency import FORGERL, check_run_state, records, write_config
 
 pytestmark = pytest.mark.slow
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.slow
 def server() -> Iterator[Server]:
     """A server of this test's own, which it may stop and start again (the shared one must
     stay up)."""
-    bin_dir = pg_bin()
-    if bin_dir is None:
-        pytest.skip(ABSENT)
-    with Server(bin_dir) as server:
+    with Server(server_bin()) as server:
         yield server
 
 
