@@ -114,6 +114,9 @@ _ADDED_COLUMNS = {
 """Columns, per table, newer than the first schema: a pool file written before them gets
 them added (with their defaults) when it is opened, so an older run resumes."""
 
+_TRAJECTORIES = ("SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
+                 " started_at, ended_at, policy_rewards FROM trajectories")
+"""A trajectory's row as `SQLPool._trajectory` reads it (add the WHERE)."""
 _INSERT_EVENT = "INSERT INTO events (trajectory_id, turn, kind, value) VALUES (?, ?, ?, ?)"
 _SET_META = ("INSERT INTO meta (key, value) VALUES (?, ?)"
              " ON CONFLICT (key) DO UPDATE SET value=excluded.value")
@@ -383,9 +386,7 @@ class SQLPool:
         """The trajectory with all its completions in turn order. Raises KeyError."""
         with self._lock:
             rows = [] if "\x00" in trajectory_id else self._read(
-                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?",
-                (trajectory_id,))
+                _TRAJECTORIES + " WHERE id=?", (trajectory_id,))
             if not rows:
                 raise KeyError(f"unknown trajectory {trajectory_id!r}")
             return self._trajectory(rows[0])
@@ -397,10 +398,8 @@ class SQLPool:
         rollout_index); the trainer trains only status "finished".
         """
         with self._lock:
-            rows = self._read(
-                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at, policy_rewards FROM trajectories WHERE task_index=?"
-                " ORDER BY rollout_index, seq", (task_index,))
+            rows = self._read(_TRAJECTORIES + " WHERE task_index=? ORDER BY rollout_index, seq",
+                              (task_index,))
             return Group(task_index, [self._trajectory(r) for r in rows])
 
     def mark_trained(self, task_indices: list[int], step: int) -> None:
