@@ -7,10 +7,12 @@ and `record_calls` with 8 calls of one completion each (the gateway's group comm
 transaction, a savepoint per call). Each completion has `--prompt` prompt ids and
 `--completion` sampled ids with float64 logprobs. Each case runs `--writers` processes at once,
 each appending to its own trajectories for `--seconds`; the table gives commits/s and
-completions/s summed over the writers. SQLite is a WAL file with synchronous=FULL in a temp
-folder; PostgreSQL is a throwaway server (tests/pg.py: fsync on, TCP on 127.0.0.1) on the same
-disk, one fresh database per case. The cases run back to back, so the ratios compare like with
-like on a shared machine.
+completions/s summed over the writers, and "PostgreSQL / SQLite": PostgreSQL's rate over
+SQLite's in the same case, measured just before in this run (one ratio for both rates: a case
+writes as many completions per commit on each backend). SQLite is a WAL file with
+synchronous=FULL in a temp folder; PostgreSQL is a throwaway server (tests/pg.py: fsync on, TCP
+on 127.0.0.1) on the same disk, one fresh database per case. The cases run back to back, so
+the ratios compare like with like on a shared machine.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from forgerl.datapool import open_pool  # noqa: E402
 from forgerl.types import Completion, SamplingParams  # noqa: E402
-from tests.pg import ABSENT, pg_bin, running_server  # noqa: E402  (the tests' server)
+from tests.pg import ABSENT, Server, pg_bin  # noqa: E402  (the tests' server)
 
 GROUP = 8
 
@@ -87,8 +89,9 @@ def main() -> None:
     bin_dir = pg_bin()
     if bin_dir is None:
         sys.exit(f"benchmarks/pool.py: {ABSENT}")
-    print("| backend | write | writers | commits/s | completions/s |\n|---|---|---:|---:|---:|")
-    with running_server(bin_dir) as server, tempfile.TemporaryDirectory() as tmp:
+    print("| backend | write | writers | commits/s | completions/s | PostgreSQL / SQLite |\n"
+          "|---|---|---:|---:|---:|---:|")
+    with Server(bin_dir) as server, tempfile.TemporaryDirectory() as tmp:
         n = 0
         for writers in args.writers:
             for kind in ("add_completion", f"record_calls x{GROUP}"):
@@ -97,12 +100,14 @@ def main() -> None:
                     if backend == "sqlite":
                         where = f"{tmp}/pool{n}.sqlite"
                     else:
-                        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+                        with psycopg.connect(f"{server.url}/postgres", autocommit=True) as conn:
                             conn.execute(f"CREATE DATABASE b{n}")
-                        where = f"{server}/b{n}"
+                        where = f"{server.url}/b{n}"
                     commits, completions = case(where, kind.split()[0], writers, args)
+                    if backend == "sqlite":
+                        sqlite = commits  # the ratio's base, measured just before
                     print(f"| {backend} | {kind} | {writers} | {commits:,.0f} |"
-                          f" {completions:,.0f} |", flush=True)
+                          f" {completions:,.0f} | {commits / sqlite:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@ The server is the machine's PostgreSQL binaries (/usr/lib/postgresql/<version>/b
 server refuse root, so as root they run as the `postgres` user (runuser), which owns the folder.
 It listens on 127.0.0.1 on a free port with trust authentication, fsync on, and is stopped with
 `pg_ctl stop -m immediate`. Without the binaries the PostgreSQL tests are skipped with the
-reason, except under CI=true, where they fail (CI must run them).
+reason, except under CI (`tests.skips.in_ci`), where they fail (CI must run them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import itertools
 import os
@@ -38,6 +37,18 @@ def pg_bin() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
+def server_bin() -> Path:
+    """`pg_bin()` for a test: skipped with the reason when absent, failed under CI."""
+    from tests.skips import in_ci  # lazy: conftest imports this module before its plugin
+
+    bin_dir = pg_bin()
+    if bin_dir is None:
+        if in_ci():
+            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
+        pytest.skip(ABSENT)
+    return bin_dir
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,45 +64,66 @@ def _run(cmd: list[str], as_postgres: bool) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}")
 
 
-@contextlib.contextmanager
-def running_server(bin_dir: Path) -> Iterator[str]:
-    """Run a throwaway server from `bin_dir`; yields "postgresql://postgres@127.0.0.1:PORT"
+class Server:
+    """A throwaway server from `bin_dir` in its own temp folder (initdb here); `with` starts it
+    and, at the end, stops it if running and deletes the folder. `stop` and `start` again keep
+    its port (a test that stops the server mid-run). `url`: "postgresql://postgres@127.0.0.1:PORT"
     (add "/postgres" or another database's name)."""
-    root = os.geteuid() == 0
-    folder = Path(tempfile.mkdtemp(prefix="forgerl-pg-"))
-    if root:
-        shutil.chown(folder, "postgres", "postgres")
-    data, log = folder / "data", folder / "server.log"
-    _run([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-N",
-          "-E", "UTF8", "--locale=C"], root)
-    for attempt in range(5):  # another worker may take the free port before the server binds
-        port = _free_port()
-        options = (f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=on"
-                   " -c max_connections=200")
+
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin, self.root, self.port, self.running = bin_dir, os.geteuid() == 0, 0, False
+        self.folder = Path(tempfile.mkdtemp(prefix="forgerl-pg-"))
+        if self.root:
+            shutil.chown(self.folder, "postgres", "postgres")
+        self.data, self.log = self.folder / "data", self.folder / "server.log"
+        _run([str(bin_dir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
+              "-N", "-E", "UTF8", "--locale=C"], self.root)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start on its port, the first time a free one: another worker may take that port
+        before the server binds, so a first start tries up to 5."""
+        tries = 1 if self.port else 5
+        for attempt in range(tries):
+            port = self.port or _free_port()
+            options = (f"-p {port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=on"
+                       " -c max_connections=200")
+            try:
+                _run([str(self.bin / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(self.data),
+                      "-l", str(self.log), "-o", options], self.root)
+                self.port, self.running = port, True
+                return
+            except RuntimeError:
+                if attempt == tries - 1:
+                    raise RuntimeError("PostgreSQL did not start: "
+                                       f"{self.log.read_text()[-2000:]}") from None
+
+    def stop(self) -> None:
+        """`pg_ctl stop -m immediate`, as a crash or a failover stops it."""
+        _run([str(self.bin / "pg_ctl"), "stop", "-m", "immediate", "-D", str(self.data)],
+             self.root)
+        self.running = False
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            _run([str(bin_dir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
-                  "-l", str(log), "-o", options], root)
-            break
-        except RuntimeError:
-            if attempt == 4:
-                raise RuntimeError(f"PostgreSQL did not start: {log.read_text()[-2000:]}") from None
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}"
-    finally:
-        _run([str(bin_dir / "pg_ctl"), "stop", "-m", "immediate", "-D", str(data)], root)
-        shutil.rmtree(folder, ignore_errors=True)
+            if self.running:
+                self.stop()
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[str]:
-    """The pytest process's server (`running_server`); skipped or failed when absent."""
-    bin_dir = pg_bin()
-    if bin_dir is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{ABSENT}; CI=true must run the PostgreSQL tests")
-        pytest.skip(ABSENT)
-    with running_server(bin_dir) as url:
-        yield url
+    """The pytest process's server (`Server`); skipped or failed when absent."""
+    with Server(server_bin()) as server:
+        yield server.url
 
 
 @pytest.fixture

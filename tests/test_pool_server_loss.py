@@ -5,54 +5,25 @@ resumes to the run an uninterrupted one gives: every task trained once, at the l
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.pg import ABSENT, _free_port, _run, pg_bin
+from tests.pg import Server, server_bin
 from tests.test_crash_consistency import FORGERL, check_run_state, records, write_config
 
 pytestmark = pytest.mark.slow
 
 
-class Server:
-    """A PostgreSQL server this test may stop and start again (the shared one must stay up)."""
-
-    def __init__(self, bin_dir: Path, folder: Path) -> None:
-        self.bin, self.data, self.port = bin_dir, folder / "data", _free_port()
-        self.options = f"-p {self.port} -k {folder} -c listen_addresses=127.0.0.1"
-        self.log = folder / "server.log"
-        _run([str(bin_dir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
-              "-N", "-E", "UTF8", "--locale=C"], as_postgres=True)
-
-    def start(self) -> None:
-        _run([str(self.bin / "pg_ctl"), "start", "-w", "-D", str(self.data), "-l", str(self.log),
-              "-o", self.options], as_postgres=True)
-
-    def stop(self) -> None:
-        _run([str(self.bin / "pg_ctl"), "stop", "-m", "immediate", "-D", str(self.data)],
-             as_postgres=True)
-
-
 @pytest.fixture
 def server() -> Iterator[Server]:
-    bin_dir = pg_bin()
-    if bin_dir is None:
-        pytest.skip(ABSENT)
-    folder = Path(tempfile.mkdtemp(prefix="forgerl-pg-"))
-    shutil.chown(folder, "postgres", "postgres")
-    server = Server(bin_dir, folder)
-    server.start()
-    yield server
-    subprocess.run([str(bin_dir / "pg_ctl"), "stop", "-m", "immediate", "-D", str(server.data)],
-                   capture_output=True)  # already stopped if the test failed there
-    shutil.rmtree(folder, ignore_errors=True)
+    """A server of this test's own, which it may stop and start again (the shared one must
+    stay up)."""
+    with Server(server_bin()) as server:
+        yield server
 
 
 def test_a_server_stopped_mid_run_is_one_line_and_the_run_resumes(tmp_path, server):

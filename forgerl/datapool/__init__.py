@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forgerl.config import ConfigError
-from forgerl.datapool.base import redacted
 from forgerl.datapool.sqlite import SQLitePool
 
 if TYPE_CHECKING:
@@ -23,9 +22,8 @@ def open_pool(url_or_path: str | Path) -> SQLitePool | PostgresPool:
     # lazy: psycopg only for a PostgreSQL pool
     import psycopg
 
-    from forgerl.datapool.postgres import PostgresPool  # lazy: with psycopg
+    from forgerl.datapool.postgres import PostgresPool, user_error  # lazy: with psycopg
     try:
         return PostgresPool(text)
     except psycopg.Error as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise ConfigError(f"datapool.url: cannot open {redacted(text)}: {reason}") from None
+        raise user_error(ConfigError, "cannot open", text, e) from None

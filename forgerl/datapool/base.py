@@ -25,10 +25,17 @@ class PoolLost(ConnectionError):
 
 
 class DataPool(Protocol):
-    """Durable, process-safe store. Every write is committed before the call returns."""
+    """Durable, process-safe store. Every write is committed before the call returns.
+
+    The SQL backends (`SQLPool`, sql.py) also give the scheduler, the controller and resume
+    (CASES.md C12): `finish_group`, `task_indices`, `finished_group_task_indices`,
+    `missing_rollouts`, `reset_in_flight`, `commit_trained`, `untrain`, `discard`, `claim` and
+    `stats`; a wrapper pool (`PrivatePool`) forwards them unchanged.
+    """
 
     def add_task(self, task_index: int, payload: dict[str, Any]) -> None:
-        """Append a task to the generation queue (idempotent per task_index)."""
+        """Append a task (status "queued"); idempotent for the same payload. Raises ValueError
+        if `task_index` exists with a different payload."""
         ...
 
     def get_task(self, task_index: int) -> dict[str, Any]:
@@ -38,7 +45,8 @@ class DataPool(Protocol):
     def create_trajectory(
         self, task_index: int, rollout_index: int, trajectory_id: str | None = None
     ) -> str:
-        """Start a trajectory with status "running"; returns its id (a new uuid4 hex if None)."""
+        """Start a trajectory with status "running"; returns its id (a new uuid4 hex if None).
+        The task need not exist. Raises ValueError if `trajectory_id` is already taken."""
         ...
 
     def add_completion(self, trajectory_id: str, completion: Completion) -> int:
@@ -68,9 +76,15 @@ class DataPool(Protocol):
         status: TrajectoryStatus,
         reward: float | None = None,
         error: str | None = None,
+        turn_rewards: list[float] | None = None,
+        policy_rewards: dict[str, float] | None = None,
     ) -> None:
-        """Set the final status (finished | failed | aborted | aborted_infra), reward and error
-        text."""
+        """Set the final status (finished | failed | aborted | aborted_infra), reward, error
+        text, turn rewards and per-policy rewards (`Trajectory.policy_rewards`).
+
+        Raises KeyError for an unknown trajectory, ValueError for a non-final `status` or a
+        trajectory that already ended (a late report after a timeout abort is refused).
+        """
         ...
 
     def get_trajectory(self, trajectory_id: str) -> Trajectory:
@@ -82,7 +96,8 @@ class DataPool(Protocol):
         ...
 
     def mark_trained(self, task_indices: list[int], step: int) -> None:
-        """Record that these tasks' groups were consumed by optimizer step `step`."""
+        """Record that these tasks' groups were consumed by optimizer step `step`, all or
+        nothing. Raises KeyError for an unknown task, ValueError for one already trained."""
         ...
 
     def set_meta(self, key: str, value: Any) -> None:
@@ -94,5 +109,5 @@ class DataPool(Protocol):
         ...
 
     def close(self) -> None:
-        """Close connections; idempotent."""
+        """Close connections; idempotent. Later calls raise ValueError."""
         ...

@@ -69,9 +69,8 @@ class _Connection:
         except psycopg.OperationalError as e:
             if not (self.conn.closed or self.conn.broken):
                 raise
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise PoolLost(f"datapool.url: lost the connection to {redacted(self.url)}: "
-                           f"{reason}; re-run to resume once the server is back") from None
+            raise user_error(PoolLost, "lost the connection to", self.url, e,
+                             "; re-run to resume once the server is back") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -111,6 +110,12 @@ class PostgresPool(SQLPool):
     def _lock_trajectories(self, db: Any, ids: list[str]) -> None:
         ids = [i for i in ids if "\x00" not in i]  # never stored; `_turns` says unknown
         db.execute("SELECT 1 FROM trajectories WHERE id = ANY(?) ORDER BY id FOR UPDATE", (ids,))
+
+
+def user_error(kind: type[Exception], what: str, url: str, e: Exception, then: str = "") -> Any:
+    """`kind` with one line: "datapool.url: <what> <url, no password>: <e's text><then>"."""
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return kind(f"datapool.url: {what} {redacted(url)}: {reason}{then}")
 
 
 def _int64(args: Any) -> None:

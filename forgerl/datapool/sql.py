@@ -18,9 +18,7 @@ the four characters `\\x00`), and NaN in a float column (SQLite would store NULL
 
 Task lifecycle (`tasks.status`): "queued" (add_task) → "running" (first trajectory created) →
 "finished" (`finish_group`: all G rollouts ended, or finalised by a timeout) → "trained"
-(`mark_trained`). Extra methods beyond `DataPool`, for the scheduler and for resume (CASES.md C12):
-`finish_group`, `task_indices`, `finished_group_task_indices`, `missing_rollouts`,
-`reset_in_flight`, `commit_trained`, `untrain`, `discard`, `stats`.
+(`mark_trained`). The methods beyond `DataPool` are listed in its docstring (base.py).
 """
 
 from __future__ import annotations
@@ -116,6 +114,9 @@ _ADDED_COLUMNS = {
 """Columns, per table, newer than the first schema: a pool file written before them gets
 them added (with their defaults) when it is opened, so an older run resumes."""
 
+_TRAJECTORIES = ("SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
+                 " started_at, ended_at, policy_rewards FROM trajectories")
+"""A trajectory's row as `SQLPool._trajectory` reads it (add the WHERE)."""
 _INSERT_EVENT = "INSERT INTO events (trajectory_id, turn, kind, value) VALUES (?, ?, ?, ?)"
 _SET_META = ("INSERT INTO meta (key, value) VALUES (?, ?)"
              " ON CONFLICT (key) DO UPDATE SET value=excluded.value")
@@ -232,10 +233,7 @@ class SQLPool:
     # ---- DataPool -----------------------------------------------------------------------------
 
     def add_task(self, task_index: int, payload: dict[str, Any]) -> None:
-        """Append a task (status "queued"); idempotent for the same payload.
-
-        Raises ValueError if `task_index` exists with a different payload.
-        """
+        """`DataPool.add_task`."""
         text = json.dumps(payload, sort_keys=True)
         with self._tx() as db:
             self._serialize(db)
@@ -257,11 +255,8 @@ class SQLPool:
     def create_trajectory(
         self, task_index: int, rollout_index: int, trajectory_id: str | None = None
     ) -> str:
-        """Start a "running" trajectory; returns its id (a new uuid4 hex if None).
-
-        The task need not exist (ad-hoc and eval sessions use negative indices); a queued task
-        becomes "running". Raises ValueError if `trajectory_id` is already taken.
-        """
+        """`DataPool.create_trajectory`; a queued task becomes "running" (ad-hoc and eval
+        sessions use negative indices, with no task)."""
         trajectory_id = _text(trajectory_id or uuid.uuid4().hex, "trajectory id")
         with self._tx() as db:
             self._serialize(db)
@@ -371,12 +366,7 @@ class SQLPool:
         turn_rewards: list[float] | None = None,
         policy_rewards: dict[str, float] | None = None,
     ) -> None:
-        """Set the final status (finished | failed | aborted | aborted_infra), reward, error,
-        turn rewards and per-policy rewards (`Trajectory.policy_rewards`).
-
-        Raises KeyError for an unknown trajectory, ValueError for a non-final `status` or a
-        trajectory that already ended (a late report after a timeout abort is refused).
-        """
+        """`DataPool.finish_trajectory` (base.py: the contract and its errors)."""
         if status not in _ENDED:
             raise ValueError(f"final status must be one of {_ENDED}, got {status!r}")
         _real(reward, "reward")
@@ -396,9 +386,7 @@ class SQLPool:
         """The trajectory with all its completions in turn order. Raises KeyError."""
         with self._lock:
             rows = [] if "\x00" in trajectory_id else self._read(
-                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at, policy_rewards FROM trajectories WHERE id=?",
-                (trajectory_id,))
+                _TRAJECTORIES + " WHERE id=?", (trajectory_id,))
             if not rows:
                 raise KeyError(f"unknown trajectory {trajectory_id!r}")
             return self._trajectory(rows[0])
@@ -410,18 +398,12 @@ class SQLPool:
         rollout_index); the trainer trains only status "finished".
         """
         with self._lock:
-            rows = self._read(
-                "SELECT id, task_index, rollout_index, status, reward, turn_rewards, error,"
-                " started_at, ended_at, policy_rewards FROM trajectories WHERE task_index=?"
-                " ORDER BY rollout_index, seq", (task_index,))
+            rows = self._read(_TRAJECTORIES + " WHERE task_index=? ORDER BY rollout_index, seq",
+                              (task_index,))
             return Group(task_index, [self._trajectory(r) for r in rows])
 
     def mark_trained(self, task_indices: list[int], step: int) -> None:
-        """Record that these tasks' groups were consumed by optimizer step `step`.
-
-        All or nothing. Raises KeyError for an unknown task and ValueError for a task that was
-        already trained (exactly-once, CASES.md C12).
-        """
+        """`DataPool.mark_trained` (exactly-once, CASES.md C12)."""
         with self._tx() as db:
             self._mark_trained(db, task_indices, step)
 

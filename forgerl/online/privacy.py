@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from forgerl.datapool.sql import SQLPool
-from forgerl.types import Completion, TrajectoryStatus
+from forgerl.types import Completion
 
 Scrubber = Callable[[str], str]
 """Text in, text with personal data replaced out; must return its input unchanged when there
@@ -105,15 +105,13 @@ class PrivatePool:
             raise turns
         return turns[0] if turns else -1
 
-    def add_event(self, trajectory_id: str, kind: str, value: float = 1.0,
-                  turn: int | None = None) -> int:
-        """The pool's, except for an unconsented trajectory (nothing stored; returns -1)."""
+    def add_event(self, trajectory_id: str, *args: Any, **kwargs: Any) -> int:
+        """`DataPool.add_event`, except for an unconsented trajectory (nothing stored; -1)."""
         if trajectory_id in self.unconsented:
             return -1
-        return self.pool.add_event(trajectory_id, kind, value, turn)
+        return self.pool.add_event(trajectory_id, *args, **kwargs)
 
-    def finish_trajectory(self, trajectory_id: str, status: TrajectoryStatus,
-                          reward: float | None = None, error: str | None = None) -> None:
-        """The pool's, except for an unconsented trajectory (nothing stored)."""
+    def finish_trajectory(self, trajectory_id: str, *args: Any, **kwargs: Any) -> None:
+        """`DataPool.finish_trajectory`, except for an unconsented trajectory (nothing stored)."""
         if trajectory_id not in self.unconsented:
-            self.pool.finish_trajectory(trajectory_id, status, reward, error)
+            self.pool.finish_trajectory(trajectory_id, *args, **kwargs)
