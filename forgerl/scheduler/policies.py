@@ -115,10 +115,10 @@ class Fffo:
 def make_policy(name: str, window: int | None = None) -> Policy:
     """The policy of config `type` `name`: "fifo", "fffo" or "windowed_fifo" (W = `window`).
     Raises ValueError for another name."""
-    if name == "windowed_fifo":
-        return WindowedFifo(window)  # type: ignore[arg-type]  # None: WindowedFifo raises
+    if name == "windowed_fifo" and window is not None:
+        return WindowedFifo(window)
     if name not in ("fifo", "fffo"):
-        raise ValueError(f"unknown scheduler policy {name!r} (fifo | fffo | windowed_fifo)")
+        raise ValueError(f"unknown scheduler policy {name!r} (fifo | fffo | windowed_fifo W)")
     return Fifo() if name == "fifo" else Fffo()
 
 
@@ -201,7 +201,8 @@ class Scheduler:
         """
         k = rollout.tasks_per_step
         window = getattr(config.policy, "window", None)
-        policy = make_policy(config.policy.type, window and resolve_window(window, k))
+        policy = make_policy(config.policy.type,
+                             None if window is None else resolve_window(window, k))
         scheduler = cls(policy, k, config.max_off_policy_steps, config.max_in_flight,
                         group_size=rollout.group_size)
         if state is None:

@@ -52,6 +52,8 @@ def test_select_by_hand():
     assert make_policy("windowed_fifo", 3) == WindowedFifo(3)
     with pytest.raises(ValueError, match="unknown scheduler policy 'lifo'"):
         make_policy("lifo", 2)
+    with pytest.raises(ValueError, match="unknown scheduler policy 'windowed_fifo'"):
+        make_policy("windowed_fifo")  # no W
 
 
 def test_admission_bound_by_hand():
