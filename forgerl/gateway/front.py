@@ -79,6 +79,7 @@ class Front:
         self.dead: dict[int, str] = {}
         self.keys: dict[str, int] = {}
         self.trajectories: dict[str, int] = {}
+        self._key_of: dict[str, str] = {}  # open session id -> its API key
         self.open_sessions = [0] * len(addresses)
         self._next = 0
         self._server: asyncio.Server | None = None
@@ -128,15 +129,18 @@ class Front:
         return min(live, key=lambda i: (i - start) % n)
 
     def _learn(self, index: int, method: bytes, path: str, status: int, body: bytes) -> None:
-        """Remember a session opened (POST /v1/sessions) or forget one rewarded on `index`."""
+        """Remember a session opened (POST /v1/sessions) or forget one rewarded on `index` (its
+        key then gets any worker's 401 "unknown or closed API key", as from its own)."""
         if status != 200 or method != b"POST":
             return
         if path == "/v1/sessions":
             answer = json.loads(body)
             self.keys[answer["api_key"]] = self.trajectories[answer["session_id"]] = index
+            self._key_of[answer["session_id"]] = answer["api_key"]
             self.open_sessions[index] += 1
         elif (path.startswith("/v1/sessions/") and path.endswith("/reward")
-              and self.trajectories.pop(path.split("/")[3], None) is not None):
+              and self.trajectories.pop(sid := path.split("/")[3], None) is not None):
+            self.keys.pop(self._key_of.pop(sid), None)
             self.open_sessions[index] -= 1
 
     def _refusal(self, path: str, index: int | None, peer: str | None,

@@ -242,6 +242,17 @@ def test_front_c20_all_sessions_in_flight_at_once(serve, tokenizer):
             pool = srvs[front.trajectories[s["session_id"]]].pool
             (turn,) = pool.get_trajectory(s["session_id"]).completions
             assert turn.completion_ids == answer.ids
+        # a rewarded session is forgotten by the front: its key no longer routes, it no longer
+        # counts as open, and a later call with it gets the workers' own 401
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for s in opened:
+                r = c.post(f"/sessions/{s['session_id']}/reward", json={"reward": 1.0},
+                           headers=srvs[0].admin)
+                assert r.status_code == 200, r.text
+            late = c.post("/chat/completions", json={"model": "tiny", "messages": []},
+                          headers={"Authorization": f"Bearer {opened[0]['api_key']}"})
+        assert (front.open_sessions, front.keys, front.trajectories) == ([0, 0], {}, {})
+        assert late.status_code == 401 and late.json()["error"]["code"] == "invalid_api_key"
     finally:
         asyncio.run_coroutine_threadsafe(front.stop(), srvs[0].loop).result(10)
 
