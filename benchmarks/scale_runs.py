@@ -137,7 +137,8 @@ def plot(rows: list) -> None:
 def forge(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
     """1,000 engines and 100,000 sessions: a few layouts."""
     base = Layout(engines=1000, max_batch=128, engine_speed=ENGINE_SPEED, policy="windowed_fifo",
-                  k=625, max_off_policy_steps=19, window=625, trainer_speed=args.trainer_speed)
+                  k=625, max_off_policy_steps=19, window=625, trainer_speed=args.trainer_speed,
+                  rollout_timeout_s=args.rollout_timeout)
     layouts = {  # (L + 1) k = 12,500 groups = 100,000 sessions of G = 8 may run at once
         "1 of each": base,
         "16 gw, 8 sh, 4 ctl": replace(base, gateways=16, pool_shards=8, controllers=4),
@@ -151,7 +152,7 @@ def forge(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
     layouts = {n: lay for n, lay in layouts.items() if not args.only or n in args.only}
     print(f"{'layout':>19} {'steps':>5} {'s/step':>7} {'trainer':>8} {'lag mean':>8} "
           f"{'lag max':>7} {'calls/s':>8} {'gateway':>8} {'pool':>6} {'ctrl':>6} {'sched':>6} "
-          f"{'engines':>8} {'wall s':>7}")
+          f"{'engines':>8} {'timed out':>9} {'wall s':>7}")
     for name, layout in layouts.items():
         t0 = time.perf_counter()
         out = simulate(costs, FORGE, layout, steps=10**9, max_seconds=args.seconds)
@@ -160,16 +161,18 @@ def forge(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
               f"{out['calls_per_s']:>8.0f} "
               f"{out['gateway_busy_max']:>8.0%} {out['pool_busy_max']:>6.0%} "
               f"{out['controller_busy']:>6.0%} {out['scheduler_busy']:>6.0%} "
-              f"{out['engine_busy_mean']:>8.0%} {time.perf_counter() - t0:>7.1f}", flush=True)
+              f"{out['engine_busy_mean']:>8.0%} {out['timed_out']:>9.1%} "
+              f"{time.perf_counter() - t0:>7.1f}", flush=True)
 
 
 def configs(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
     """A tenth of Forge (100 engines, 10,000 sessions, 2 of each component): the scheduler
     settings against the trainer's busy fraction and lag; trainer sized to the rollouts."""
     base = Layout(engines=100, max_batch=128, engine_speed=ENGINE_SPEED, gateways=2,
-                  pool_shards=2, controllers=2, trainer_speed=args.trainer_speed / 10)
+                  pool_shards=2, controllers=2, trainer_speed=args.trainer_speed / 10,
+                  rollout_timeout_s=args.rollout_timeout)
     print(f"{'policy':>14} {'k':>4} {'L':>3} {'W':>5} {'steps':>5} {'s/step':>7} {'trainer':>8} "
-          f"{'lag mean':>8} {'lag max':>7} {'in flight':>9}")
+          f"{'lag mean':>8} {'lag max':>7} {'in flight':>9} {'timed out':>9}")
     for policy, k, lag, window in (("fifo", 62, 19, 1), ("windowed_fifo", 62, 19, 62),
                                    ("windowed_fifo", 62, 19, 500), ("fffo", 62, 19, 0),
                                    ("fffo", 62, 4, 0), ("fffo", 250, 4, 0)):
@@ -177,7 +180,8 @@ def configs(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
         out = simulate(costs, FORGE, layout, steps=10**9, max_seconds=args.seconds)
         print(f"{policy:>14} {k:>4} {lag:>3} {window or '∞':>5} {out['steps']:>5} "
               f"{out['step_s']:>7.1f} {out['trainer_busy_steady']:>8.0%} {out['lag_mean']:>8.2f} "
-              f"{out['lag_max']:>7} {(lag + 1) * k * FORGE.group_size:>9}", flush=True)
+              f"{out['lag_max']:>7} {(lag + 1) * k * FORGE.group_size:>9} "
+              f"{out['timed_out']:>9.1%}", flush=True)
 
 
 commands = {"validate": validate, "saturation": saturation, "forge": forge, "configs": configs}
@@ -191,6 +195,8 @@ def main() -> None:
     parser.add_argument("--trainer-speed", type=float, default=14000.0,
                         help="forge: trainer throughput / the measured one")
     parser.add_argument("--only", nargs="*", help="forge: these layouts (names as printed)")
+    parser.add_argument("--rollout-timeout", type=float, default=float("inf"),
+                        help="forge, configs: [rollout] timeout_s, simulated seconds")
     parser.add_argument("--pool", choices=["sqlite", "postgresql"], default="sqlite",
                         help="pool costs: measured SQLite, or PostgreSQL from benchmarks/pool.py")
     args = parser.parse_args()

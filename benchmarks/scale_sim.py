@@ -28,7 +28,9 @@ simulated time; every component is a queue with the measured service cost:
   tokens of a group: `group_tree_tokens`, else its prompt once, then every rollout's new prompt
   and completion tokens); then a weight sync of `weight_sync_s` that pauses every engine.
 - agents: a rollout is `calls` model calls with environment seconds before each and after the
-  last (lognormal around the medians; sigma 0 = fixed).
+  last (lognormal around the medians; sigma 0 = fixed). `rollout_timeout_s` (`[rollout]
+  timeout_s`): a rollout still running then ends as aborted, its group is finalised without
+  it and its tokens are not trained; a call of it already at the engine still decodes.
 
 Not modelled: network latency, the engine's prefix-cache misses beyond `new_prompt_tokens`,
 evaluation, checkpoints, failures, the gateway's and agents' share of a small machine's CPU.
@@ -114,6 +116,7 @@ class Layout:
     shared_cpu: bool = False
     engine_speed: float = 1.0       # engine throughput / the measured one
     trainer_speed: float = 1.0      # trainer throughput / the measured one
+    rollout_timeout_s: float = math.inf
 
 
 @dataclass
@@ -169,7 +172,7 @@ class Sim:
         self.step_times: list[float] = []
         self.train_costs: list[float] = []
         self.lags: list[int] = []
-        self.n_calls = self.n_rollouts = 0
+        self.n_calls = self.n_rollouts = self.n_timed_out = 0
         self.ids = 0
 
     # ---- plumbing ---------------------------------------------------------------------------
@@ -198,13 +201,22 @@ class Sim:
     def rollout_start(self, task: int, r: int) -> None:
         rid, self.ids = self.ids, self.ids + 1
         calls = max(1, round(self.draw(self.w.calls, self.w.calls_sigma)))
-        self.rollouts[rid] = {"task": task, "left": calls, "version": self.version}
+        self.rollouts[rid] = {"task": task, "left": calls, "version": self.version, "tokens": 0}
+        if self.l.rollout_timeout_s < math.inf:
+            self.at(self.now + self.l.rollout_timeout_s, "timeout", rid)
         done = self.controllers[rid % len(self.controllers)].serve(
             self.now, self.c.rollout_writes_s / 2 + self.c.controller_s_per_rollout / 2)
         self.at(done + self.draw(self.w.env_s, self.w.env_sigma), "call", rid)
 
+    def timeout(self, rid: int) -> None:
+        if (ro := self.rollouts.get(rid)) is not None:
+            self.n_timed_out += 1
+            self.group_tokens[ro["task"]] -= ro["tokens"]
+            self.rollout_end(rid)
+
     def rollout_end(self, rid: int) -> None:
-        ro = self.rollouts.pop(rid)
+        if (ro := self.rollouts.pop(rid, None)) is None:  # it timed out before
+            return
         self.n_rollouts += 1
         done = self.controllers[rid % len(self.controllers)].serve(
             self.now, self.c.rollout_writes_s / 2 + self.c.controller_s_per_rollout / 2)
@@ -218,12 +230,14 @@ class Sim:
     # ---- calls: gateway → engine → gateway → pool → agent -----------------------------------
 
     def call(self, rid: int) -> None:
-        ro = self.rollouts[rid]
+        if (ro := self.rollouts.get(rid)) is None:  # it timed out
+            return
         first = ro.get("calls", 0) == 0
         ro["calls"] = ro.get("calls", 0) + 1
         tokens = max(1, round(self.draw(self.w.completion_tokens, self.w.completion_sigma)))
         new = self.w.new_prompt_tokens  # the engine's prefix cache holds the rest
         self.group_tokens[ro["task"]] += tokens + (0 if first else new)
+        ro["tokens"] += tokens + (0 if first else new)
         cid, self.ids = self.ids, self.ids + 1
         self.calls[cid] = (rid, tokens, new)
         g = self.gateways[rid % len(self.gateways)]
@@ -297,7 +311,8 @@ class Sim:
         for cid in shard["batch"]:
             rid, _, _ = self.calls.pop(cid)
             self.n_calls += 1
-            ro = self.rollouts[rid]
+            if (ro := self.rollouts.get(rid)) is None:  # it timed out
+                continue
             ro["left"] -= 1
             wait = self.draw(self.w.env_s, self.w.env_sigma)
             self.at(self.now + wait, "call" if ro["left"] else "rollout_end", rid)
@@ -359,8 +374,8 @@ class Sim:
     def summary(self) -> dict[str, float]:
         """Steady-state step seconds (mean over the second half of the steps) and the trainer's
         busy fraction over them, the first step's end (seconds from the start, weight sync
-        included), busy fractions
-        of every component over the whole run, calls/s, rollouts/s and off-policy lag."""
+        included), busy fractions of every component over the whole run, calls/s, rollouts/s,
+        the fraction of ended rollouts that timed out, and off-policy lag."""
         t = self.now or 1.0
         n = len(self.step_times) // 2
         half = self.step_times[n:]
@@ -374,6 +389,7 @@ class Sim:
             "trainer_busy": self.train_busy / t, "trainer_busy_steady": steady_busy,
             "calls_per_s": self.n_calls / t,
             "rollouts_per_s": self.n_rollouts / t,
+            "timed_out": self.n_timed_out / max(self.n_rollouts, 1),
             "controller_busy": max(c.busy for c in self.controllers) / t,
             "scheduler_busy": self.scheduler_cpu.busy / t,
             "gateway_busy_max": max(g.busy for g in self.gateways) / t,

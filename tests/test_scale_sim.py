@@ -28,6 +28,20 @@ def test_synchronous_step_is_rollout_plus_train_plus_sync():
     assert out["trainer_busy_steady"] == pytest.approx(1.0 / 3.3)
 
 
+def test_timed_out_rollout_ends_its_group_and_is_not_trained():
+    # the synchronous step above with a 1.0 s rollout timeout: the rollout (2.1 s) ends at
+    # 1.0 s, its 10 completion tokens untrained: training 1.0 + 100 prompt tokens x 0.001 s,
+    # weight sync 0.2, so a step every 1.0 + 1.1 + 0.2 = 2.3 s (2.31 if its tokens counted)
+    work = Workload(group_size=1, calls=1, env_s=0.5, completion_tokens=10, new_prompt_tokens=0)
+    costs = replace(FREE, trainer_s_per_token=0.001)
+    out = simulate(costs, work, Layout(k=1, max_off_policy_steps=0, rollout_timeout_s=1.0),
+                   steps=6)
+    assert out["step_s"] == pytest.approx(2.3)
+    assert out["timed_out"] == 1.0
+    untimed = simulate(costs, work, Layout(k=1, max_off_policy_steps=0), steps=6)
+    assert untimed["step_s"] == pytest.approx(2.1 + 1.11 + 0.2) and untimed["timed_out"] == 0.0
+
+
 def test_decode_batch_shares_the_step():
     # 4 calls at once on one engine, step 0.1 + 0.05 x 4 = 0.3 s: 10 tokens take 3.0 s after one
     # prefill each (0.1 s, back to back): the group ends at 0.4 + 3.0 = 3.4 s; one step of 1.0 s
