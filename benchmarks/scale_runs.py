@@ -145,9 +145,11 @@ def forge(costs: Costs, raw: dict, args: argparse.Namespace) -> None:
         "same, W = k/4": replace(base, gateways=16, pool_shards=8, controllers=4, window=156),
         "16 gw, 8 sh, 16 ctl": replace(base, gateways=16, pool_shards=8, controllers=16),
         "same, W = 8k": replace(base, gateways=16, pool_shards=8, controllers=16, window=5000),
-        # the tenth-scale winner (`configs`: FFFO, k = 250, L = 4) at ten times the scale
+        # tenth-scale `configs` rows at ten times the scale
         "16/8/16 FFFO k=2500": replace(base, gateways=16, pool_shards=8, controllers=16,
                                       policy="fffo", k=2500, max_off_policy_steps=4),
+        "16/8/16 FIFO k=625": replace(base, gateways=16, pool_shards=8, controllers=16,
+                                     policy="fifo"),
     }
     layouts = {n: lay for n, lay in layouts.items() if not args.only or n in args.only}
     print(f"{'layout':>19} {'steps':>5} {'s/step':>7} {'trainer':>8} {'lag mean':>8} "
