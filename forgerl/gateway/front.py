@@ -129,8 +129,7 @@ class Front:
         return min(live, key=lambda i: (i - start) % n)
 
     def _learn(self, index: int, method: bytes, path: str, status: int, body: bytes) -> None:
-        """Remember a session opened (POST /v1/sessions) or forget one rewarded on `index` (its
-        key then gets any worker's 401 "unknown or closed API key", as from its own)."""
+        """Remember a session opened (POST /v1/sessions), or forget one rewarded and its key."""
         if status != 200 or method != b"POST":
             return
         if path == "/v1/sessions":
