@@ -236,8 +236,9 @@ class Sim:
         ro["calls"] = ro.get("calls", 0) + 1
         tokens = max(1, round(self.draw(self.w.completion_tokens, self.w.completion_sigma)))
         new = self.w.new_prompt_tokens  # the engine's prefix cache holds the rest
-        self.group_tokens[ro["task"]] += tokens + (0 if first else new)
-        ro["tokens"] += tokens + (0 if first else new)
+        added = tokens + (0 if first else new)
+        self.group_tokens[ro["task"]] += added
+        ro["tokens"] += added
         cid, self.ids = self.ids, self.ids + 1
         self.calls[cid] = (rid, tokens, new)
         g = self.gateways[rid % len(self.gateways)]
