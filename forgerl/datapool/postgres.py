@@ -112,7 +112,8 @@ class PostgresPool(SQLPool):
         db.execute("SELECT 1 FROM trajectories WHERE id = ANY(?) ORDER BY id FOR UPDATE", (ids,))
 
 
-def user_error(kind: type[Exception], what: str, url: str, e: Exception, then: str = "") -> Any:
+def user_error(kind: type[Exception], what: str, url: str, e: Exception,
+               then: str = "") -> Exception:
     """`kind` with one line: "datapool.url: <what> <url, no password>: <e's text><then>"."""
     reason = " ".join(str(e).split()) or type(e).__name__
     return kind(f"datapool.url: {what} {redacted(url)}: {reason}{then}")
